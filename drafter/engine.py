@@ -28,6 +28,7 @@ class DraftOutput:
     draft_probs: torch.Tensor | None  # [batch, k, vocab] float32 when asked
     batch_padded: int  # rows the draft loop ran (capture size or the agreed DP size)
     tokens_padded: int  # rows the first pass ran
+    draft_logits: torch.Tensor | None = None  # [batch, k, head_vocab] when asked (parity checks, debugging)
 
 
 def make_backend(name: str, device: torch.device):
@@ -98,6 +99,7 @@ class DraftEngine:
         num_rejected_tokens: torch.Tensor | None = None,  # [batch] int
         temperatures: torch.Tensor | None = None,  # [batch] float, 0 = greedy
         return_probs: bool = False,
+        return_logits: bool = False,
         batch_padded: int | None = None,  # agreed across DP ranks; None = next capture size
         tokens_padded: int | None = None,
     ) -> DraftOutput:
@@ -111,7 +113,7 @@ class DraftEngine:
             return self._extract(inp)
         if num_rejected_tokens is not None and not self.config.padded_drafter_batch:
             inp = drop_rejected_tokens(inp)
-        return self._propose_validated(inp, return_probs, batch_padded, tokens_padded)
+        return self._propose_validated(inp, return_probs, return_logits, batch_padded, tokens_padded)
 
     def _padded_sizes(self, inp: ProposeInputs, batch_padded, tokens_padded) -> tuple[int, int]:
         c = self.config
@@ -124,7 +126,8 @@ class DraftEngine:
                                f"{t} must lie in [num_tokens={inp.num_tokens}, {c.token_capture_sizes[-1]}]")
         return b, t
 
-    def _propose_validated(self, inp: ProposeInputs, return_probs: bool, batch_padded, tokens_padded):
+    def _propose_validated(self, inp: ProposeInputs, return_probs: bool, return_logits: bool, batch_padded,
+                           tokens_padded):
         b_pad, t_pad = self._padded_sizes(inp, batch_padded, tokens_padded)
         buf = self.buffers
         buf.load(inp, t_pad, b_pad)
@@ -133,12 +136,14 @@ class DraftEngine:
             drafts = self.proposer.tree_drafts(buf, b_pad, inp.batch_size, first)
         else:
             temps = buf.temperatures[:b_pad] if inp.temperatures is not None else None
-            drafts = self.proposer.chain(buf, b_pad, inp.batch_size, first, temps, self.generator, return_probs)
+            drafts = self.proposer.chain(buf, b_pad, inp.batch_size, first, temps, self.generator, return_probs,
+                                         return_logits)
         b = inp.batch_size
         probs = drafts.probs[:b] if drafts.probs is not None else None
         if probs is not None and self.spec.draft_vocab_size != self.spec.vocab_size:
             probs = self._probs_in_target_vocab(probs)
-        return DraftOutput(drafts.token_ids[:b].clone(), probs, b_pad, t_pad)
+        logits = drafts.logits[:b].clone() if drafts.logits is not None else None
+        return DraftOutput(drafts.token_ids[:b].clone(), probs, b_pad, t_pad, logits)
 
     def _probs_in_target_vocab(self, probs: torch.Tensor) -> torch.Tensor:  # [b, k, Vd] -> [b, k, V]
         target_ids = torch.arange(self.spec.draft_vocab_size, device=probs.device) + self.head.d2t

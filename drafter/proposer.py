@@ -29,6 +29,7 @@ from drafter.sampling import sample_drafts
 class Drafts:
     token_ids: torch.Tensor  # [batch_padded, k] (chain) or [batch_padded, num_tree_nodes] (tree), int64
     probs: torch.Tensor | None  # [batch_padded, k, vocab] float32, only when asked
+    logits: torch.Tensor | None = None  # [batch_padded, k, head_vocab], only when asked (debugging, parity)
 
 
 class Proposer:
@@ -53,7 +54,7 @@ class Proposer:
     def _sample(self, hidden, step, temps, generator, want_probs):
         logits = self.head.compute_logits(hidden, step)
         ids, probs = sample_drafts(logits, temps, generator, want_probs)
-        return self.head.draft_to_target(ids), probs
+        return self.head.draft_to_target(ids), probs, logits
 
     def _step_metadata(self, buf: StaticBuffers, batch: int, positions: torch.Tensor, live: torch.Tensor):
         """Metadata for one token per row at `positions` (already clamped); dead rows write nothing."""
@@ -67,11 +68,12 @@ class Proposer:
                 seq_lens=None, block_table=table, slot_mapping=slots, block_size=bs))
         return metas
 
-    def chain(self, buf: StaticBuffers, batch: int, num_real: int, first, temps, generator, want_probs) -> Drafts:
+    def chain(self, buf: StaticBuffers, batch: int, num_real: int, first, temps, generator, want_probs,
+              want_logits: bool = False) -> Drafts:
         logit_h, carry_h, pos = first
         real = torch.arange(batch, device=pos.device) < num_real
-        ids, probs = self._sample(logit_h, 0, temps, generator, want_probs)
-        drafts, all_probs = [ids], [probs]
+        ids, probs, logits = self._sample(logit_h, 0, temps, generator, want_probs)
+        drafts, all_probs, all_logits = [ids], [probs], [logits]
         for step in range(1, self.k):
             pos = pos + 1
             exceeds = pos >= self.max_model_len
@@ -81,11 +83,12 @@ class Proposer:
             for m in metas:
                 m.seq_lens = seq_lens
             logit_h, carry_h = self.head(ids, fed_pos, carry_h, self.kv_caches, metas, self.backend, step=step)
-            ids, probs = self._sample(logit_h, step, temps, generator, want_probs)
+            ids, probs, logits = self._sample(logit_h, step, temps, generator, want_probs)
             drafts.append(ids)
             all_probs.append(probs)
+            all_logits.append(logits)
         stacked = torch.stack(all_probs, dim=1) if want_probs else None
-        return Drafts(torch.stack(drafts, dim=1), stacked)
+        return Drafts(torch.stack(drafts, dim=1), stacked, torch.stack(all_logits, dim=1) if want_logits else None)
 
     def tree_drafts(self, buf: StaticBuffers, batch: int, num_real: int, first) -> Drafts:
         """Greedy tree: the children of a node are its top-m tokens, m = its child count in the tree."""
@@ -119,6 +122,7 @@ class Proposer:
         seen = [p for p in tree if len(p) <= level]  # nodes whose KV exists after this level
         mask = torch.tensor([[q == p[: len(q)] for q in seen] for p in level_paths], device=base.device)
         flat = torch.tensor([index[p] for p in level_paths], device=base.device)
+        depths = torch.tensor([len(p) for p in seen], device=base.device)
         logical = base[:, None] + 1 + flat[None, :]  # [batch, n_level]
         logical = torch.where(live[:, None], logical, 0)
         fed_pos = torch.where(live, base + level, 0)[:, None].expand(batch, n_level).reshape(-1)
@@ -132,7 +136,8 @@ class Proposer:
             slots = torch.where(live[:, None], block * bs + logical % bs, PADDING_SLOT_ID).reshape(-1)
             metas.append(AttentionMetadata(
                 query_start_loc=torch.arange(0, batch * n_level + 1, n_level, dtype=torch.int32, device=base.device),
-                seq_lens=seq_lens, block_table=table, slot_mapping=slots, block_size=bs, tree_mask=mask))
+                seq_lens=seq_lens, block_table=table, slot_mapping=slots, block_size=bs, tree_mask=mask,
+                tree_depths=depths))
         logit_h, carry_h = self.head(ids, fed_pos, hidden, self.kv_caches, metas, self.backend, step=level)
         logits = self.head.compute_logits(logit_h, level).view(batch, n_level, -1)
         carry_h = carry_h.view(batch, n_level, -1)

@@ -25,6 +25,7 @@ class AttentionMetadata:
     # Tree steps: the last `tree_mask.shape[1]` keys of every request are
     # draft-tree nodes; a query sees them only where the mask says so.
     tree_mask: torch.Tensor | None = None  # [query_len, num_tree_nodes] bool
+    tree_depths: torch.Tensor | None = None  # [num_tree_nodes] int, a node's position = context end + depth
 
     @property
     def num_reqs(self) -> int:

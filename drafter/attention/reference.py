@@ -29,19 +29,27 @@ def visible_keys(
     query_len: int,
     sliding_window: int | None,
     tree_mask: torch.Tensor | None,  # [query_len, num_tree_nodes] bool
+    tree_depths: torch.Tensor | None,  # [num_tree_nodes] int
     device: torch.device,
 ) -> torch.Tensor:  # [query_len, seq_len] bool
-    """Which logical key positions each query token of one request may read."""
-    key_idx = torch.arange(seq_len, device=device)
-    query_idx = torch.arange(seq_len - query_len, seq_len, device=device)
+    """Which logical key positions each query token of one request may read.
+
+    Without a tree, logical index = position.  Tree nodes sit after the context in the cache,
+    but their positions are context end + depth, and the sliding window counts positions."""
+    key_pos = torch.arange(seq_len, device=device)
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
     if tree_mask is None:
-        allowed = key_idx[None, :] <= query_idx[:, None]
+        allowed = key_pos[None, :] <= query_pos[:, None]
     else:
         num_nodes = tree_mask.shape[1]
-        allowed = (key_idx < seq_len - num_nodes)[None, :].expand(query_len, seq_len).clone()
-        allowed[:, seq_len - num_nodes:] = tree_mask
+        context = seq_len - num_nodes
+        allowed = (key_pos < context)[None, :].expand(query_len, seq_len).clone()
+        allowed[:, context:] = tree_mask
+        depths = tree_depths.to(device)
+        key_pos = torch.cat([key_pos[:context], context - 1 + depths])
+        query_pos = context - 1 + depths[num_nodes - query_len:]
     if sliding_window is not None:
-        allowed &= key_idx[None, :] > query_idx[:, None] - sliding_window
+        allowed &= key_pos[None, :] > query_pos[:, None] - sliding_window
     return allowed
 
 
@@ -75,7 +83,7 @@ class ReferenceBackend:
             keys = kv_cache[0].flatten(0, 1)[slots].repeat_interleave(group, dim=1)  # [seq_len, heads, dim]
             values = kv_cache[1].flatten(0, 1)[slots].repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), keys.float()) * scale
-            allowed = visible_keys(seq_len, query_len, sliding_window, meta.tree_mask, q.device)
+            allowed = visible_keys(seq_len, query_len, sliding_window, meta.tree_mask, meta.tree_depths, q.device)
             scores = scores.masked_fill(~allowed[None], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
             probs = torch.nan_to_num(probs)  # a query row with no visible key reads nothing
