@@ -43,8 +43,9 @@ K8S_VERSION = "1.32.0"
 
 pytestmark = pytest.mark.skipif(
     KUBECTL is None,
-    reason="kubectl not found on PATH (Debian: apt-get install kubectl); "
-    "it renders the k8s/ kustomizations",
+    reason="kubectl not found on PATH or in $KUBECTL: it renders the k8s/ kustomizations "
+    "(needs kubectl >= 1.27 / kustomize v5: the apt package `kubectl` of this machine image; "
+    "Debian's own kubernetes-client is 1.20, too old)",
 )
 
 DRAFTER = {"app.kubernetes.io/name": "drafter", "app.kubernetes.io/component": "drafter"}
