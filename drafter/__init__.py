@@ -1,0 +1,10 @@
+"""drafter: a disaggregated speculative-decoding drafter.
+
+Data flows  checkpoint dir -> models/ (draft heads) -> engine (paged KV groups,
+static buffers, proposer) -> servers (gRPC / ZMQ) -> coordinator (target side).
+"""
+
+from drafter.config import EngineConfig, KVGroupSpec
+from drafter.engine import DraftEngine, DraftOutput
+
+__all__ = ["DraftEngine", "DraftOutput", "EngineConfig", "KVGroupSpec"]

@@ -1,0 +1,134 @@
+"""The engine's one configuration object, validated once at the edge and passed down as plain values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+METHODS = ("eagle", "eagle3", "mtp", "extract_hidden_states")
+
+
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """One KV cache group: layers sharing a block size, block table and slot mapping."""
+
+    block_size: int
+    num_blocks: int
+
+    def __post_init__(self):
+        if self.block_size <= 0:
+            raise ValueError(f"kv_groups.block_size must be positive, got {self.block_size}")
+        if self.num_blocks <= 0:
+            raise ValueError(f"kv_groups.num_blocks must be positive, got {self.num_blocks}")
+
+
+def parse_token_tree(tree) -> tuple[tuple[int, ...], ...]:
+    """Validate a speculative token tree: a list of paths (tuples of child ranks).
+
+    Every path's parent must precede it, and within a level the children of a
+    parent must be ranks 0..n-1, so that top-k per parent can fill the level.
+    """
+    paths = tuple(tuple(int(i) for i in p) for p in tree)
+    seen: set[tuple[int, ...]] = {()}
+    for p in paths:
+        if not p or any(i < 0 for i in p):
+            raise ValueError(f"speculative_token_tree: bad path {p}")
+        if p[:-1] not in seen:
+            raise ValueError(f"speculative_token_tree: parent of {p} must come before it")
+        if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in seen:
+            raise ValueError(f"speculative_token_tree: sibling ranks of {p} must be contiguous from 0")
+        if p in seen:
+            raise ValueError(f"speculative_token_tree: duplicate path {p}")
+        seen.add(p)
+    depths = [len(p) for p in paths]
+    if depths != sorted(depths):
+        raise ValueError("speculative_token_tree: paths must be ordered by depth (breadth first)")
+    return paths
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    method: str
+    num_speculative_tokens: int = 3
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_groups: tuple[KVGroupSpec, ...] = (KVGroupSpec(16, 256),)
+    speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
+    # Batch sizes (draft loop) and token counts (first pass) that buffers are padded to;
+    # on a GPU each gets its own CUDA graph.  Empty = derive powers of two up to the max.
+    capture_sizes: tuple[int, ...] = ()
+    token_capture_sizes: tuple[int, ...] = ()
+    # True: rejected tokens stay in the batch and shapes stay fixed (vLLM's default).
+    # False: rejected tokens are dropped before the first pass (vLLM's prepare_inputs).
+    padded_drafter_batch: bool = True
+    device: str = "cpu"
+    dtype: str = "float32"
+    use_cuda_graphs: bool = True
+    attention_backend: str = "auto"  # auto | reference | triton
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.kv_groups:
+            raise ValueError("kv_groups must name at least one group")
+        object.__setattr__(self, "kv_groups", tuple(self.kv_groups))
+        if self.speculative_token_tree is not None:
+            tree = parse_token_tree(self.speculative_token_tree)
+            object.__setattr__(self, "speculative_token_tree", tree)
+            object.__setattr__(self, "num_speculative_tokens", max(len(p) for p in tree))
+        if self.method == "extract_hidden_states" and self.num_speculative_tokens != 1:
+            raise ValueError("extract_hidden_states proposes exactly one token: num_speculative_tokens must be 1")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "reference", "triton"):
+            raise ValueError(f"attention_backend must be auto, reference or triton, got {self.attention_backend!r}")
+        object.__setattr__(self, "capture_sizes", _sizes(self.capture_sizes, self.max_num_seqs, "capture_sizes"))
+        object.__setattr__(
+            self,
+            "token_capture_sizes",
+            _sizes(self.token_capture_sizes, self.max_num_batched_tokens, "token_capture_sizes"),
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def num_tree_nodes(self) -> int:
+        return len(self.speculative_token_tree) if self.speculative_token_tree else 0
+
+    @property
+    def max_blocks_per_req(self) -> tuple[int, ...]:
+        """Block-table width per group: enough blocks for max_model_len (+ tree nodes)."""
+        span = self.max_model_len + self.num_tree_nodes
+        return tuple(-(-span // g.block_size) for g in self.kv_groups)
+
+
+def _sizes(sizes, maximum: int, name: str) -> tuple[int, ...]:
+    if not sizes:
+        out, s = [], 1
+        while s < maximum:
+            out.append(s)
+            s *= 2
+        out.append(maximum)
+        return tuple(out)
+    out = tuple(sorted(set(int(s) for s in sizes)))
+    if out[0] <= 0:
+        raise ValueError(f"{name} must be positive")
+    if out[-1] < maximum:
+        out = out + (maximum,)  # the largest size always covers the limit
+    return out
+
+
+def pad_to_capture_size(n: int, sizes: tuple[int, ...]) -> int:
+    """Smallest capture size >= n (sizes are sorted and end at the configured maximum)."""
+    for s in sizes:
+        if s >= n:
+            return s
+    raise ValueError(f"{n} exceeds the largest capture size {sizes[-1]}")

@@ -1,0 +1,198 @@
+"""The in-process draft engine: load a head, own its paged KV pool, answer propose calls.
+
+    engine = DraftEngine.from_dirs("head/", target_dir="target/", config=EngineConfig(method="eagle3"))
+    out = engine.propose(target_token_ids=..., target_positions=..., ...)   # vLLM's proposer inputs
+    out.draft_token_ids                                                     # [batch, k]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafter.attention import ReferenceBackend
+from drafter.buffers import StaticBuffers
+from drafter.config import EngineConfig, pad_to_capture_size
+from drafter.inputs import InvalidInput, Limits, ProposeInputs, as_group_list, validate
+from drafter.kv_cache import HiddenStateStore, PagedKVCache
+from drafter.models.loader import load_head
+from drafter.models.spec import ModelSpec, parse_head, read_config
+from drafter.proposer import Proposer
+
+
+@dataclass
+class DraftOutput:
+    draft_token_ids: torch.Tensor  # [batch, k] int64, or [batch, num_tree_nodes] for a tree
+    draft_probs: torch.Tensor | None  # [batch, k, vocab] float32 when asked
+    batch_padded: int  # rows the draft loop ran (capture size or the agreed DP size)
+    tokens_padded: int  # rows the first pass ran
+    draft_logits: torch.Tensor | None = None  # [batch, k, head_vocab] when asked (parity checks, debugging)
+
+
+def make_backend(name: str, device: torch.device):
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        try:
+            from drafter.attention.triton_backend import TritonBackend
+        except ImportError:
+            if name == "triton":
+                raise
+        else:
+            return TritonBackend()
+    return ReferenceBackend()
+
+
+class DraftEngine:
+    def __init__(self, head, spec: ModelSpec, config: EngineConfig):
+        self.config = config
+        self.spec = spec
+        self.head = head
+        self.device = torch.device(config.device)
+        dtype = config.torch_dtype
+        self.backend = make_backend(config.attention_backend, self.device)
+        if spec.method == "extract_hidden_states":
+            self.store = HiddenStateStore(config.kv_groups[0], len(spec.aux_layer_ids), spec.target_width,
+                                          self.device, dtype)
+            self.kv = None
+        else:
+            self.kv = PagedKVCache(spec.layer_shapes, spec.kv_group_of_layer, config.kv_groups, self.device, dtype)
+            self.store = None
+        self.buffers = StaticBuffers(config.token_capture_sizes[-1], config.capture_sizes[-1],
+                                     spec.hidden_input_width, config.max_blocks_per_req,
+                                     tuple(g.block_size for g in config.kv_groups), self.device, dtype)
+        self.proposer = None if head is None else Proposer(
+            head, self.kv.layers, self.backend, config.num_speculative_tokens, config.max_model_len,
+            config.speculative_token_tree)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        span = config.num_tree_nodes or config.num_speculative_tokens - 1
+        self.limits = Limits(
+            max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=spec.vocab_size,
+            hidden_width=spec.hidden_input_width, num_blocks=tuple(g.num_blocks for g in config.kv_groups),
+            block_sizes=tuple(g.block_size for g in config.kv_groups), draft_span=span)
+
+    @classmethod
+    def from_dirs(cls, head_dir: str | Path, target_dir: str | Path | None = None,
+                  config: EngineConfig | None = None, **overrides) -> "DraftEngine":
+        if config is None:
+            config = EngineConfig(**overrides)
+        if config.method == "extract_hidden_states":
+            return cls(None, parse_head(read_config(head_dir), config.method), config)
+        head = load_head(head_dir, config.method, target_dir, device=config.device, dtype=config.torch_dtype)
+        return cls(head, head.spec, config)
+
+    # ------------------------------------------------------------------ propose
+    @torch.inference_mode()
+    def propose(
+        self,
+        *,
+        target_token_ids: torch.Tensor,  # [num_tokens] int
+        target_positions: torch.Tensor,  # [num_tokens] int
+        target_hidden_states: torch.Tensor,  # [num_tokens, hidden (x num aux layers)]
+        next_token_ids: torch.Tensor,  # [batch] int
+        query_start_loc: torch.Tensor,  # [batch + 1] int
+        seq_lens: torch.Tensor,  # [batch] int
+        block_tables,  # [batch, max_blocks] int, or a list of them (one per KV group)
+        slot_mappings,  # [num_tokens] int, or a list of them (one per KV group)
+        token_indices_to_sample: torch.Tensor | None = None,  # [batch] int
+        num_rejected_tokens: torch.Tensor | None = None,  # [batch] int
+        temperatures: torch.Tensor | None = None,  # [batch] float, 0 = greedy
+        return_probs: bool = False,
+        return_logits: bool = False,
+        batch_padded: int | None = None,  # agreed across DP ranks; None = next capture size
+        tokens_padded: int | None = None,
+    ) -> DraftOutput:
+        groups = len(self.config.kv_groups)
+        inp = ProposeInputs(
+            target_token_ids, target_positions, target_hidden_states, next_token_ids, query_start_loc, seq_lens,
+            as_group_list("block_tables", block_tables, groups), as_group_list("slot_mappings", slot_mappings, groups),
+            token_indices_to_sample, num_rejected_tokens, temperatures)
+        validate(inp, self.limits)
+        if self.config.method == "extract_hidden_states":
+            return self._extract(inp)
+        if num_rejected_tokens is not None and not self.config.padded_drafter_batch:
+            inp = drop_rejected_tokens(inp)
+        return self._propose_validated(inp, return_probs, return_logits, batch_padded, tokens_padded)
+
+    def _padded_sizes(self, inp: ProposeInputs, batch_padded, tokens_padded) -> tuple[int, int]:
+        c = self.config
+        b = pad_to_capture_size(inp.batch_size, c.capture_sizes) if batch_padded is None else batch_padded
+        t = pad_to_capture_size(inp.num_tokens, c.token_capture_sizes) if tokens_padded is None else tokens_padded
+        if not inp.batch_size <= b <= c.capture_sizes[-1]:
+            raise InvalidInput("batch_padded", f"{b} must lie in [batch={inp.batch_size}, {c.capture_sizes[-1]}]")
+        if not inp.num_tokens <= t <= c.token_capture_sizes[-1]:
+            raise InvalidInput("tokens_padded",
+                               f"{t} must lie in [num_tokens={inp.num_tokens}, {c.token_capture_sizes[-1]}]")
+        return b, t
+
+    def _propose_validated(self, inp: ProposeInputs, return_probs: bool, return_logits: bool, batch_padded,
+                           tokens_padded):
+        b_pad, t_pad = self._padded_sizes(inp, batch_padded, tokens_padded)
+        buf = self.buffers
+        buf.load(inp, t_pad, b_pad)
+        first = self.proposer.first_pass(buf, t_pad, b_pad)
+        if self.config.speculative_token_tree:
+            drafts = self.proposer.tree_drafts(buf, b_pad, inp.batch_size, first)
+        else:
+            temps = buf.temperatures[:b_pad] if inp.temperatures is not None else None
+            drafts = self.proposer.chain(buf, b_pad, inp.batch_size, first, temps, self.generator, return_probs,
+                                         return_logits)
+        b = inp.batch_size
+        probs = drafts.probs[:b] if drafts.probs is not None else None
+        if probs is not None and self.spec.draft_vocab_size != self.spec.vocab_size:
+            probs = self._probs_in_target_vocab(probs)
+        logits = drafts.logits[:b].clone() if drafts.logits is not None else None
+        return DraftOutput(drafts.token_ids[:b].clone(), probs, b_pad, t_pad, logits)
+
+    def _probs_in_target_vocab(self, probs: torch.Tensor) -> torch.Tensor:  # [b, k, Vd] -> [b, k, V]
+        target_ids = torch.arange(self.spec.draft_vocab_size, device=probs.device) + self.head.d2t
+        full = torch.zeros(*probs.shape[:2], self.spec.vocab_size, dtype=probs.dtype, device=probs.device)
+        full[..., target_ids] = probs
+        return full
+
+    def _extract(self, inp: ProposeInputs) -> DraftOutput:
+        """extract_hidden_states: store every token's aux states; the 'draft' is the sampled token."""
+        self.store.write(inp.target_hidden_states.to(self.device), inp.slot_mappings[0].to(self.device).long())
+        ids = inp.next_token_ids.to(self.device, torch.long)[:, None]
+        return DraftOutput(ids.clone(), None, inp.batch_size, inp.num_tokens)
+
+    def export_hidden_states(self, block_table_row: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """A request's stored aux hidden states, [num_tokens, num_aux, hidden] (extract_hidden_states)."""
+        if self.store is None:
+            raise InvalidInput("method", "export_hidden_states needs method extract_hidden_states")
+        if not 0 < num_tokens <= self.config.max_model_len:
+            raise InvalidInput("num_tokens", f"{num_tokens} not in (0, max_model_len]")
+        bs = self.store.block_size
+        needed = -(-num_tokens // bs)
+        if block_table_row.dim() != 1 or block_table_row.shape[0] < needed:
+            raise InvalidInput("block_table", f"needs at least {needed} entries")
+        row = block_table_row[:needed]
+        if int(row.min()) < 0 or int(row.max()) >= self.config.kv_groups[0].num_blocks:
+            raise InvalidInput("block_table", "block id outside the pool")
+        return self.store.read(row, num_tokens).clone()
+
+    def kv_snapshot(self) -> list[torch.Tensor]:
+        return self.store.snapshot() if self.kv is None else self.kv.snapshot()
+
+
+def drop_rejected_tokens(inp: ProposeInputs) -> ProposeInputs:
+    """vLLM's unpadded path: remove each request's rejected tail before the first pass."""
+    starts = inp.query_start_loc.tolist()
+    rejected = inp.num_rejected_tokens.tolist()
+    keep = torch.cat([torch.arange(starts[r], starts[r + 1] - rejected[r]) for r in range(inp.batch_size)])
+    keep = keep.to(inp.target_token_ids.device)
+    new_lens = torch.tensor([starts[r + 1] - starts[r] - rejected[r] for r in range(inp.batch_size)])
+    qsl = torch.zeros(inp.batch_size + 1, dtype=inp.query_start_loc.dtype)
+    qsl[1:] = torch.cumsum(new_lens, 0)
+    return ProposeInputs(
+        target_token_ids=inp.target_token_ids[keep],
+        target_positions=inp.target_positions[keep],
+        target_hidden_states=inp.target_hidden_states[keep],
+        next_token_ids=inp.next_token_ids,
+        query_start_loc=qsl.to(inp.query_start_loc.device),
+        seq_lens=inp.seq_lens - inp.num_rejected_tokens.to(inp.seq_lens.device, inp.seq_lens.dtype),
+        block_tables=inp.block_tables,
+        slot_mappings=[s[keep] for s in inp.slot_mappings],
+        temperatures=inp.temperatures,
+    )

@@ -1,0 +1,1 @@
+"""Draft heads (and the tiny Llama target) in plain PyTorch."""

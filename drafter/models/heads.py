@@ -1,0 +1,173 @@
+"""Draft heads: EAGLE-1, EAGLE-3 and (multi-layer) MTP.
+
+Every head answers the same three questions the proposer asks:
+  combine_hidden_states: target hidden states -> the head's hidden input (first pass only)
+  forward(step):         (token ids, positions, hidden) -> (hidden for logits, hidden carried to the next step)
+  compute_logits(step):  hidden -> logits over the head's vocabulary; draft_to_target maps ids back
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from drafter.attention.metadata import AttentionMetadata
+from drafter.models.layers import Attention, DecoderLayer, LayerShape, MLP, RMSNorm
+from drafter.models.spec import ModelSpec
+
+
+class DraftHead(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.kv_group_of_layer = spec.kv_group_of_layer
+
+    def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def layers_for_step(self, step: int) -> range:
+        """Indices of the decoder layers (and KV caches) a draft step runs."""
+        return range(len(self.spec.layer_shapes))
+
+    def _run_layers(self, x, positions, kv_caches, metas, backend, layer_ids):
+        for i in layer_ids:
+            x = self.layers[i](x, positions, kv_caches[i], metas[self.kv_group_of_layer[i]], backend)
+        return x
+
+
+class EagleHead(DraftHead):
+    """EAGLE-1: fc over [embed; target hidden], Llama layers (the first without input norm),
+    and the target's lm_head applied to the un-normed output."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        h = spec.hidden_size
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.fc = nn.Linear(2 * h, h, bias=spec.fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(s, input_norm=i > 0) for i, s in enumerate(spec.layer_shapes))
+        self.lm_head = nn.Linear(h, spec.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        kv_caches: list[torch.Tensor],
+        metas: list[AttentionMetadata],
+        backend,
+        step: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.fc(torch.cat((self.embed_tokens(input_ids), hidden), dim=-1))
+        x = self._run_layers(x, positions, kv_caches, metas, backend, self.layers_for_step(step))
+        return x, x
+
+    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's first layer: attention reads [input_norm(embed); hidden_norm(hidden)] (2H wide)."""
+
+    def __init__(self, shape: LayerShape, norm_before_residual: bool):
+        super().__init__()
+        h = shape.hidden_size
+        self.norm_before_residual = norm_before_residual
+        self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, shape.rms_norm_eps)
+        self.self_attn = Attention(shape, input_size=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
+        self.mlp = MLP(h, shape.intermediate_size)
+
+    def forward(self, embeds, hidden, positions, kv_cache, meta, backend):
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        attn_in = torch.cat((self.input_layernorm(embeds), normed_hidden), dim=-1)
+        x = residual + self.self_attn(attn_in, positions, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Head(DraftHead):
+    """EAGLE-3: fc fuses the target's aux hidden states (n*H -> H); own norm and lm_head over a
+    draft vocabulary whose ids map to target ids as target = draft + d2t[draft]."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        h = spec.hidden_size
+        shapes = spec.layer_shapes
+        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
+        self.fc = nn.Linear(spec.hidden_input_width, h, bias=False)
+        self.layers = nn.ModuleList(
+            [Eagle3Layer(shapes[0], spec.norm_before_residual)] + [DecoderLayer(s) for s in shapes[1:]])
+        self.norm = RMSNorm(h, shapes[0].rms_norm_eps)
+        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+
+    def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, num_aux * H] -> [n, H]
+        return self.fc(hidden)
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.d2t[ids]
+
+    def forward(self, input_ids, positions, hidden, kv_caches, metas, backend, step: int = 0):
+        first, *rest = self.layers
+        x = first(self.embed_tokens(input_ids), hidden, positions, kv_caches[0], metas[self.kv_group_of_layer[0]],
+                  backend)
+        for i, layer in enumerate(rest, start=1):
+            x = layer(x, positions, kv_caches[i], metas[self.kv_group_of_layer[i]], backend)
+        return self.norm(x), x  # logits read the normed state; the next step consumes the pre-norm one
+
+    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden_size, eps)
+        self.head = nn.Linear(hidden_size, vocab_size, bias=False)
+
+
+class MTPLayer(DecoderLayer):
+    """One DeepSeek-V3 style MTP module: enorm/hnorm/eh_proj in front of a decoder layer,
+    with its own shared_head (norm + lm_head).  Attention is Llama GQA, not MLA."""
+
+    def __init__(self, shape: LayerShape, vocab_size: int):
+        super().__init__(shape)
+        h = shape.hidden_size
+        self.embed_tokens = nn.Embedding(vocab_size, h)
+        self.enorm = RMSNorm(h, shape.rms_norm_eps)
+        self.hnorm = RMSNorm(h, shape.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(h, vocab_size, shape.rms_norm_eps)
+
+
+class MTPHead(DraftHead):
+    """Draft step i runs MTP layer i (mod the number of layers), as DeepSeek-V3 and Step3.5 do;
+    each layer keeps its own KV cache, written only by the steps that run it."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        self.layers = nn.ModuleList(MTPLayer(s, spec.vocab_size) for s in spec.layer_shapes)
+
+    def layers_for_step(self, step: int) -> range:
+        i = step % len(self.layers)
+        return range(i, i + 1)
+
+    def forward(self, input_ids, positions, hidden, kv_caches, metas, backend, step: int = 0):
+        i = step % len(self.layers)
+        layer = self.layers[i]
+        embeds = layer.embed_tokens(input_ids)
+        embeds = torch.where((positions == 0)[:, None], torch.zeros_like(embeds), embeds)  # MTP ignores position 0
+        x = layer.eh_proj(torch.cat((layer.enorm(embeds), layer.hnorm(hidden)), dim=-1))
+        x = layer(x, positions, kv_caches[i], metas[self.kv_group_of_layer[i]], backend)
+        return x, x
+
+    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
+        shared = self.layers[step % len(self.layers)].shared_head
+        return shared.head(shared.norm(hidden))
+
+
+HEADS = {"eagle": EagleHead, "eagle3": Eagle3Head, "mtp": MTPHead}

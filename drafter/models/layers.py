@@ -1,0 +1,122 @@
+"""Llama building blocks shared by every draft head and the reference target.
+
+Weight names follow the Hugging Face Llama layout (q_proj/k_proj/v_proj/o_proj,
+gate_proj/up_proj/down_proj) so checkpoints load without renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from drafter.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    sliding_window: int | None = None  # None = full attention
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens]
+    theta: float,
+) -> torch.Tensor:
+    """Neox-style rotary embedding (rotate halves), as Llama checkpoints expect."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [num_tokens, head_dim/2]
+    cos = angles.cos()[:, None, :]
+    sin = angles.sin()[:, None, :]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention whose KV lives in a paged cache owned by the engine."""
+
+    def __init__(self, shape: LayerShape, input_size: int | None = None):
+        super().__init__()
+        in_size = input_size or shape.hidden_size
+        self.shape = shape
+        self.q_proj = nn.Linear(in_size, shape.num_heads * shape.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_size, shape.num_kv_heads * shape.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_size, shape.num_kv_heads * shape.head_dim, bias=False)
+        self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, input_size]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        s = self.shape
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        q = apply_rope(q, positions, s.rope_theta)
+        k = apply_rope(k, positions, s.rope_theta)
+        out = backend.forward(q, k, v, kv_cache, meta, sliding_window=s.sliding_window)
+        return self.o_proj(out.reshape(n, s.num_heads * s.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama layer.  `input_norm=False` is EAGLE-1's first layer, whose
+    input is already the fc projection and carries no input_layernorm."""
+
+    def __init__(self, shape: LayerShape, input_norm: bool = True):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps) if input_norm else None
+        self.self_attn = Attention(shape)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], the residual stream after the layer
+        h = self.input_layernorm(x) if self.input_layernorm is not None else x
+        x = x + self.self_attn(h, positions, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,210 @@
+"""Write tiny random checkpoints in the layouts real ones use (no hub exists here).
+
+    write_tiny(method, out_dir)  ->  out_dir/target (HF Llama) and out_dir/head (the draft head)
+
+Weights are scaled so that logits have clear winners: exact-parity tests compare argmaxes,
+which should not hinge on float rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+@dataclass(frozen=True)
+class TinySizes:
+    hidden_size: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32  # vLLM's CPU attention needs head_dim in {32, 64, ...}; q width may differ from hidden
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    aux_layer_ids: tuple[int, ...] = (1, 2, 3)
+    draft_vocab_size: int = 192  # EAGLE-3 heads use a reduced vocabulary with d2t
+    sliding_window: int = 24
+    head_layer_types: tuple[str, ...] = ("full_attention",)
+    num_mtp_layers: int = 1
+
+
+def _llama_config(s: TinySizes, num_layers: int, layer_types=None) -> dict:
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": s.num_heads,
+        "num_key_value_heads": s.num_kv_heads,
+        "head_dim": s.head_dim,
+        "vocab_size": s.vocab_size,
+        "rms_norm_eps": s.rms_norm_eps,
+        "rope_theta": s.rope_theta,
+        "max_position_embeddings": s.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    if layer_types and any(t == "sliding_attention" for t in layer_types):
+        cfg["layer_types"] = list(layer_types)
+        cfg["sliding_window"] = s.sliding_window
+    return cfg
+
+
+class _Init:
+    def __init__(self, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+
+    def linear(self, out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=self.g) * (gain / in_f ** 0.5)
+
+    def norm(self, n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=self.g)
+
+    def embedding(self, v: int, h: int) -> torch.Tensor:
+        return torch.randn(v, h, generator=self.g)
+
+
+def _layer(init: _Init, s: TinySizes, prefix: str, attn_in: int, input_norm: bool = True) -> dict:
+    hd = s.head_dim
+    w = {
+        f"{prefix}self_attn.q_proj.weight": init.linear(s.num_heads * hd, attn_in, 2.0),
+        f"{prefix}self_attn.k_proj.weight": init.linear(s.num_kv_heads * hd, attn_in, 2.0),
+        f"{prefix}self_attn.v_proj.weight": init.linear(s.num_kv_heads * hd, attn_in),
+        f"{prefix}self_attn.o_proj.weight": init.linear(s.hidden_size, s.num_heads * hd),
+        f"{prefix}mlp.gate_proj.weight": init.linear(s.intermediate_size, s.hidden_size),
+        f"{prefix}mlp.up_proj.weight": init.linear(s.intermediate_size, s.hidden_size),
+        f"{prefix}mlp.down_proj.weight": init.linear(s.hidden_size, s.intermediate_size),
+        f"{prefix}post_attention_layernorm.weight": init.norm(s.hidden_size),
+    }
+    if input_norm:
+        w[f"{prefix}input_layernorm.weight"] = init.norm(s.hidden_size)
+    return w
+
+
+def _save(out: Path, config: dict, weights: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if weights:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
+
+
+def write_target(out: Path, s: TinySizes, seed: int) -> None:
+    init = _Init(seed)
+    w = {"model.embed_tokens.weight": init.embedding(s.vocab_size, s.hidden_size)}
+    for i in range(s.num_layers):
+        w.update(_layer(init, s, f"model.layers.{i}.", s.hidden_size))
+    w["model.norm.weight"] = init.norm(s.hidden_size)
+    w["lm_head.weight"] = init.linear(s.vocab_size, s.hidden_size, 4.0)
+    _save(out, _llama_config(s, s.num_layers), w)
+
+
+def write_eagle(out: Path, s: TinySizes, seed: int) -> None:
+    """SafeAILab / vLLM EAGLE-1: fc over [embed; hidden], layer 0 without input_layernorm."""
+    init = _Init(seed)
+    n = len(s.head_layer_types)
+    w = {"fc.weight": init.linear(s.hidden_size, 2 * s.hidden_size)}
+    for i in range(n):
+        w.update(_layer(init, s, f"layers.{i}.", s.hidden_size, input_norm=i > 0))
+    _save(out, _llama_config(s, n, s.head_layer_types), w)
+
+
+def write_eagle3(out: Path, s: TinySizes, seed: int) -> None:
+    """vLLM speculators EAGLE-3: fc over the aux states, 2H-wide attention, own norm + lm_head, d2t."""
+    init = _Init(seed)
+    h, dv = s.hidden_size, s.draft_vocab_size
+    w = {"fc.weight": init.linear(h, len(s.aux_layer_ids) * h)}
+    w.update(_layer(init, s, "layers.0.", 2 * h))
+    w["layers.0.hidden_norm.weight"] = init.norm(h)
+    for i in range(1, len(s.head_layer_types)):
+        w.update(_layer(init, s, f"layers.{i}.", h))
+    w["norm.weight"] = init.norm(h)
+    w["lm_head.weight"] = init.linear(dv, h, 4.0)
+    # the draft vocabulary: a sorted random subset of the target's, stored as offsets
+    chosen = torch.randperm(s.vocab_size, generator=init.g)[:dv].sort().values
+    w["d2t"] = chosen - torch.arange(dv)
+    t2d = torch.zeros(s.vocab_size, dtype=torch.bool)
+    t2d[chosen] = True
+    w["t2d"] = t2d
+    layer_cfg = _llama_config(s, len(s.head_layer_types), s.head_layer_types)
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": dv,
+        "norm_before_residual": True,
+        "target_hidden_size": h,
+        "eagle_aux_hidden_state_layer_ids": list(s.aux_layer_ids),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": None, "architectures": ["LlamaForCausalLM"]},
+        },
+        "torch_dtype": "float32",
+    }
+    _save(out, config, w)
+
+
+def write_mtp(out: Path, s: TinySizes, seed: int) -> None:
+    """DeepSeek-V3 naming: MTP layer i is model.layers.{num_hidden_layers + i}, each with its own
+    shared_head (as Step3.5); the embedding is shared from the target."""
+    init = _Init(seed)
+    h = s.hidden_size
+    w = {}
+    for i in range(s.num_mtp_layers):
+        p = f"model.layers.{s.num_layers + i}."
+        w.update(_layer(init, s, p, h))
+        w[p + "enorm.weight"] = init.norm(h)
+        w[p + "hnorm.weight"] = init.norm(h)
+        w[p + "eh_proj.weight"] = init.linear(h, 2 * h)
+        w[p + "shared_head.norm.weight"] = init.norm(h)
+        w[p + "shared_head.head.weight"] = init.linear(s.vocab_size, h, 4.0)
+    config = _llama_config(s, s.num_layers)
+    config["architectures"] = ["DeepseekV3ForCausalLM"]
+    config["num_nextn_predict_layers"] = s.num_mtp_layers
+    types = s.head_layer_types if len(s.head_layer_types) == s.num_mtp_layers else ("full_attention",) * s.num_mtp_layers
+    if any(t == "sliding_attention" for t in types):
+        config["mtp_layer_types"] = list(types)
+        config["sliding_window"] = s.sliding_window
+    _save(out, config, w)
+
+
+def write_extract(out: Path, s: TinySizes, seed: int) -> None:
+    config = _llama_config(s, s.num_layers)
+    config["eagle_aux_hidden_state_layer_ids"] = list(s.aux_layer_ids)
+    _save(out, config, {})
+
+
+WRITERS = {"eagle": write_eagle, "eagle3": write_eagle3, "mtp": write_mtp, "extract_hidden_states": write_extract}
+VARIANTS = {
+    # method name on the CLI -> (engine method, sizes)
+    "eagle": ("eagle", TinySizes()),
+    "eagle3": ("eagle3", TinySizes()),
+    "mtp": ("mtp", TinySizes()),
+    "mtp-multi": ("mtp", TinySizes(num_mtp_layers=2, head_layer_types=("full_attention", "sliding_attention"))),
+    "extract_hidden_states": ("extract_hidden_states", TinySizes()),
+}
+
+
+def write_tiny(variant: str, out_dir: str | Path, seed: int = 0, sizes: TinySizes | None = None) -> str:
+    """Write out_dir/target and out_dir/head; return the engine method the head needs."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown tiny variant {variant!r}; choose from {sorted(VARIANTS)}")
+    method, default_sizes = VARIANTS[variant]
+    s = sizes or default_sizes
+    out = Path(out_dir)
+    write_target(out / "target", s, seed)
+    WRITERS[method](out / "head", s, seed + 1)
+    return method

@@ -1,0 +1,145 @@
+"""The speculative drafting algorithm over padded static buffers.
+
+Notation for one request: the target verified tokens up to position p (p = the position of the
+last accepted token) and sampled the bonus token x_{p+1}.  The head predicts token t+1 from
+(token t, target hidden state at t-1), so the first pass feeds each query row the *next*
+token beside its hidden state and samples at p:
+
+    d_1     = sample(head(x_{p+1}, h_p))                       first pass, over all query rows
+    d_{i+1} = sample(head(d_i, g_i)) at position p + i        chain step i = 1 .. k-1
+
+where g_i is the head's own hidden output for the previous step.  A step whose position
+reaches max_model_len writes nothing (slot -1), is fed position 0 and sees one key (seq_len 1):
+its draft is garbage the target ignores, and the shapes stay fixed.  A tree replaces the
+chain by top-k children per node; each node attends to the context plus its ancestors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafter.attention.metadata import PADDING_SLOT_ID, AttentionMetadata
+from drafter.buffers import StaticBuffers
+from drafter.sampling import sample_drafts
+
+
+@dataclass
+class Drafts:
+    token_ids: torch.Tensor  # [batch_padded, k] (chain) or [batch_padded, num_tree_nodes] (tree), int64
+    probs: torch.Tensor | None  # [batch_padded, k, vocab] float32, only when asked
+    logits: torch.Tensor | None = None  # [batch_padded, k, head_vocab], only when asked (debugging, parity)
+
+
+class Proposer:
+    def __init__(self, head, kv_caches: list[torch.Tensor], backend, num_speculative_tokens: int,
+                 max_model_len: int, token_tree: tuple[tuple[int, ...], ...] | None):
+        self.head = head
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.tree = token_tree
+
+    def first_pass(self, buf: StaticBuffers, num_tokens: int, batch: int):
+        """Run the head over every query row; return the sampled rows' outputs."""
+        hidden = self.head.combine_hidden_states(buf.hidden[:num_tokens])
+        logit_h, carry_h = self.head(buf.input_ids[:num_tokens], buf.positions[:num_tokens], hidden,
+                                     self.kv_caches, buf.first_pass_metadata(num_tokens, batch), self.backend,
+                                     step=0)
+        rows = buf.sample_indices[:batch]
+        return logit_h[rows], carry_h[rows], buf.positions[rows]  # [batch, H], [batch, H], [batch]
+
+    def _sample(self, hidden, step, temps, generator, want_probs):
+        logits = self.head.compute_logits(hidden, step)
+        ids, probs = sample_drafts(logits, temps, generator, want_probs)
+        return self.head.draft_to_target(ids), probs, logits
+
+    def _step_metadata(self, buf: StaticBuffers, batch: int, positions: torch.Tensor, live: torch.Tensor):
+        """Metadata for one token per row at `positions` (already clamped); dead rows write nothing."""
+        metas = []
+        for g, bs in enumerate(buf.block_sizes):
+            table = buf.block_tables[g][:batch]
+            block = table.gather(1, (positions // bs)[:, None]).squeeze(1).long()
+            slots = torch.where(live, block * bs + positions % bs, PADDING_SLOT_ID)
+            metas.append(AttentionMetadata(
+                query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=positions.device),
+                seq_lens=None, block_table=table, slot_mapping=slots, block_size=bs))
+        return metas
+
+    def chain(self, buf: StaticBuffers, batch: int, num_real: int, first, temps, generator, want_probs,
+              want_logits: bool = False) -> Drafts:
+        logit_h, carry_h, pos = first
+        real = torch.arange(batch, device=pos.device) < num_real
+        ids, probs, logits = self._sample(logit_h, 0, temps, generator, want_probs)
+        drafts, all_probs, all_logits = [ids], [probs], [logits]
+        for step in range(1, self.k):
+            pos = pos + 1
+            exceeds = pos >= self.max_model_len
+            fed_pos = torch.where(exceeds, 0, pos)
+            seq_lens = torch.where(exceeds, 1, pos + 1).masked_fill(~real, 0).to(torch.int32)
+            metas = self._step_metadata(buf, batch, fed_pos, real & ~exceeds)
+            for m in metas:
+                m.seq_lens = seq_lens
+            logit_h, carry_h = self.head(ids, fed_pos, carry_h, self.kv_caches, metas, self.backend, step=step)
+            ids, probs, logits = self._sample(logit_h, step, temps, generator, want_probs)
+            drafts.append(ids)
+            all_probs.append(probs)
+            all_logits.append(logits)
+        stacked = torch.stack(all_probs, dim=1) if want_probs else None
+        return Drafts(torch.stack(drafts, dim=1), stacked, torch.stack(all_logits, dim=1) if want_logits else None)
+
+    def tree_drafts(self, buf: StaticBuffers, batch: int, num_real: int, first) -> Drafts:
+        """Greedy tree: the children of a node are its top-m tokens, m = its child count in the tree."""
+        logit_h, carry_h, base = first
+        tree = self.tree
+        device = base.device
+        depth = max(len(p) for p in tree)
+        index = {p: i for i, p in enumerate(tree)}
+        tokens = torch.zeros(batch, len(tree), dtype=torch.long, device=device)
+        # a row whose tree would pass max_model_len is dead: it reads and writes nothing
+        live = (torch.arange(batch, device=device) < num_real) & (base + 1 + len(tree) <= self.max_model_len)
+        parents_logits = {(): self.head.compute_logits(logit_h, 0)}
+        parents_hidden = {(): carry_h}
+        for level in range(1, depth + 1):
+            level_paths = [p for p in tree if len(p) == level]
+            for p in level_paths:
+                top = parents_logits[p[:-1]].topk(p[-1] + 1, dim=-1).indices[:, p[-1]]
+                tokens[:, index[p]] = self.head.draft_to_target(top)
+            if level == depth:
+                break
+            parents_logits, parents_hidden = self._tree_level(buf, batch, live, base, level, level_paths, tokens,
+                                                              parents_hidden, index)
+        return Drafts(tokens, None)
+
+    def _tree_level(self, buf, batch, live, base, level, level_paths, tokens, parents_hidden, index):
+        """Forward the nodes of one level at once: node i of the flattened tree sits at logical
+        index base + 1 + i (its KV slot), is fed rope position base + level, and sees the context
+        plus its ancestors."""
+        tree = self.tree
+        n_level = len(level_paths)
+        seen = [p for p in tree if len(p) <= level]  # nodes whose KV exists after this level
+        mask = torch.tensor([[q == p[: len(q)] for q in seen] for p in level_paths], device=base.device)
+        flat = torch.tensor([index[p] for p in level_paths], device=base.device)
+        depths = torch.tensor([len(p) for p in seen], device=base.device)
+        logical = base[:, None] + 1 + flat[None, :]  # [batch, n_level]
+        logical = torch.where(live[:, None], logical, 0)
+        fed_pos = torch.where(live, base + level, 0)[:, None].expand(batch, n_level).reshape(-1)
+        ids = tokens[:, flat].reshape(-1)
+        hidden = torch.stack([parents_hidden[p[:-1]] for p in level_paths], dim=1).reshape(batch * n_level, -1)
+        seq_lens = torch.where(live, base + 1 + len(seen), 0).to(torch.int32)
+        metas = []
+        for g, bs in enumerate(buf.block_sizes):
+            table = buf.block_tables[g][:batch]
+            block = table.gather(1, logical // bs).long()
+            slots = torch.where(live[:, None], block * bs + logical % bs, PADDING_SLOT_ID).reshape(-1)
+            metas.append(AttentionMetadata(
+                query_start_loc=torch.arange(0, batch * n_level + 1, n_level, dtype=torch.int32, device=base.device),
+                seq_lens=seq_lens, block_table=table, slot_mapping=slots, block_size=bs, tree_mask=mask,
+                tree_depths=depths))
+        logit_h, carry_h = self.head(ids, fed_pos, hidden, self.kv_caches, metas, self.backend, step=level)
+        logits = self.head.compute_logits(logit_h, level).view(batch, n_level, -1)
+        carry_h = carry_h.view(batch, n_level, -1)
+        return ({p: logits[:, j] for j, p in enumerate(level_paths)},
+                {p: carry_h[:, j] for j, p in enumerate(level_paths)})
