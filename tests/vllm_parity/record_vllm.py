@@ -9,6 +9,7 @@ safetensors file per call, described by `manifest.json`.  See README.md for the 
 Usage:
   python record_vllm.py --target DIR --head DIR --method eagle|eagle3 --k 3 \
       --max-model-len 128 --out DIR [--disable-padded-drafter-batch]
+  python record_vllm.py --runs RUNS.json   # a JSON list of such argument lists, one process
 """
 from __future__ import annotations
 
@@ -78,8 +79,25 @@ def make_prompts(num: int, vocab: int, max_model_len: int, seed: int):
     return prompts, max_tokens
 
 
+class _Active:
+    """Forwards to the recorder of the run in progress: vLLM is patched once per process, and
+    several runs (engines) may follow each other in one process."""
+
+    current = None
+
+    def __getattr__(self, name):
+        return getattr(_Active.current, name)
+
+    def __setattr__(self, name, value):
+        setattr(_Active.current, name, value)
+
+
+_REC = _Active()
+_PATCHED = [False]
+
+
 class Recorder:
-    """Wraps vLLM internals; one instance per process."""
+    """Captures one run; the vLLM patches (installed once) write into the active Recorder."""
 
     def __init__(self, out_dir: str, debug: bool):
         self.out_dir = out_dir
@@ -101,11 +119,15 @@ class Recorder:
         return None if t is None else t.detach().clone().cpu().contiguous()
 
     def install(self):
+        _Active.current = self
+        if _PATCHED[0]:
+            return
+        _PATCHED[0] = True
         import torch
         from vllm.v1.spec_decode import llm_base_proposer as lbp
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        rec = self
+        rec = _REC
 
         orig_pdt = GPUModelRunner.propose_draft_token_ids
 
@@ -221,7 +243,7 @@ class Recorder:
         if getattr(proposer, "_rec_hooked", False):
             return
         proposer._rec_hooked = True
-        rec = self
+        rec = _REC
         model = proposer.model
 
         def fwd_hook(module, args, kwargs, output):
@@ -371,8 +393,7 @@ def synthetic_clamp_calls(rec: Recorder, k: int, max_model_len: int, block_size:
     return ncalls
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def record_one(args) -> dict:
     if os.path.exists(args.out) and os.listdir(args.out):
         sys.exit(f"--out {args.out} exists and is not empty")
     os.makedirs(args.out, exist_ok=True)
@@ -439,7 +460,41 @@ def main(argv=None):
     }
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
-    print(json.dumps({"out": args.out, "num_calls": len(rec.calls), "timing_s": manifest["timing_s"]}))
+    _stop_engine(llm)
+    del llm
+    _cleanup()
+    _Active.current = None
+    summary = {"out": args.out, "num_calls": len(rec.calls), "timing_s": manifest["timing_s"]}
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+def _stop_engine(llm) -> None:
+    """Tear the in-process engine down so that the next run can start another one."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def _cleanup() -> None:
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--runs"]:
+        # several runs in one process: vLLM's import (10-20 s here) is paid once
+        with open(argv[1]) as f:
+            runs = json.load(f)
+        for run_argv in runs:
+            record_one(parse_args(run_argv))
+        return
+    record_one(parse_args(argv))
 
 
 if __name__ == "__main__":
