@@ -174,6 +174,20 @@ class Recorder:
 
         lbp.eagle_step_update_slot_mapping_and_metadata = step_update
 
+        orig_build = lbp.SpecDecodeBaseProposer.build_per_group_and_layer_attn_metadata
+
+        def build_md(proposer, common_attn_metadata, draft_index=0):
+            # what attention really sees at chain step `draft_index` (after every in-place update;
+            # on CPU-unpadded this differs from the step kernel's output, see the notes)
+            cur = rec._cur
+            if cur is not None and draft_index >= 1:
+                cad = common_attn_metadata
+                cur["attn_seq_lens"].append(rec._c(cad.seq_lens))
+                cur["attn_slot_mapping"].append(rec._c(cad.slot_mapping))
+            return orig_build(proposer, common_attn_metadata, draft_index)
+
+        lbp.SpecDecodeBaseProposer.build_per_group_and_layer_attn_metadata = build_md
+
         orig_propose = lbp.SpecDecodeBaseProposer.propose
 
         def propose(proposer, *a, **kw):
@@ -189,6 +203,7 @@ class Recorder:
             cur = {
                 "steps_in": [], "step_block_tables": [], "step_positions": [],
                 "step_slot_mapping": [], "step_seq_lens": [], "forwards": [], "logits": [],
+                "attn_seq_lens": [], "attn_slot_mapping": [],
             }
             t = {
                 "target_token_ids": rec._c(args["target_token_ids"]),
@@ -227,7 +242,8 @@ class Recorder:
                     t[f"fwd{j}.out_last_hidden"], t[f"fwd{j}.out_hidden"] = out
                 for j, lg in enumerate(cur["logits"]):
                     t[f"logits{j}"] = lg
-                for key in ("step_positions", "step_slot_mapping", "step_seq_lens"):
+                for key in ("step_positions", "step_slot_mapping", "step_seq_lens",
+                            "attn_seq_lens", "attn_slot_mapping"):
                     if cur[key]:
                         t[key] = torch.stack(cur[key])
                 if cur["step_block_tables"]:
