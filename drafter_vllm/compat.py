@@ -1,0 +1,23 @@
+"""Which vLLM versions the plugin knows.
+
+The plugin replaces a vLLM-internal class (the EAGLE proposer), whose methods and call shape
+change between minor versions; it therefore refuses every version it was not checked against.
+"""
+
+from __future__ import annotations
+
+# minor versions whose proposer interface was read and tested (tests/vllm_parity/test_plugin.py)
+SUPPORTED_VLLM = ("0.32",)
+
+
+class UnsupportedVLLM(RuntimeError):
+    pass
+
+
+def check_vllm_version(version: str) -> None:
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    if minor not in SUPPORTED_VLLM:
+        raise UnsupportedVLLM(
+            f"drafter's vLLM plugin supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)}, "
+            f"not {version}: install a supported vLLM (pip install 'drafter[vllm]') or unset "
+            f"DRAFTER_ENDPOINTS / DRAFTER_TRANSPORT to draft in-process")

@@ -1,0 +1,91 @@
+"""Where the plugin sends drafting: the environment, or vLLM's `additional_config`.
+
+Environment (the names the k8s target-wiring overlay sets):
+    DRAFTER_ENDPOINTS    comma-separated drafter addresses, host:port (ZMQ also tcp://host:port)
+    DRAFTER_TRANSPORT    zmq (default) | grpc | inprocess (the engine inside vLLM's process: tests, debugging)
+    DRAFTER_DEADLINE_MS  one step's budget for the drafter (default 50); past it the step has no drafts
+vLLM's speculative_config rejects unknown keys, so a per-engine setting goes into
+`additional_config={"drafter": {"endpoints": ..., "transport": ..., "deadline_ms": ...}}`
+(`--additional-config` on the CLI), which wins over the environment key by key.
+Remote drafting is on when an endpoint is given, or the transport is inprocess.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+TRANSPORTS = ("zmq", "grpc", "inprocess")
+DEFAULT_DEADLINE_MS = 50.0
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    endpoints: tuple[str, ...] = ()
+    transport: str = "zmq"
+    deadline_ms: float = DEFAULT_DEADLINE_MS
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"DRAFTER_TRANSPORT must be one of {TRANSPORTS}, got {self.transport!r}")
+        if not self.deadline_ms > 0:
+            raise ValueError(f"DRAFTER_DEADLINE_MS must be positive, got {self.deadline_ms}")
+        if self.transport != "inprocess":
+            object.__setattr__(self, "endpoints", tuple(_address(e, self.transport) for e in self.endpoints))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoints) or self.transport == "inprocess"
+
+    @property
+    def deadline_s(self) -> float:
+        return self.deadline_ms / 1000.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "PluginSettings":
+        return cls.from_sources(os.environ if environ is None else environ, None)
+
+    @classmethod
+    def from_sources(cls, environ: Mapping[str, str], additional_config) -> "PluginSettings":
+        values = {
+            "endpoints": environ.get("DRAFTER_ENDPOINTS", ""),
+            "transport": environ.get("DRAFTER_TRANSPORT", "") or "zmq",
+            "deadline_ms": environ.get("DRAFTER_DEADLINE_MS", "") or DEFAULT_DEADLINE_MS,
+        }
+        extra = additional_config.get("drafter") if isinstance(additional_config, dict) else None
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise ValueError(f"additional_config['drafter'] must be a dict, got {type(extra).__name__}")
+            unknown = set(extra) - set(values)
+            if unknown:
+                raise ValueError(f"additional_config['drafter']: unknown keys {sorted(unknown)}; "
+                                 f"known: {sorted(values)}")
+            values.update({k: v for k, v in extra.items() if v is not None})
+        endpoints = values["endpoints"]
+        if isinstance(endpoints, str):
+            endpoints = [e for e in endpoints.replace(" ", "").split(",") if e]
+        try:
+            deadline = float(values["deadline_ms"])
+        except (TypeError, ValueError):
+            raise ValueError(f"DRAFTER_DEADLINE_MS must be a number, got {values['deadline_ms']!r}") from None
+        return cls(tuple(str(e) for e in endpoints), str(values["transport"]).lower(), deadline)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config, environ: Mapping[str, str] | None = None) -> "PluginSettings":
+        return cls.from_sources(os.environ if environ is None else environ,
+                                getattr(vllm_config, "additional_config", None))
+
+
+def _address(endpoint: str, transport: str) -> str:
+    """host:port for gRPC, tcp://host:port for ZMQ (either spelling accepted)."""
+    ep = endpoint.strip()
+    if transport == "zmq" and ep.startswith("ipc://"):
+        return ep
+    bare = ep.split("://", 1)[1] if "://" in ep else ep
+    host, sep, port = bare.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"drafter endpoint {endpoint!r}: expected host:port")
+    if transport == "zmq":
+        return f"tcp://{bare}"
+    return bare
