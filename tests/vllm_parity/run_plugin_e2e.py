@@ -83,6 +83,7 @@ class Recorder:
         self.calls: list[dict] = []
         self.runner = None
         self.on_call = on_call
+        self.pending_rejected = None
 
     @classmethod
     def install(cls) -> None:
@@ -106,13 +107,34 @@ class Recorder:
             if rec is not None:
                 n = drafts.shape[0]
                 rec.calls.append({"step": rec.steps, "req_ids": [str(r) for r in runner.input_batch.req_ids[:n]],
-                                  "drafts": drafts.detach().cpu().tolist()})
+                                  "drafts": drafts.detach().cpu().tolist(), "rejected": rec.pending_rejected})
+                rec.pending_rejected = None
                 if rec.on_call is not None:
                     rec.on_call(len(rec.calls))
             return drafts
 
         GPUModelRunner.execute_model = execute_model
         GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+
+        # rejected counts per row (what the previous step's verification threw away), to show that
+        # acceptance is partial; both vLLM's proposer and the plugin's receive them
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+        from drafter_vllm.proposer import RemoteEagleProposer
+
+        for klass in (SpecDecodeBaseProposer, RemoteEagleProposer):
+            klass.propose = cls._note_rejected(klass.propose)
+
+    @classmethod
+    def _note_rejected(cls, propose):
+        def wrapped(proposer, *a, **kw):
+            rec = cls.current
+            rejected = kw.get("num_rejected_tokens_gpu")
+            if rec is not None:
+                rec.pending_rejected = None if rejected is None else rejected.detach().cpu().tolist()
+            return propose(proposer, *a, **kw)
+
+        return wrapped
 
 
 class DrafterProcess:
