@@ -207,7 +207,8 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
     llm_kw = dict(model=run["target"], skip_tokenizer_init=True, dtype="float32", max_model_len=mml,
                   block_size=run.get("block_size", 32), enforce_eager=True, enable_prefix_caching=False,
                   max_num_seqs=run.get("max_num_seqs", 8), max_num_batched_tokens=run["max_num_batched_tokens"],
-                  num_gpu_blocks_override=run["num_blocks"], seed=0)
+                  num_gpu_blocks_override=run["num_blocks"], seed=0,
+                  tensor_parallel_size=run.get("tensor_parallel_size", 1), disable_log_stats=False)
     if mode != "nospec":
         llm_kw["speculative_config"] = {"method": run["method"], "model": run["head"], "num_speculative_tokens": k}
 
@@ -256,10 +257,13 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
         t_engine = time.time()
         prompts, max_tokens = make_prompts(run.get("num_prompts", 6), vocab, mml, k, run.get("seed", 0))
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False) for m in max_tokens]
+        before = spec_counters(llm)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         t_gen = time.time()
-        runner = rec.runner
-        facts = engine_facts(runner, mode)
+        after = spec_counters(llm)  # counters live in one registry per process: take the difference
+        ranks = llm.collective_rpc(worker_facts)
+        facts = {**ranks[0], "ranks": ranks,
+                 "spec_decode": {k: v - before.get(k, 0) for k, v in after.items()}}
         result = {
             "name": run["name"], "mode": mode, "method": run["method"],
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
@@ -282,18 +286,32 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
     return result
 
 
-def engine_facts(runner, mode: str) -> dict:
+def worker_facts(worker) -> dict:
+    """Runs in every vLLM worker (collective_rpc): what that rank's runner holds."""
+    runner = worker.model_runner
     kvc = runner.kv_cache_config
-    layers = sorted(n for g in kvc.kv_cache_groups for n in g.layer_names)
     drafter = getattr(runner, "drafter", None)
-    facts = {"kv_layers": layers, "num_kv_blocks": int(kvc.num_blocks),
-             "drafter_class": type(drafter).__name__ if drafter is not None else None,
-             "draft_model_loaded": runner.get_draft_model() is not None if drafter is not None else False,
-             "num_target_layers": int(runner.model_config.hf_config.num_hidden_layers)}
-    stats = getattr(drafter, "stats", None)
-    if stats is not None:
-        facts["plugin_stats"] = dict(stats)
-    return facts
+    from vllm.distributed import get_tp_group
+
+    return {"tp_rank": get_tp_group().rank_in_group,
+            "kv_layers": sorted(n for g in kvc.kv_cache_groups for n in g.layer_names),
+            "num_kv_blocks": int(kvc.num_blocks),
+            "drafter_class": type(drafter).__name__ if drafter is not None else None,
+            "draft_model_loaded": drafter is not None and runner.get_draft_model() is not None,
+            "num_target_layers": int(runner.model_config.hf_config.num_hidden_layers),
+            "plugin_stats": dict(drafter.stats) if hasattr(drafter, "stats") else None,
+            "has_drafter_source": getattr(drafter, "source", None) is not None}
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's own speculative-decoding counters (summed over its label sets)."""
+    out: dict = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                      "vllm:spec_decode_num_accepted_tokens"):
+            key = m.name.split(":spec_decode_")[1]
+            out[key] = out.get(key, 0) + int(m.value)
+    return out
 
 
 def _stop_engine(llm) -> None:

@@ -44,6 +44,7 @@ PLUGIN_RUNS = {
     "killed": ("fail-inprocess", {"kill_after": KILL_AFTER}),
 }
 SAME_DRAFTS = ("inprocess", "inprocess-env")  # runs whose drafts must equal vLLM's, step for step
+TP2_RUN = "inprocess"  # the plugin run repeated with tensor_parallel_size=2 (EAGLE-1 only)
 
 
 def _vllm_python() -> str:
@@ -71,6 +72,11 @@ def e2e(tmp_path_factory):
         runs.append({"name": f"{method}/vllm", "mode": "vllm", **common})
         for name, (mode, extra) in PLUGIN_RUNS.items():
             runs.append({"name": f"{method}/{name}", "mode": mode, **common, **extra})
+        if method == "eagle":
+            # two TP ranks in two vLLM worker processes: rank 0 asks the drafter, rank 1 only
+            # receives the broadcast (~50 s of engine start on 2 cores, so one run only)
+            mode, extra = PLUGIN_RUNS[TP2_RUN]
+            runs.append({"name": f"{method}/tp2", "mode": mode, **common, **extra, "tensor_parallel_size": 2})
     plan, out, log = root / "plan.json", root / "out.json", root / "vllm.log"
     plan.write_text(json.dumps({"drafter_python": sys.executable, "runs": runs}, indent=1))
     t0 = time.time()
@@ -159,3 +165,17 @@ def test_drafter_gone_mid_generation_output_unchanged(e2e, method):
     # the drafts vLLM verified up to the failure are still the drafter's own
     ours, theirs = _calls(run)[:KILL_AFTER], _calls(e2e[f"{method}/vllm"])[:KILL_AFTER]
     assert ours == theirs
+
+
+def test_tensor_parallel_rank0_asks_and_every_rank_gets_the_drafts(e2e):
+    run = e2e["eagle/tp2"]
+    ranks = {r["tp_rank"]: r for r in run["ranks"]}
+    assert sorted(ranks) == [0, 1]
+    calls = ranks[0]["plugin_stats"]["calls"]
+    assert calls > 10 and ranks[0]["plugin_stats"]["drafted"] == calls
+    # rank 1 never talks to the drafter (it has no client at all) ...
+    assert ranks[1]["plugin_stats"]["calls"] == 0 and not ranks[1]["has_drafter_source"]
+    # ... yet verifies the same drafts: with other draft tokens on rank 1 the two ranks would
+    # compute different tokens and their all-reduced logits would be garbage
+    assert run["spec_decode"]["num_accepted_tokens"] > 0
+    assert run["outputs"] == e2e["eagle/nospec"]["outputs"]
