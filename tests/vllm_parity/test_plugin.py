@@ -44,6 +44,7 @@ PLUGIN_RUNS = {
     "killed": ("fail-inprocess", {"kill_after": KILL_AFTER}),
 }
 SAME_DRAFTS = ("inprocess", "inprocess-env")  # runs whose drafts must equal vLLM's, step for step
+UNREACHABLE_RUN = "inprocess"  # run with a head directory holding config.json only and no drafter
 TP2_RUN = "inprocess"  # the plugin run repeated with tensor_parallel_size=2 (EAGLE-1 only)
 
 
@@ -72,6 +73,14 @@ def e2e(tmp_path_factory):
         runs.append({"name": f"{method}/vllm", "mode": "vllm", **common})
         for name, (mode, extra) in PLUGIN_RUNS.items():
             runs.append({"name": f"{method}/{name}", "mode": mode, **common, **extra})
+        if method == "eagle3":
+            # the target host needs only the head's config.json (vLLM reads it for the aux layer ids);
+            # with no drafter to answer, every step fails closed
+            cfg_only = root / "eagle3-config-only"
+            cfg_only.mkdir()
+            (cfg_only / "config.json").write_bytes((ckpt / "head" / "config.json").read_bytes())
+            mode, extra = PLUGIN_RUNS[UNREACHABLE_RUN]
+            runs.append({"name": f"{method}/unreachable", "mode": mode, **common, **extra, "head": str(cfg_only)})
         if method == "eagle":
             # two TP ranks in two vLLM worker processes: rank 0 asks the drafter, rank 1 only
             # receives the broadcast (~50 s of engine start on 2 cores, so one run only)
@@ -179,3 +188,11 @@ def test_tensor_parallel_rank0_asks_and_every_rank_gets_the_drafts(e2e):
     # compute different tokens and their all-reduced logits would be garbage
     assert run["spec_decode"]["num_accepted_tokens"] > 0
     assert run["outputs"] == e2e["eagle/nospec"]["outputs"]
+
+
+def test_head_config_only_and_no_drafter_from_the_start(e2e):
+    run = e2e["eagle3/unreachable"]
+    stats = run["plugin_stats"]
+    assert stats["drafted"] == 0 and stats["fallback"] == stats["calls"] > 10, stats
+    assert not run["draft_model_loaded"]
+    assert run["outputs"] == e2e["eagle3/nospec"]["outputs"]
