@@ -28,7 +28,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from drafter_vllm.fallback import fallback_drafts, usable_drafts
 from drafter_vllm.settings import PluginSettings
-from drafter_vllm.sources import TargetFacts, make_source
+from drafter_vllm.sources import TargetFacts, check_transport, make_source
 
 log = logging.getLogger("vllm.drafter_vllm")  # under "vllm": shows in vLLM's log
 
@@ -37,6 +37,7 @@ class RemoteEagleProposer(EagleProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner=runner)
         self.settings = PluginSettings.from_vllm_config(vllm_config)
+        check_transport(self.settings)
         if self.uses_mrope:
             raise ValueError("drafter plugin: M-RoPE draft models are not supported by the drafter service")
         self.vocab_size = vllm_config.model_config.get_vocab_size()

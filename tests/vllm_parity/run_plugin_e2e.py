@@ -11,7 +11,7 @@ the other (vLLM is imported once).  Modes:
     kill-zmq / kill-grpc
                 as zmq / grpc, and the drafter is SIGKILLed right after the plugin's
                 `kill_after`-th propose call returned (counted in vLLM's runner, no timing involved);
-                with "restart": true a fresh drafter is started on the same ports right after it died
+                with `restart_after` a fresh drafter is started on the same ports after that many calls
     fail-inprocess
                 as inprocess, and the in-process engine raises on every call after `kill_after`
 
@@ -213,7 +213,7 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
         llm_kw["speculative_config"] = {"method": run["method"], "model": run["head"], "num_speculative_tokens": k}
 
     servers: list[DrafterProcess] = []
-    killed = {"after_call": None}
+    killed = {"after_call": None, "restarted_after_call": None}
     rec_holder: dict = {}
     transport = mode.split("-")[-1] if mode in PLUGIN_MODES else None
     if transport in ("zmq", "grpc"):
@@ -231,6 +231,12 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
             llm_kw["additional_config"] = {"drafter": drafter_cfg}
 
     def on_call(n: int) -> None:
+        if run.get("restart_after") and n == run["restart_after"]:
+            # a fresh drafter on the same ports: the plugin must find it and attach again
+            ports = {p: servers[0].ready[p] for p in ("grpc_port", "zmq_port", "health_port", "metrics_port")}
+            servers.append(DrafterProcess(plan["drafter_python"], run, out_dir / f"{run['name']}.drafter2.log",
+                                          ports=ports))
+            killed["restarted_after_call"] = n
         if mode.startswith(("kill-", "fail-")) and n == run["kill_after"]:
             killed["after_call"] = n
             if mode == "fail-inprocess":
@@ -242,11 +248,6 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
                 source.engine.propose = broken
             else:
                 servers[-1].kill()
-                if run.get("restart"):
-                    servers.append(DrafterProcess(plan["drafter_python"], run,
-                                                  out_dir / f"{run['name']}.drafter2.log",
-                                                  ports={n: servers[0].ready[n] for n in
-                                                         ("grpc_port", "zmq_port", "health_port", "metrics_port")}))
 
     rec = Recorder(on_call)
     rec_holder["rec"] = rec
@@ -269,6 +270,7 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "request_ids": [o.request_id for o in outs],
             "steps": rec.steps, "calls": rec.calls, "killed_after_call": killed["after_call"],
+            "restarted_after_call": killed["restarted_after_call"],
             **facts,
             "timing_s": {"engine_start": round(t_engine - t0, 2), "generate": round(t_gen - t_engine, 2)},
         }
@@ -300,7 +302,8 @@ def worker_facts(worker) -> dict:
             "draft_model_loaded": drafter is not None and runner.get_draft_model() is not None,
             "num_target_layers": int(runner.model_config.hf_config.num_hidden_layers),
             "plugin_stats": dict(drafter.stats) if hasattr(drafter, "stats") else None,
-            "has_drafter_source": getattr(drafter, "source", None) is not None}
+            "has_drafter_source": getattr(drafter, "source", None) is not None,
+            "attaches": getattr(getattr(drafter, "source", None), "attaches", None)}
 
 
 def spec_counters(llm) -> dict:
