@@ -14,6 +14,8 @@ the other (vLLM is imported once).  Modes:
                 with `restart_after` a fresh drafter is started on the same ports after that many calls
     fail-inprocess
                 as inprocess, and the in-process engine raises on every call after `kill_after`
+    unreachable-zmq / unreachable-grpc
+                the plugin pointed at a local port nobody listens on
 
     python run_plugin_e2e.py PLAN.json OUT.json
 PLAN: {"drafter_python": PY, "runs": [{"name", "mode", "target", "head", "method", "k",
@@ -52,7 +54,8 @@ for _k in ("DRAFTER_ENDPOINTS", "DRAFTER_TRANSPORT", "DRAFTER_DEADLINE_MS"):
     os.environ.pop(_k, None)  # each run configures the plugin explicitly
 
 REPO = Path(__file__).resolve().parents[2]
-SPEC_MODES = ("vllm", "inprocess", "zmq", "grpc", "kill-zmq", "kill-grpc", "fail-inprocess")
+SPEC_MODES = ("vllm", "inprocess", "zmq", "grpc", "kill-zmq", "kill-grpc", "fail-inprocess", "unreachable-zmq",
+              "unreachable-grpc")
 PLUGIN_MODES = SPEC_MODES[1:]
 
 
@@ -216,10 +219,13 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
     killed = {"after_call": None, "restarted_after_call": None}
     rec_holder: dict = {}
     transport = mode.split("-")[-1] if mode in PLUGIN_MODES else None
-    if transport in ("zmq", "grpc"):
+    # equality runs get a deadline no loaded CI box reaches: a missed step would change drafts
+    deadline_ms = run.get("deadline_ms", 60000)
+    if mode.startswith("unreachable-"):
+        drafter_cfg = {"transport": transport, "endpoints": f"127.0.0.1:{_closed_port()}", "deadline_ms": deadline_ms}
+    elif transport in ("zmq", "grpc"):
         servers.append(DrafterProcess(plan["drafter_python"], run, out_dir / f"{run['name']}.drafter.log"))
-        drafter_cfg = {"transport": transport, "endpoints": servers[0].endpoint(transport),
-                       "deadline_ms": run.get("deadline_ms", 60000)}
+        drafter_cfg = {"transport": transport, "endpoints": servers[0].endpoint(transport), "deadline_ms": deadline_ms}
     elif transport == "inprocess":
         drafter_cfg = {"transport": "inprocess"}
     else:
@@ -286,6 +292,15 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
     result["timing_s"]["total"] = round(time.time() - t0, 2)
     print(json.dumps({"run": run["name"], "timing_s": result["timing_s"]}), flush=True)
     return result
+
+
+def _closed_port() -> int:
+    """A local port nobody listens on (the kernel just handed it out and it was closed again)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def worker_facts(worker) -> dict:

@@ -15,6 +15,7 @@ this repository into it) and sets DRAFTER_VLLM_RECORDINGS; without it these test
 from __future__ import annotations
 
 import collections
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,20 +33,45 @@ pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
 K = 3
 MAX_MODEL_LEN = 128
-KILL_AFTER = 8  # propose calls before the drafter dies (a third of the way into generation)
+KILL_AFTER = 8  # propose calls before the drafter dies (about a fifth of the way into generation)
+RESTART_AFTER = 14  # ... and before a fresh drafter listens on the same ports again
 # EAGLE-3's head is more often right with the target's layers damped (drafts then get accepted
 # 1 of 3 in about a third of the rows, instead of a tenth)
 ALPHA = {"eagle": 1.0, "eagle3": 0.5}
 METHODS = ("eagle", "eagle3")
-# name -> (mode, extra settings); in-process transport until the network service is available
-PLUGIN_RUNS = {
-    "inprocess": ("inprocess", {}),
-    "inprocess-env": ("inprocess", {"config_via": "env"}),
-    "killed": ("fail-inprocess", {"kill_after": KILL_AFTER}),
-}
-SAME_DRAFTS = ("inprocess", "inprocess-env")  # runs whose drafts must equal vLLM's, step for step
-UNREACHABLE_RUN = "inprocess"  # run with a head directory holding config.json only and no drafter
-TP2_RUN = "inprocess"  # the plugin run repeated with tensor_parallel_size=2 (EAGLE-1 only)
+# the network service (`drafter serve` + its clients); until it is part of the tree, the plugin runs
+# use the in-process transport (same engine, no network)
+SERVICE = importlib.util.find_spec("coordinator") is not None and \
+    importlib.util.find_spec("coordinator.transport") is not None
+
+
+def plugin_runs(method: str) -> dict[str, dict]:
+    """name -> run settings (modes: run_plugin_e2e.py).  The kill run's 2 s deadline bounds what
+    each attempt at the dead drafter costs; the equality runs keep the driver's generous default."""
+    if not SERVICE:
+        return {
+            "zmq": {"mode": "inprocess", "config_via": "env"},
+            "grpc": {"mode": "inprocess"},
+            "killed": {"mode": "fail-inprocess", "kill_after": KILL_AFTER},
+            **({"unreachable": {"mode": "inprocess", "head": "CONFIG_ONLY"}} if method == "eagle3" else {}),
+            **({"tp2": {"mode": "inprocess", "tensor_parallel_size": 2}} if method == "eagle" else {}),
+        }
+    killed = "kill-zmq" if method == "eagle" else "kill-grpc"  # one transport's failure path each
+    return {
+        # configured like the k8s target-wiring overlay: environment variables
+        "zmq": {"mode": "zmq", "config_via": "env"},
+        # configured per engine: additional_config={"drafter": {...}}
+        "grpc": {"mode": "grpc"},
+        "killed": {"mode": killed, "kill_after": KILL_AFTER, "restart_after": RESTART_AFTER, "deadline_ms": 2000},
+        # the target host holds only the head's config.json, and no drafter ever answers
+        **({"unreachable": {"mode": "unreachable-zmq", "head": "CONFIG_ONLY", "deadline_ms": 300}}
+           if method == "eagle3" else {}),
+        # two TP ranks in two vLLM worker processes (~50 s of engine start on 2 cores: one run only)
+        **({"tp2": {"mode": "zmq", "tensor_parallel_size": 2}} if method == "eagle" else {}),
+    }
+
+
+SAME_DRAFTS = ("zmq", "grpc")  # runs whose drafts must equal vLLM's own, step for step
 
 
 def _vllm_python() -> str:
@@ -71,21 +97,14 @@ def e2e(tmp_path_factory):
                       max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512, num_blocks=128, num_prompts=6)
         runs.append({"name": f"{method}/nospec", "mode": "nospec", **common})
         runs.append({"name": f"{method}/vllm", "mode": "vllm", **common})
-        for name, (mode, extra) in PLUGIN_RUNS.items():
-            runs.append({"name": f"{method}/{name}", "mode": mode, **common, **extra})
-        if method == "eagle3":
-            # the target host needs only the head's config.json (vLLM reads it for the aux layer ids);
-            # with no drafter to answer, every step fails closed
-            cfg_only = root / "eagle3-config-only"
-            cfg_only.mkdir()
-            (cfg_only / "config.json").write_bytes((ckpt / "head" / "config.json").read_bytes())
-            mode, extra = PLUGIN_RUNS[UNREACHABLE_RUN]
-            runs.append({"name": f"{method}/unreachable", "mode": mode, **common, **extra, "head": str(cfg_only)})
-        if method == "eagle":
-            # two TP ranks in two vLLM worker processes: rank 0 asks the drafter, rank 1 only
-            # receives the broadcast (~50 s of engine start on 2 cores, so one run only)
-            mode, extra = PLUGIN_RUNS[TP2_RUN]
-            runs.append({"name": f"{method}/tp2", "mode": mode, **common, **extra, "tensor_parallel_size": 2})
+        for name, settings in plugin_runs(method).items():
+            run = {"name": f"{method}/{name}", **common, **settings}
+            if run["head"] == "CONFIG_ONLY":
+                cfg_only = root / f"{method}-config-only"
+                cfg_only.mkdir()
+                (cfg_only / "config.json").write_bytes((ckpt / "head" / "config.json").read_bytes())
+                run["head"] = str(cfg_only)
+            runs.append(run)
     plan, out, log = root / "plan.json", root / "out.json", root / "vllm.log"
     plan.write_text(json.dumps({"drafter_python": sys.executable, "runs": runs}, indent=1))
     t0 = time.time()
@@ -122,7 +141,7 @@ def _calls(run: dict) -> list[tuple[int, list[tuple[int, list[int]]]]]:
 def test_outputs_identical_with_and_without_the_plugin(e2e, method):
     reference = e2e[f"{method}/nospec"]["outputs"]
     assert len(reference) == 6 and all(reference)
-    for name in ("vllm", *PLUGIN_RUNS):
+    for name in ("vllm", *plugin_runs(method)):
         assert e2e[f"{method}/{name}"]["outputs"] == reference, f"{method}/{name} generated other tokens"
 
 
@@ -131,23 +150,23 @@ def test_vllm_acceptance_is_partial(e2e, method):
     """The comparison is only interesting when verification both keeps and throws away drafts."""
     run = e2e[f"{method}/vllm"]
     rejected = collections.Counter(r for c in run["calls"] if c["rejected"] for r in c["rejected"])
-    decode_rows = sum(n for r, n in rejected.items() if r < K)
     assert rejected[K] > 0, rejected  # whole chains rejected
-    assert any(rejected[r] > 0 for r in range(1, K)), rejected  # part of a chain kept
-    assert decode_rows > 20, rejected
+    assert sum(rejected[r] for r in range(1, K)) > 20, rejected  # part of a chain kept
     assert run["steps"] < e2e[f"{method}/nospec"]["steps"]
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", SAME_DRAFTS)
 def test_drafts_of_every_step_equal_vllms_own(e2e, method, name):
-    ours, theirs = _calls(e2e[f"{method}/{name}"]), _calls(e2e[f"{method}/vllm"])
+    run = e2e[f"{method}/{name}"]
+    ours, theirs = _calls(run), _calls(e2e[f"{method}/vllm"])
     assert len(ours) == len(theirs) > 10
     for (step_o, rows_o), (step_t, rows_t) in zip(ours, theirs):
         assert step_o == step_t
         assert rows_o == rows_t, f"{method}/{name} step {step_o}: drafts differ from vLLM's in-process drafter"
-    stats = e2e[f"{method}/{name}"]["plugin_stats"]
-    assert stats["fallback"] == 0 and stats["drafted"] == len(ours)
+    assert run["plugin_stats"] == {"calls": len(ours), "drafted": len(ours), "fallback": 0}
+    # vLLM's own counters agree: the same drafts were verified and accepted
+    assert run["spec_decode"] == e2e[f"{method}/vllm"]["spec_decode"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -156,24 +175,37 @@ def test_head_not_loaded_and_no_draft_kv_in_vllm(e2e, method):
     layers = own["num_target_layers"]
     # vLLM's own drafter: a loaded head whose attention layer holds KV in the target's pool
     assert own["draft_model_loaded"] and len(own["kv_layers"]) == layers + 1
-    for name in PLUGIN_RUNS:
-        run = e2e[f"{method}/{name}"]
-        assert run["drafter_class"] == "RemoteEagleProposer"
-        assert not run["draft_model_loaded"]
-        assert len(run["kv_layers"]) == layers, run["kv_layers"]
+    for name in plugin_runs(method):
+        for rank in e2e[f"{method}/{name}"]["ranks"]:
+            assert rank["drafter_class"] == "RemoteEagleProposer"
+            assert not rank["draft_model_loaded"]
+            assert len(rank["kv_layers"]) == layers, rank["kv_layers"]
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_drafter_gone_mid_generation_output_unchanged(e2e, method):
+def test_drafter_killed_mid_generation_output_unchanged(e2e, method):
     run = e2e[f"{method}/killed"]
     assert run["killed_after_call"] == KILL_AFTER
     stats = run["plugin_stats"]
-    assert stats["drafted"] >= KILL_AFTER and stats["fallback"] > 0, stats
-    assert stats["calls"] == len(run["calls"])
+    assert stats["calls"] == len(run["calls"]) and stats["fallback"] > 0, stats
     assert run["outputs"] == e2e[f"{method}/nospec"]["outputs"]
-    # the drafts vLLM verified up to the failure are still the drafter's own
-    ours, theirs = _calls(run)[:KILL_AFTER], _calls(e2e[f"{method}/vllm"])[:KILL_AFTER]
-    assert ours == theirs
+    # up to the kill the drafts are vLLM's own; then steps go without, until the drafter is back
+    ours, theirs = _calls(run), _calls(e2e[f"{method}/vllm"])
+    assert ours[:KILL_AFTER] == theirs[:KILL_AFTER]
+    if SERVICE:
+        assert run["restarted_after_call"] == RESTART_AFTER
+        # the fresh drafter was found and attached again, and drafted the rest of the run
+        assert run["attaches"] == 2
+        assert stats["drafted"] > RESTART_AFTER and stats["fallback"] <= RESTART_AFTER - KILL_AFTER, stats
+        assert run["spec_decode"]["num_accepted_tokens"] > 0
+
+
+def test_head_config_only_and_no_drafter_from_the_start(e2e):
+    run = e2e["eagle3/unreachable"]
+    stats = run["plugin_stats"]
+    assert stats["drafted"] == 0 and stats["fallback"] == stats["calls"] > 10, stats
+    assert not run["draft_model_loaded"]
+    assert run["outputs"] == e2e["eagle3/nospec"]["outputs"]
 
 
 def test_tensor_parallel_rank0_asks_and_every_rank_gets_the_drafts(e2e):
@@ -188,11 +220,3 @@ def test_tensor_parallel_rank0_asks_and_every_rank_gets_the_drafts(e2e):
     # compute different tokens and their all-reduced logits would be garbage
     assert run["spec_decode"]["num_accepted_tokens"] > 0
     assert run["outputs"] == e2e["eagle/nospec"]["outputs"]
-
-
-def test_head_config_only_and_no_drafter_from_the_start(e2e):
-    run = e2e["eagle3/unreachable"]
-    stats = run["plugin_stats"]
-    assert stats["drafted"] == 0 and stats["fallback"] == stats["calls"] > 10, stats
-    assert not run["draft_model_loaded"]
-    assert run["outputs"] == e2e["eagle3/nospec"]["outputs"]
