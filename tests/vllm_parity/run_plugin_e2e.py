@@ -59,14 +59,15 @@ SPEC_MODES = ("vllm", "inprocess", "zmq", "grpc", "kill-zmq", "kill-grpc", "fail
 PLUGIN_MODES = SPEC_MODES[1:]
 
 
-def make_prompts(num: int, vocab: int, max_model_len: int, k: int, seed: int):
+def make_prompts(num: int, vocab: int, max_model_len: int, k: int, seed: int, to_limit: bool = False):
     """Random prompts of varied lengths in one batch; every third request stops early so rows of the
     batch move.  No request comes within 2k+2 tokens of max_model_len: there vLLM skips drafting for
     the whole batch, and its in-process drafter then reads a stale input id our engine does not
     copy (docs/vllm-0.32-proposer.md sections 9 and 11), which would make drafts (never outputs)
-    differ for reasons that have nothing to do with the plugin."""
+    differ for reasons that have nothing to do with the plugin.  `to_limit` lets the long requests run
+    to max_model_len instead (drafting is then skipped for whole steps near the end)."""
     rng = random.Random(seed)
-    room_end = max_model_len - 2 * k - 2
+    room_end = max_model_len if to_limit else max_model_len - 2 * k - 2
     prompts, max_tokens = [], []
     for i in range(num):
         n = 3 + (i * (room_end // 2)) // max(1, num - 1) + rng.randint(0, 3)
@@ -262,7 +263,8 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
     try:
         llm = LLM(**llm_kw)
         t_engine = time.time()
-        prompts, max_tokens = make_prompts(run.get("num_prompts", 6), vocab, mml, k, run.get("seed", 0))
+        prompts, max_tokens = make_prompts(run.get("num_prompts", 6), vocab, mml, k, run.get("seed", 0),
+                                          run.get("to_limit", False))
         params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False) for m in max_tokens]
         before = spec_counters(llm)
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)

@@ -105,6 +105,10 @@ def e2e(tmp_path_factory):
                 (cfg_only / "config.json").write_bytes((ckpt / "head" / "config.json").read_bytes())
                 run["head"] = str(cfg_only)
             runs.append(run)
+        if method == "eagle":
+            # requests that run to max_model_len: vLLM then skips drafting for whole steps
+            for mode in ("nospec", "vllm", "zmq" if SERVICE else "inprocess"):
+                runs.append({"name": f"{method}/limit-{mode}", "mode": mode, **common, "to_limit": True})
     plan, out, log = root / "plan.json", root / "out.json", root / "vllm.log"
     plan.write_text(json.dumps({"drafter_python": sys.executable, "runs": runs}, indent=1))
     t0 = time.time()
@@ -220,3 +224,19 @@ def test_tensor_parallel_rank0_asks_and_every_rank_gets_the_drafts(e2e):
     # compute different tokens and their all-reduced logits would be garbage
     assert run["spec_decode"]["num_accepted_tokens"] > 0
     assert run["outputs"] == e2e["eagle/nospec"]["outputs"]
+
+
+def test_steps_vllm_skips_drafting_send_nothing(e2e):
+    """Near max_model_len vLLM skips its drafter for whole steps; the plugin is then not called either,
+    and the drafter's KV has the same holes as vLLM's own draft KV.  Drafts are compared up to the
+    first skipped step only: after one, vLLM's own drafter can read a stale input id that our engine
+    does not copy (docs/vllm-0.32-proposer.md sections 9 and 11), which changes drafts, never output."""
+    base, own = e2e["eagle/limit-nospec"], e2e["eagle/limit-vllm"]
+    ours = e2e["eagle/limit-zmq" if SERVICE else "eagle/limit-inprocess"]
+    assert own["outputs"] == ours["outputs"] == base["outputs"]
+    steps_own, steps_ours = [c["step"] for c in own["calls"]], [c["step"] for c in ours["calls"]]
+    assert steps_ours == steps_own
+    skipped = sorted(set(range(1, own["steps"] + 1)) - set(steps_own))
+    assert skipped and own["steps"] == ours["steps"]
+    before = sum(1 for s in steps_own if s < skipped[0])
+    assert before > 10 and _calls(ours)[:before] == _calls(own)[:before]
