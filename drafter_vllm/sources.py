@@ -60,6 +60,7 @@ class EngineSource:
     def __init__(self, facts: TargetFacts):
         self.facts = facts
         self.engine = None
+        self.broken: Exception | None = None  # a head that does not load will not load next step either
         self.failures = 0
 
     def start(self) -> bool:
@@ -76,9 +77,15 @@ class EngineSource:
         return True
 
     def propose(self, **engine_kwargs) -> torch.Tensor | None:
+        if self.broken is not None:
+            return None
         try:
             if self.engine is None:
-                self.start()
+                try:
+                    self.start()
+                except Exception as exc:  # noqa: BLE001
+                    self.broken = exc
+                    raise
             return self.engine.propose(**engine_kwargs).draft_token_ids
         except Exception as exc:  # noqa: BLE001 - fail closed on anything, the target must go on
             self.failures += 1
@@ -112,6 +119,7 @@ class ServiceSource:
         self.backoff = 0.0
         self.epoch = None
         self.failures = 0
+        self.last_error = ""
         self.attaches = 0  # sessions attached so far (more than one: the drafter restarted)
 
     def layout(self) -> dict:
@@ -179,7 +187,7 @@ class ServiceSource:
             except Exception as exc:  # noqa: BLE001 - fail closed on anything, the target must go on
                 self._failed(exc)
                 return None
-            self.backoff, self.failures = 0.0, 0
+            self.backoff, self.failures, self.last_error = 0.0, 0, ""
             return out.draft_token_ids
         return None
 
@@ -188,9 +196,12 @@ class ServiceSource:
         lo, hi = self.BACKOFF_S
         self.backoff = min(hi, self.backoff * 2) if self.backoff else lo
         self.paused_until = self.clock() + self.backoff
-        if self.failures == 1:
-            log.warning("drafter plugin: %s at %s failed (%s); retrying with backoff", self.settings.transport,
-                        self.endpoint, exc)
+        what = f"{getattr(exc, 'code', type(exc).__name__)} {getattr(exc, 'field', '')}"
+        if what != self.last_error:
+            # once per kind of failure, not per step: a refused layout names its field here
+            log.warning("drafter plugin: %s at %s failed (%s); retrying with backoff up to %.0f s",
+                        self.settings.transport, self.endpoint, exc, hi)
+            self.last_error = what
         # a fresh connection next time (no stale replies, no half-open socket), same session
         self._drop_client()
 
