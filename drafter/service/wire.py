@@ -289,11 +289,12 @@ def struct_to_proto(obj: msgspec.Struct, pb):
         if isinstance(value, msgspec.Struct):
             struct_to_proto(value, target)
         elif isinstance(value, list):
-            if value and isinstance(value[0], msgspec.Struct):
-                for item in value:
+            del target[:]
+            for item in value:
+                if isinstance(item, msgspec.Struct):
                     struct_to_proto(item, target.add())
-            else:
-                target[:] = value
+                else:
+                    target.append(item)
         else:
             setattr(pb, name, value)
     return pb
