@@ -18,8 +18,11 @@ import torch
 from drafter.service import schema
 from drafter.service.errors import invalid
 
-# The buffers are read-only (bytes, received frames); nothing downstream writes into request tensors.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
+# Request buffers are read-only (protobuf bytes, received frames) and nothing downstream writes into
+# request tensors. torch warns about that once per process: spend the warning here, silenced.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 DTYPES = {
     "int32": torch.int32,

@@ -101,3 +101,20 @@ class DrafterServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def layout_for(info, num_blocks, *, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+               hidden_dtype: str = "float32", client_name: str = "test"):
+    """An AttachRequest that fits what the server's Info says it serves."""
+    from drafter.service import schema
+
+    groups = info.limits.kv_groups
+    blocks = list(num_blocks) if isinstance(num_blocks, (list, tuple)) else [num_blocks] * len(groups)
+    return schema.AttachRequest(
+        protocol_version=info.protocol_version, method=info.method,
+        num_speculative_tokens=info.num_speculative_tokens, speculative_token_tree=info.speculative_token_tree,
+        hidden_dtype=hidden_dtype, hidden_size=info.hidden_size, num_aux_layers=info.num_aux_layers,
+        max_model_len=info.limits.max_model_len, max_num_seqs=max_num_seqs or info.limits.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens or info.limits.max_num_batched_tokens,
+        kv_groups=[schema.KVGroup(block_size=g.block_size, num_blocks=n) for g, n in zip(groups, blocks)],
+        client_name=client_name)
