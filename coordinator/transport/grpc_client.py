@@ -184,23 +184,25 @@ class GrpcProposeStream:
         except asyncio.TimeoutError:
             await self._reset()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no answer within {timeout} s") from None
-        except grpc.RpcError as exc:  # the stream is over: its status says why
+        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError, DrafterError) as exc:
+            err = await self._ended(exc)  # the stream is over: its status says why
             await self._reset()
-            raise error_from_rpc(exc) from None
-        except DrafterError:
-            status = None
-            if self._call is not None:
-                try:
-                    status = await self._call.code()
-                    details = await self._call.details()
-                    trailers = await self._call.trailing_metadata()
-                except Exception:  # noqa: BLE001
-                    status = None
-            await self._reset()
+            raise err from None
+
+    async def _ended(self, exc: Exception) -> DrafterError:
+        call = self._call
+        if call is not None and call.done():
+            try:
+                status, details, trailers = await call.code(), await call.details(), await call.trailing_metadata()
+            except Exception:  # noqa: BLE001
+                status = None
             if status is not None and status != grpc.StatusCode.OK:
-                field = dict(trailers or ()).get(FIELD_METADATA_KEY, "")
-                raise DrafterError(Code.from_grpc(status), field, details) from None
-            raise
+                return DrafterError(Code.from_grpc(status), dict(trailers or ()).get(FIELD_METADATA_KEY, ""), details)
+        if isinstance(exc, DrafterError):
+            return exc
+        if isinstance(exc, grpc.RpcError):
+            return error_from_rpc(exc)
+        return DrafterError(Code.UNAVAILABLE, "", f"the stream ended: {exc}")
 
     def propose(self, *, return_probs: bool = False, batch_padded: int | None = None,
                 tokens_padded: int | None = None, accepted_counts=None, request_id: int | None = None,

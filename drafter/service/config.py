@@ -84,8 +84,8 @@ class ServerConfig:
     # ---- logs
     log_format: str = _opt(str, "json", "json | text", choices=("json", "text"))
     log_level: str = _opt(str, "info", "debug | info | warning | error")
-    # hidden, for the integration tests: SIGUSR1 pauses/resumes the engine thread (to hold calls in
-    # flight), and the first SIGUSR1 ends the loading phase when test_hold_loading is set
+    # hidden, for the integration tests: SIGUSR1 pauses and SIGUSR2 resumes the engine thread (to hold
+    # calls in flight); with test_hold_loading, loading waits for a first SIGUSR1
     test_hooks: bool = _opt(_bool, False, argparse.SUPPRESS)
     test_hold_loading: bool = _opt(_bool, False, argparse.SUPPRESS)
 

@@ -64,7 +64,8 @@ def load_engine(cfg: ServerConfig, engine_cfg: EngineConfig, hold: threading.Eve
 
 
 class _PauseGate:
-    """Test hook (--test-hooks): SIGUSR1 pauses / resumes the engine thread between engine calls."""
+    """Test hook (--test-hooks): SIGUSR1 pauses the engine thread before its next engine call, SIGUSR2
+    resumes it; calls meanwhile stay in flight, which lets tests hold them without timing."""
 
     def __init__(self, core: ServiceCore):
         self.open = threading.Event()
@@ -75,15 +76,14 @@ class _PauseGate:
             self.open.wait()
             return run(items)
         core.runner.run = gated
-        core.batcher.runner = core.runner
 
-    def toggle(self) -> None:
-        if self.open.is_set():
-            self.open.clear()
-            event("paused")
-        else:
-            self.open.set()
-            event("resumed")
+    def pause(self) -> None:
+        self.open.clear()
+        event("paused")
+
+    def resume(self) -> None:
+        self.open.set()
+        event("resumed")
 
 
 async def serve(cfg: ServerConfig) -> int:
@@ -136,7 +136,8 @@ async def serve(cfg: ServerConfig) -> int:
     elif loading.done():
         if cfg.test_hooks:
             gate = _PauseGate(core)
-            loop.add_signal_handler(signal.SIGUSR1, gate.toggle)
+            loop.add_signal_handler(signal.SIGUSR1, gate.pause)
+            loop.add_signal_handler(signal.SIGUSR2, gate.resume)
         await health_state.set_serving(True)
         watchdog = loop.create_task(_liveness(core, health_state, cfg.liveness_stall_s))
         event("ready", host=cfg.host, epoch=core.epoch, method=cfg.method, **ports)

@@ -19,27 +19,31 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class DrafterServer:
-    def __init__(self, model_dir: Path, method: str, *, extra_args: list[str] = (), env: dict | None = None,
-                 log_path: Path | None = None, **settings):
-        self.args = [sys.executable, "-m", "drafter", "serve", "--method", method,
-                     "--model", str(model_dir / "head"), "--target-model", str(model_dir / "target"),
-                     "--host", "127.0.0.1", "--grpc-port", "0", "--zmq-port", "0", "--health-port", "0",
-                     "--metrics-port", "0", "--log-format", "json"]
-        for key, value in settings.items():
-            self.args += ["--" + key.replace("_", "-"), str(value)]
-        self.args += list(extra_args)
-        self.env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.env = {k: v for k, v in self.env.items() if not k.startswith("DRAFTER_") or k in (env or {})}
+    """`python -m drafter serve` with flags for the settings; env_only: no arguments, DRAFTER_* only."""
+
+    def __init__(self, model_dir: Path | None, method: str, *, env: dict | None = None, env_only: bool = False,
+                 log_path: Path | None = None, cwd: Path = REPO, **settings):
+        self.args = [sys.executable, "-m", "drafter", "serve"]
+        if not env_only:
+            self.args += ["--method", method, "--model", str(model_dir / "head"),
+                          "--target-model", str(model_dir / "target"), "--host", "127.0.0.1", "--grpc-port", "0",
+                          "--zmq-port", "0", "--health-port", "0", "--metrics-port", "0", "--log-format", "json"]
+            for key, value in settings.items():
+                self.args += ["--" + key.replace("_", "-"), str(value)]
+        # the caller's DRAFTER_* only: nothing of this shell's environment leaks into the settings
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTER_")}
+        self.env.update({"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.cwd = cwd
         self.log_path = log_path
         self.events: queue.Queue = queue.Queue()
         self.proc: subprocess.Popen | None = None
         self.ready: dict = {}
 
-    def start(self, timeout: float = 120.0) -> "DrafterServer":
+    def start(self, timeout: float = 120.0, until: str = "ready") -> "DrafterServer":
         stderr = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=stderr, env=self.env, cwd=REPO)
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=stderr, env=self.env, cwd=self.cwd)
         threading.Thread(target=self._read, daemon=True).start()
-        self.ready = self.wait_for("ready", timeout)
+        self.ready = self.wait_for(until, timeout)
         return self
 
     def _read(self) -> None:
