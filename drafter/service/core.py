@@ -105,6 +105,8 @@ class ServiceCore:
 
     async def wait_idle(self, timeout: float) -> bool:
         """True when no call is in flight any more (within timeout)."""
+        if self._idle.is_set():
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
             return True
