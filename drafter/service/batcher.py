@@ -56,8 +56,12 @@ def _engine_validate(engine, kwargs: dict) -> None:
         as_group_list("slot_mappings", kwargs["slot_mappings"], groups),
         kwargs.get("token_indices_to_sample"), kwargs.get("num_rejected_tokens"), kwargs.get("temperatures"))
     validate(inp, engine.limits)
+
+
+def _check_finite(kwargs: dict) -> None:
     # NaN/inf would only poison the sender's own KV, but a drafter should say so rather than draft garbage.
-    if not bool(torch.isfinite(kwargs["target_hidden_states"]).all()):
+    hidden = kwargs["target_hidden_states"]
+    if hidden.is_floating_point() and not bool(torch.isfinite(hidden).all()):
         raise invalid("target_hidden_states", "must be finite")
 
 
@@ -142,6 +146,9 @@ class EngineRunner:
         results: list = [None] * len(items)
         ready: list[tuple[int, dict]] = []
         now = time.monotonic()
+        # Alone in its engine call, a request needs no check of its own: engine.propose validates
+        # everything before it writes anything, and its error can only be this request's.
+        alone = len(items) == 1 and not (items[0].call.batch_padded or items[0].call.tokens_padded)
         for i, it in enumerate(items):
             if it.future.cancelled():
                 results[i] = DrafterError(Code.DEADLINE_EXCEEDED, "", "cancelled by the client")
@@ -152,7 +159,9 @@ class EngineRunner:
             else:
                 try:
                     kw = offset_kwargs(it.session, it.call.kwargs)
-                    _engine_validate(self.engine, kw)
+                    _check_finite(kw)  # first in both paths, so a request's error never depends on its batch
+                    if not alone:
+                        _engine_validate(self.engine, kw)
                     ready.append((i, kw))
                 except Exception as exc:  # noqa: BLE001 - every failure becomes that request's answer
                     results[i] = from_exception(exc)
@@ -262,6 +271,8 @@ class Batcher:
                 self._carry = it  # first in line for the next engine call
                 break
             items.append(it)
+            if sum(x.call.batch_size for x in items) >= self.runner.max_batch:
+                break  # full: waiting longer cannot add anything
         return items
 
     async def _loop(self) -> None:

@@ -54,6 +54,29 @@ def zero_session_blocks(engine, s: Session) -> None:
             engine.store.states[ids.to(engine.store.states.device)] = 0
 
 
+class RefusalLog:
+    """One log line per refused call, but at most one per (code, field) every `period` seconds:
+    a client stuck on a bad request (or a fuzzer) must not flood the logs."""
+
+    def __init__(self, period: float = 10.0):
+        self.period = period
+        self.last: dict[tuple, tuple[float, int]] = {}
+
+    def log(self, transport: str, rpc: str, err: DrafterError) -> None:
+        key = (err.code, err.field[:64])
+        if len(self.last) > 1024:  # fields can be client-chosen names (unknown ZMQ header keys)
+            self.last.clear()
+        now = time.monotonic()
+        since, suppressed = self.last.get(key, (-1e18, 0))
+        if now - since < self.period:
+            self.last[key] = (since, suppressed + 1)
+            return
+        self.last[key] = (now, 0)
+        log.warning("call refused", extra={"event": "refused", "transport": transport, "rpc": rpc,
+                                           "code": err.code.name, "field": err.field, "reason": err.message[:300],
+                                           "suppressed_since_last": suppressed})
+
+
 class ServiceCore:
     def __init__(self, *, metrics: Metrics, max_sessions: int, batch_window_s: float, max_message_bytes: int,
                  session_idle_timeout_s: float = 0.0):
@@ -75,6 +98,7 @@ class ServiceCore:
         self._idle.set()
         self._janitor: asyncio.Task | None = None
         self._graph_replays = 0
+        self._refusals = RefusalLog()
 
     # ------------------------------------------------------------------ lifecycle
     async def load(self, loader) -> None:
@@ -146,7 +170,10 @@ class ServiceCore:
             if err is not None:
                 self._count(transport, rpc, err.code)
                 if err.code == Code.INTERNAL:
-                    log.exception("internal error in %s/%s", transport, rpc)
+                    log.error("internal error", exc_info=exc, extra={"event": "internal_error", "transport": transport,
+                                                                      "rpc": rpc})
+                elif err.code != Code.UNAVAILABLE:  # UNAVAILABLE: the state change was logged once
+                    self._refusals.log(transport, rpc, err)
                 raise err from (None if err is exc else exc)
             self._count(transport, rpc, Code.DEADLINE_EXCEEDED)
             raise

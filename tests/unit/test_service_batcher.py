@@ -135,16 +135,16 @@ def test_packing_respects_the_engine_batch_limit(setup):
 
 
 def test_batcher_collects_concurrent_requests_into_one_call(setup):
-    tiny_root, pool = setup
+    tiny_root, pool = setup  # max_num_seqs 8: four requests of two rows fill one engine call
     table = SessionTable(describe_engine(pool, 1 << 26), max_sessions=4)
-    sessions = [table.attach(_layout(pool)) for _ in range(3)]
-    kws = [_scenario(pool, i).call(PLANS[0]).kwargs for i in range(3)]
+    sessions = [table.attach(_layout(pool)) for _ in range(4)]
+    kws = [_scenario(pool, i).call(PLANS[0]).kwargs for i in range(4)]
     calls = []
 
     async def main():
         executor = concurrent.futures.ThreadPoolExecutor(1)
-        # a long window, so that all three land in it however slowly this host schedules them
-        batcher = Batcher(EngineRunner(pool, calls.append), executor, window_s=5.0)
+        # a window far longer than this test: the batch goes when it is full, not when the window ends
+        batcher = Batcher(EngineRunner(pool, calls.append), executor, window_s=600.0)
         batcher.start()
         outs = await asyncio.gather(*(batcher.submit(s, ProposeCall(s.id, 0, i, kw))
                                       for i, (s, kw) in enumerate(zip(sessions, kws))))
@@ -153,5 +153,5 @@ def test_batcher_collects_concurrent_requests_into_one_call(setup):
         return outs
 
     outs = asyncio.run(main())
-    assert [o.request_id for o in outs] == [0, 1, 2]
-    assert len(calls) == 1 and calls[0].sessions == 3
+    assert [o.request_id for o in outs] == [0, 1, 2, 3]
+    assert len(calls) == 1 and calls[0].sessions == 4 and calls[0].batch == 8
