@@ -23,12 +23,15 @@ def _proto_build():
 class BuildPyWithProto(build_py):
     def run(self):
         gen = _proto_build()
-        # Into the source tree first: an editable install imports from there, and a regular
-        # build then copies the modules like any other file of the package.
-        gen.generate(HERE / "drafter" / "_proto", HERE / "proto")
-        super().run()
-        if not self.editable_mode:
-            gen.copy_generated(HERE / "drafter" / "_proto", Path(self.build_lib) / "drafter" / "_proto")
+        if self.editable_mode:
+            # An editable install imports the package from the source tree: generate there.
+            gen.generate(HERE / "drafter" / "_proto", HERE / "proto")
+            super().run()
+        else:
+            # Straight into the build: the source tree may be read-only, and stale files
+            # a source checkout left behind are overwritten.
+            super().run()
+            gen.generate(Path(self.build_lib) / "drafter" / "_proto", HERE / "proto")
 
 
 setup(cmdclass={"build_py": BuildPyWithProto})

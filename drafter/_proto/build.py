@@ -59,13 +59,6 @@ def is_generated(out_root: Path = OUT_ROOT) -> bool:
     return (Path(out_root) / "drafter" / "v1" / "drafter_pb2.py").exists()
 
 
-def copy_generated(src_root: Path, dst_root: Path) -> None:
-    for f in Path(src_root).rglob("*_pb2*.py*"):
-        dst = Path(dst_root) / f.relative_to(src_root)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(f, dst)
-
-
 if __name__ == "__main__":
     for path in generate():
         print(path)
