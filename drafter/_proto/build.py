@@ -10,7 +10,6 @@ on first import in a source checkout (drafter/_proto/__init__.py).  The output i
 from __future__ import annotations
 
 import re
-import shutil
 import sys
 import tempfile
 from pathlib import Path

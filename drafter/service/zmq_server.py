@@ -25,7 +25,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from drafter.service import schema
 from drafter.service.core import ServiceCore
-from drafter.service.errors import Code, DrafterError, invalid
+from drafter.service.errors import DrafterError, invalid
 from drafter.service.wire import call_from_frames, result_to_frames
 
 log = logging.getLogger("drafter.service.zmq")

@@ -4,6 +4,7 @@ detach wiping a session's blocks before anyone else gets them."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -107,3 +108,13 @@ def test_idle_sessions_are_detached(engine):
             await asyncio.sleep(0.01)
         return a.session_id in core.sessions.sessions
     assert _run(engine, body, session_idle_timeout_s=0.05) is False
+
+
+def test_liveness_turns_on_a_stalled_engine_call(engine):
+    async def body(core):
+        assert not core.engine_stalled(60)
+        core.runner.busy_since = time.monotonic() - 61  # as if one engine call had been running 61 s
+        stalled = core.engine_stalled(60)
+        core.runner.busy_since = None
+        return stalled
+    assert _run(engine, body)

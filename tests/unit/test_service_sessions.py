@@ -83,7 +83,7 @@ def test_max_sessions():
 
 def test_allocator_coalesces():
     a = BlockAllocator(10)
-    x, y, z = a.allocate(3), a.allocate(3), a.allocate(3)
+    x, y, _ = a.allocate(3), a.allocate(3), a.allocate(3)
     a.release(y, 3)
     a.release(x, 3)
     assert a.free == [(0, 6), (9, 1)]
