@@ -143,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         env = env_name(f.name)
         help_text = meta["help"] if meta["help"] == argparse.SUPPRESS else f"{meta['help']} [env {env}; default {f.default!r}]"
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, help=help_text,
-                            choices=meta["choices"], type=meta["kind"] if meta["kind"] is not _bool else _bool)
+                            choices=meta["choices"], type=meta["kind"])
 
 
 def from_args(ns: argparse.Namespace, environ=None) -> ServerConfig:

@@ -25,7 +25,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from drafter.service import schema
 from drafter.service.core import ServiceCore
-from drafter.service.errors import DrafterError, invalid
+from drafter.service.errors import Code, DrafterError, invalid
 from drafter.service.wire import call_from_frames, result_to_frames
 
 log = logging.getLogger("drafter.service.zmq")
@@ -129,9 +129,12 @@ class ZmqServer:
             out, tensors = await self._dispatch(env, rest[1:])
             reply = [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method)), _ENCODER.encode(out),
                      *tensors]
-        except DrafterError as e:
+        except Exception as exc:  # noqa: BLE001 - every message gets a reply, even after a bug of ours
+            e = exc if isinstance(exc, DrafterError) else DrafterError(Code.INTERNAL, "", repr(exc))
+            if not isinstance(exc, DrafterError):
+                log.error("zmq handler failed", exc_info=exc, extra={"event": "internal_error", "transport": "zmq"})
             err = schema.Error(code=int(e.code), field=e.field, message=e.message)
-            reply = [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method, error=err)), b""]
+            reply = [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method[:64], error=err)), b""]
         try:
             await self.sock.send_multipart(head + reply, copy=False)
         except zmq.ZMQError as exc:  # the peer went away or the socket closed; nobody to tell
