@@ -18,7 +18,7 @@ import torch
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.service import schema
-from drafter.service.wire import DTYPE_NAMES, LIST_FIELDS, TENSOR_FIELDS, tensor_bytes
+from drafter.service.wire import DTYPE_NAMES, DTYPES, LIST_FIELDS, TENSOR_FIELDS, tensor_bytes
 
 IA, FP, NF = "INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND"
 
@@ -94,11 +94,15 @@ def template(kwargs: dict, ctx: Ctx) -> Msg:
 
 
 # ------------------------------------------------------------------ helpers
+def _from(dt: str, shape, data: bytes) -> torch.Tensor:
+    """A writable copy of a wire tensor."""
+    if not data:
+        return torch.empty(shape, dtype=DTYPES[dt])
+    return torch.frombuffer(bytearray(data), dtype=DTYPES[dt]).view(shape).clone()
+
+
 def _get(msg: Msg, name: str) -> torch.Tensor:
-    from drafter.service.wire import DTYPES
-    dt, shape, data = msg.tensors[name]
-    return torch.frombuffer(bytearray(data), dtype=DTYPES[dt]).view(shape).clone() if data else \
-        torch.empty(shape, dtype=DTYPES[dt])
+    return _from(*msg.tensors[name])
 
 
 def _put(msg: Msg, name: str, t: torch.Tensor) -> None:
@@ -412,12 +416,6 @@ def kv_shape_bad(msg, rnd, ctx):
         return IA, "slot_mappings[0]"
     msg.lists["slot_mappings"][0] = encode(torch.cat([slots, slots[-1:]]))
     return IA, "slot_mappings[0]"
-
-
-def _from(dt, shape, data):
-    from drafter.service.wire import DTYPES
-    return torch.frombuffer(bytearray(data), dtype=DTYPES[dt]).view(shape).clone() if data else \
-        torch.empty(shape, dtype=DTYPES[dt])
 
 
 MUTATIONS = [
