@@ -26,11 +26,19 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"drafter serve: {exc}", file=sys.stderr)
         return 2
-    from drafter.service.logs import setup_logging
+    import logging
+
+    from drafter.service.logs import event, setup_logging
     from drafter.service.server import serve
 
     setup_logging(cfg.log_format, cfg.log_level)
-    code = asyncio.run(serve(cfg))
+    try:
+        code = asyncio.run(serve(cfg))
+    except (OSError, ValueError) as exc:  # a port in use, an unreadable certificate, a bad checkpoint
+        logging.getLogger("drafter.service.server").error("cannot start", exc_info=exc,
+                                                          extra={"event": "start_failed"})
+        event("failed", reason=str(exc))
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
     # A stuck engine thread (drain timeout) must not keep PID 1 alive past the grace period.
