@@ -12,8 +12,7 @@ import types
 import pytest
 import torch
 
-errors = pytest.importorskip("drafter.service.errors", reason="the drafter service (drafter/service) is not in this tree")
-Code, DrafterError = errors.Code, errors.DrafterError
+from drafter.service.errors import Code, DrafterError
 from drafter_vllm.settings import PluginSettings
 from drafter_vllm.sources import ServiceSource, TargetFacts
 

@@ -7,7 +7,7 @@ vocabulary), on make-tiny checkpoints biased by align_weights.py so that drafts 
 accepted:
     nospec   vLLM without speculative decoding
     vllm     vLLM with its own in-process drafter
-    plugin runs (see PLUGIN_RUNS): vLLM with its drafting sent to our drafter
+    plugin runs (plugin_runs): vLLM with its drafting sent to a `drafter serve` subprocess
 The vLLM stage of scripts/test.sh builds the venv (tests/vllm_parity/setup_venv.sh, which installs
 this repository into it) and sets DRAFTER_VLLM_RECORDINGS; without it these tests skip.
 """
@@ -15,7 +15,6 @@ this repository into it) and sets DRAFTER_VLLM_RECORDINGS; without it these test
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import os
 import subprocess
@@ -39,23 +38,11 @@ RESTART_AFTER = 14  # ... and before a fresh drafter listens on the same ports a
 # 1 of 3 in about a third of the rows, instead of a tenth)
 ALPHA = {"eagle": 1.0, "eagle3": 0.5}
 METHODS = ("eagle", "eagle3")
-# the network service (`drafter serve` + its clients); until it is part of the tree, the plugin runs
-# use the in-process transport (same engine, no network)
-SERVICE = importlib.util.find_spec("coordinator") is not None and \
-    importlib.util.find_spec("coordinator.transport") is not None
 
 
 def plugin_runs(method: str) -> dict[str, dict]:
     """name -> run settings (modes: run_plugin_e2e.py).  The kill run's 2 s deadline bounds what
     each attempt at the dead drafter costs; the equality runs keep the driver's generous default."""
-    if not SERVICE:
-        return {
-            "zmq": {"mode": "inprocess", "config_via": "env"},
-            "grpc": {"mode": "inprocess"},
-            "killed": {"mode": "fail-inprocess", "kill_after": KILL_AFTER},
-            **({"unreachable": {"mode": "inprocess", "head": "CONFIG_ONLY"}} if method == "eagle3" else {}),
-            **({"tp2": {"mode": "inprocess", "tensor_parallel_size": 2}} if method == "eagle" else {}),
-        }
     killed = "kill-zmq" if method == "eagle" else "kill-grpc"  # one transport's failure path each
     return {
         # configured like the k8s target-wiring overlay: environment variables
@@ -107,7 +94,7 @@ def e2e(tmp_path_factory):
             runs.append(run)
         if method == "eagle":
             # requests that run to max_model_len: vLLM then skips drafting for whole steps
-            for mode in ("nospec", "vllm", "zmq" if SERVICE else "inprocess"):
+            for mode in ("nospec", "vllm", "zmq"):
                 runs.append({"name": f"{method}/limit-{mode}", "mode": mode, **common, "to_limit": True})
     plan, out, log = root / "plan.json", root / "out.json", root / "vllm.log"
     plan.write_text(json.dumps({"drafter_python": sys.executable, "runs": runs}, indent=1))
@@ -196,12 +183,11 @@ def test_drafter_killed_mid_generation_output_unchanged(e2e, method):
     # up to the kill the drafts are vLLM's own; then steps go without, until the drafter is back
     ours, theirs = _calls(run), _calls(e2e[f"{method}/vllm"])
     assert ours[:KILL_AFTER] == theirs[:KILL_AFTER]
-    if SERVICE:
-        assert run["restarted_after_call"] == RESTART_AFTER
-        # the fresh drafter was found and attached again, and drafted the rest of the run
-        assert run["attaches"] == 2
-        assert stats["drafted"] > RESTART_AFTER and stats["fallback"] <= RESTART_AFTER - KILL_AFTER, stats
-        assert run["spec_decode"]["num_accepted_tokens"] > 0
+    assert run["restarted_after_call"] == RESTART_AFTER
+    # the fresh drafter was found and attached again, and drafted the rest of the run
+    assert run["attaches"] == 2
+    assert stats["drafted"] > RESTART_AFTER and stats["fallback"] <= RESTART_AFTER - KILL_AFTER, stats
+    assert run["spec_decode"]["num_accepted_tokens"] > 0
 
 
 def test_head_config_only_and_no_drafter_from_the_start(e2e):
@@ -232,7 +218,7 @@ def test_steps_vllm_skips_drafting_send_nothing(e2e):
     first skipped step only: after one, vLLM's own drafter can read a stale input id that our engine
     does not copy (docs/vllm-0.32-proposer.md sections 9 and 11), which changes drafts, never output."""
     base, own = e2e["eagle/limit-nospec"], e2e["eagle/limit-vllm"]
-    ours = e2e["eagle/limit-zmq" if SERVICE else "eagle/limit-inprocess"]
+    ours = e2e["eagle/limit-zmq"]
     assert own["outputs"] == ours["outputs"] == base["outputs"]
     steps_own, steps_ours = [c["step"] for c in own["calls"]], [c["step"] for c in ours["calls"]]
     assert steps_ours == steps_own
