@@ -84,8 +84,8 @@ class InProcessTransport:
             raise DrafterError(NOT_FOUND, "session_id", f"unknown session {session.session_id}")
         return engine
 
-    def propose(self, session: SessionInfo, timeout: float, **kwargs):
-        engine = self._engine(session)
+    def propose(self, session: SessionInfo, timeout: float, accepted_counts=None, **kwargs):
+        engine = self._engine(session)  # accepted_counts feeds a server's metrics; the engine has none
         try:
             return engine.propose(**kwargs)  # DraftOutput: draft_token_ids [batch, k], batch_padded, ...
         except InvalidInput as e:

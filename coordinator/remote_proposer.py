@@ -37,9 +37,17 @@ import torch
 
 from coordinator.circuit import BreakerConfig, CircuitBreaker, State
 from coordinator.routing import Endpoint, Router
-from coordinator.session import INVALID_ARGUMENT, SESSION_LOST, DrafterError, DraftTransport, SessionInfo, SessionSpec
+from coordinator.session import INVALID_ARGUMENT, SESSION_LOST, DraftTransport, SessionInfo, SessionSpec
 
 log = logging.getLogger("coordinator.proposer")
+
+
+def code_name(e: Exception) -> str:
+    """An error's code as its gRPC status name, whether the code is a name or an IntEnum."""
+    code = getattr(e, "code", None)
+    if code is None:
+        return type(e).__name__
+    return getattr(code, "name", str(code))
 
 
 @dataclass(frozen=True)
@@ -215,9 +223,9 @@ class RemoteProposer:
                     self._no_drafts("deadline", ep, "no time left to attach", started)
                 return None
             out = self._transport(ep).propose(self.session, timeout=max(1e-3, deadline_at - self.clock()), **kwargs)
-        except DrafterError as e:
-            return self._drafter_error(ep, e, started, deadline_at)
-        except Exception as e:  # noqa: BLE001 - transport failures, timeouts, bugs: all fail closed
+        except Exception as e:  # noqa: BLE001 - refusals, transport failures, timeouts, bugs: all fail closed
+            if hasattr(e, "code") and hasattr(e, "message"):  # a typed drafter error
+                return self._drafter_error(ep, e, started, deadline_at)
             self._failure(ep, e, started)
             return None
         drafts = getattr(out, "draft_token_ids", out)
@@ -237,17 +245,18 @@ class RemoteProposer:
         return drafts.to(kwargs["next_token_ids"].device, torch.int64)
 
     def _failure(self, ep: Endpoint | None, e: Exception, started: float) -> None:
-        code = getattr(e, "code", None) or type(e).__name__
+        code = code_name(e)
         if ep is not None:
             self._breaker(ep).record_failure()
             self._drop_transport(ep)
         self._no_drafts(str(code), ep, str(e)[:200], started)
 
-    def _drafter_error(self, ep: Endpoint, e: DrafterError, started: float, deadline_at: float):
-        if e.code in SESSION_LOST:
+    def _drafter_error(self, ep: Endpoint, e: Exception, started: float, deadline_at: float):
+        code = code_name(e)
+        if code in SESSION_LOST:
             # the drafter is alive but lost our session (restart: new epoch): attach right away
             # within what is left of this step's budget; the step itself has no drafts
-            self._event("session_lost", ep, f"{e.code}: {e.message}")
+            self._event("session_lost", ep, f"{code}: {e.message}")
             self.session = None
             try:
                 attached = self._attach(ep, deadline_at)
@@ -256,9 +265,9 @@ class RemoteProposer:
                 return None
             if attached:
                 self._breaker(ep).record_success()
-            self._no_drafts("session_lost", ep, e.code, started)
+            self._no_drafts("session_lost", ep, code, started)
             return None
-        if e.code == INVALID_ARGUMENT:
+        if code == INVALID_ARGUMENT:
             # our request was wrong, the drafter is fine: do not trip its breaker, but say so loudly
             log.error("%s: drafter refused input field %r: %s", self.key, e.field, e.message)
             self._no_drafts("invalid_argument", ep, f"{e.field}: {e.message}", started)

@@ -29,6 +29,8 @@ class DraftCall:
     kwargs: dict  # the propose() keywords, tensors on CPU
     requests: list[Request]  # batch order
     new_frontiers: list[int]  # where each request's frontier moves if the call succeeds
+    # [batch] int: drafts accepted last step, -1 = no report (the drafter's acceptance metrics)
+    accepted_counts: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
@@ -76,8 +78,8 @@ class CallBuilder:
         return not req.finished and req.remaining >= 2 and nxt + 1 < self.max_model_len
 
     def build(self, requests: list[Request]) -> DraftCall:
-        ids, positions, hidden, next_ids, qsl, seq_lens, tables, slots, sample, rejected = (
-            [], [], [], [], [0], [], [], [], [], [])
+        ids, positions, hidden, next_ids, qsl, seq_lens, tables, slots, sample, rejected, accepted = (
+            [], [], [], [], [0], [], [], [], [], [], [])
         chosen, frontiers = [], []
         for req in requests:
             if req.last is None or not self.wants_drafts(req):
@@ -96,6 +98,7 @@ class CallBuilder:
             qsl.append(qsl[-1] + rows)
             seq_lens.append(last.seq_len)
             rejected.append(last.num_rejected)
+            accepted.append(last.accepted_report)
             table = torch.zeros(self.blocks_per_req, dtype=torch.int32)
             table[: len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
             tables.append(table)
@@ -119,7 +122,7 @@ class CallBuilder:
             token_indices_to_sample=torch.tensor(sample, dtype=torch.int32),
             num_rejected_tokens=torch.tensor(rejected, dtype=torch.int32),
         )
-        return DraftCall(kwargs, chosen, frontiers)
+        return DraftCall(kwargs, chosen, frontiers, torch.tensor(accepted, dtype=torch.int32))
 
     def apply(self, call: DraftCall, result: DraftResult, requests: list[Request]) -> bool:
         """Hand out drafts and move frontiers; returns True when the drafts were used."""

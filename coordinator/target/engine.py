@@ -251,7 +251,7 @@ class TargetEngine:
         last_row = len(query) - 1 if prefill else verdict.num_accepted
         req.tokens.extend(verdict.tokens)
         req.num_computed = start + last_row + 1
-        req.last = StepResult(start, query, last_row, verdict.tokens[-1])
+        req.last = StepResult(start, query, last_row, verdict.tokens[-1], j)
         req.finished = req.remaining <= 0
         if not prefill:
             s = self.stats
@@ -282,7 +282,7 @@ class TargetEngine:
 
     def _propose(self, call: DraftCall, padding: DPPadding, ran: list) -> DraftResult:
         drafts = self.proposer.propose(**call.kwargs, batch_padded=padding.batch_padded,
-                                       tokens_padded=padding.tokens_padded)
+                                       tokens_padded=padding.tokens_padded, accepted_counts=call.accepted_counts)
         padded = getattr(self.proposer, "last_batch_padded", None)
         if padded is not None:
             ran.append(padded)

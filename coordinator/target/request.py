@@ -31,6 +31,7 @@ class StepResult:
     query: list[int]  # the query's tokens: [last token, d_1 .. d_j] or the prompt
     last_accepted_row: int  # index in query of the last row whose token is final
     next_token: int  # the token sampled after it (the drafter's next_token_ids)
+    num_drafts: int = 0  # drafts this step verified (query rows after the first, on a decode step)
 
     @property
     def seq_len(self) -> int:
@@ -39,6 +40,11 @@ class StepResult:
     @property
     def num_rejected(self) -> int:
         return len(self.query) - 1 - self.last_accepted_row
+
+    @property
+    def accepted_report(self) -> int:
+        """Drafts accepted this step, or -1 when none were verified (a prefill, a step without drafts)."""
+        return self.last_accepted_row if self.num_drafts else -1
 
 
 @dataclass
@@ -66,3 +72,15 @@ class Request:
     @property
     def remaining(self) -> int:
         return self.spec.max_new_tokens - len(self.output)
+
+
+def random_requests(count: int, *, vocab_size: int, max_new_tokens: int, seed: int = 0, first_rid: int = 0,
+                    prompt_lens: tuple[int, int] = (8, 16), temperature: float = 0.0) -> list[RequestSpec]:
+    """Prompts of random tokens (the tiny models know no language): the demo's and tests' workload."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        n = int(torch.randint(prompt_lens[0], prompt_lens[1] + 1, (), generator=g))
+        prompt = tuple(torch.randint(0, vocab_size, (n,), generator=g).tolist())
+        out.append(RequestSpec(first_rid + i, prompt, max_new_tokens, temperature, seed=seed * 100_003 + first_rid + i))
+    return out
