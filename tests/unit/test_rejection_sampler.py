@@ -7,6 +7,7 @@ import torch
 from scipy import stats
 
 from coordinator.target.verify import Verdict, randomized_pit, rejection_sample, verify_greedy
+from tests.support.pair import one_torch_thread  # noqa: F401 (fixture)
 
 V = 6  # a small vocabulary: every cell of the joint distribution gets plenty of samples
 N = 20_000
