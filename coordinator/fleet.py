@@ -116,14 +116,10 @@ def make_connect(head_dir: str | None, target: TargetConfig) -> Callable[[Endpoi
                     raise FleetError("an inprocess endpoint needs FleetConfig.head_dir")
                 cache[ep] = InProcessTransport(head_dir, target.target_dir, target.method)
             return cache[ep]
-        if ep.scheme == "grpc":
-            from coordinator.transport.grpc_client import GrpcTransport
+        if ep.scheme in ("grpc", "zmq"):
+            from coordinator.clients import ServiceTransport
 
-            return GrpcTransport(ep.address)
-        if ep.scheme == "zmq":
-            from coordinator.transport.zmq_client import ZmqTransport
-
-            return ZmqTransport(ep.address)
+            return ServiceTransport(ep)
         raise FleetError(f"no transport for {ep}")
 
     return connect
