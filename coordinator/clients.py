@@ -49,7 +49,12 @@ class ServiceTransport:
                            limits.max_num_batched_tokens if limits else spec.max_num_batched_tokens)
 
     def propose(self, session: SessionInfo, timeout: float, **kwargs):
-        """DraftOutput (draft_token_ids [batch, k], batch_padded, ...) on this client's session."""
+        """DraftOutput (draft_token_ids [batch, k], batch_padded, ...) on the given session."""
+        state = self.client.session
+        if state.session_id != session.session_id:
+            # a session belongs to the drafter, not to a socket: a reconnected client carries on
+            # with it (and learns from the drafter if it is gone)
+            state.session_id, state.epoch = session.session_id, int(session.epoch)
         if self.use_stream:
             if self._stream is None:
                 self._stream = self.client.stream()
