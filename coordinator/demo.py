@@ -126,7 +126,8 @@ def run(cfg: DemoConfig) -> int:
                 reference.update(ref.run())
         proposer = ProposerConfig(deadline_s=cfg.deadline_s,
                                   breaker=BreakerConfig(failure_threshold=2, backoff_base_s=0.1, backoff_max_s=0.5))
-        fcfg = fleet_mod.FleetConfig(target=target, tp=cfg.tp, dp=cfg.dp, name="demo", endpoints=endpoints,
+        fcfg = fleet_mod.FleetConfig(target=target, tp=cfg.tp, dp=cfg.dp, name=_spread_name(endpoints, cfg.dp),
+                                     endpoints=endpoints,
                                      head_dir=str(pair / "head"), proposer=proposer, timeout_s=300,
                                      gate_steps=(4, 6) if cfg.chaos else ())
         t_fleet = time.perf_counter()
@@ -152,6 +153,21 @@ def run(cfg: DemoConfig) -> int:
 
 def _noop():
     pass
+
+
+def _spread_name(endpoints, dp: int) -> str:
+    """The servers' ports are random, so rendezvous hashing may put every DP rank on one drafter;
+    pick the first fleet name ("demo", "demo-1", ...) whose sessions use every drafter, so the
+    demo always shows both transports."""
+    from coordinator.routing import Endpoint, assign, session_key
+
+    eps = [Endpoint.parse(e) for e in endpoints]
+    want = min(len(eps), dp)
+    for i in range(1000):
+        name = "demo" if i == 0 else f"demo-{i}"
+        if len(set(assign([session_key(name, d) for d in range(dp)], eps).values())) >= want:
+            return name
+    return "demo"
 
 
 def _uneven(by_dp):
@@ -188,9 +204,13 @@ def _run_fleet(fcfg, by_dp, out, drafters, cfg: DemoConfig):
     procs = fleet_mod.start_fleet(fcfg, by_dp, out, gates)
     note = "no drafter to kill (inprocess)"
     if drafters:
+        from coordinator.routing import Endpoint, assign, session_key
+
+        eps = [Endpoint.parse(e) for e in fcfg.endpoints]
+        used = assign([session_key(fcfg.name, 0)], eps)[session_key(fcfg.name, 0)]
+        victim = drafters[eps.index(used)]  # the drafter DP rank 0 drafts from
         reached, go = gates[4]
         reached.wait(120)
-        victim = drafters[0]
         old_epoch = victim.epoch
         victim.kill()  # SIGKILL at step 4: no drain
         go.set()
