@@ -319,6 +319,16 @@ def _report(console, cfg, report, result, reference, drafters, endpoints, fleet_
         console.print(f"output vs non-speculative decoding: {'[green]identical' if same else '[red]DIFFERENT'}")
         if not same:
             problems.append("speculative output differs from plain decoding")
+    else:
+        # sampled tokens differ run to run; what must hold is their distribution: each token's
+        # randomised PIT under the target's own distribution is U(0, 1)
+        from coordinator.target.verify import ks_uniform
+
+        d, p = ks_uniform([u for r in result.leaders for u in r.stats.pit])
+        console.print(f"sampling vs the target's distribution: KS D={d:.3f}, p={p:.3f} "
+                      f"({'[green]consistent' if p > 1e-3 else '[red]INCONSISTENT'}[/])")
+        if p <= 1e-3:
+            problems.append(f"sampled tokens do not follow the target distribution (KS p={p:.2g})")
     if max_wait > cfg.deadline_s + 1.0:
         problems.append(f"a step waited {max_wait:.2f} s for drafts (deadline {cfg.deadline_s} s)")
     if verify == 0:

@@ -80,3 +80,20 @@ def randomized_pit(probs: torch.Tensor, token: int, u: float) -> float:
     so a stream of these from the whole run tests the sampler's distribution with one KS test."""
     below = float(probs[:token].sum()) if token > 0 else 0.0
     return below + u * float(probs[token])
+
+
+def ks_uniform(values) -> tuple[float, float]:
+    """Kolmogorov-Smirnov test of values against U(0, 1): (statistic D, asymptotic p-value).
+
+    With randomized_pit this checks a sampler against the target's distribution without scipy."""
+    u = torch.sort(torch.as_tensor(list(values), dtype=torch.float64)).values
+    n = u.numel()
+    if n == 0:
+        raise ValueError("no values")
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    d = float(torch.maximum(i / n - u, u - (i - 1) / n).max())
+    # Kolmogorov's limit distribution, with Stephens' small-sample correction of the statistic
+    t = (n ** 0.5 + 0.12 + 0.11 / n ** 0.5) * d
+    k = torch.arange(1, 101, dtype=torch.float64)
+    p = float(2 * ((-1) ** (k - 1) * torch.exp(-2 * k ** 2 * t ** 2)).sum())
+    return d, min(1.0, max(0.0, p))
