@@ -22,7 +22,7 @@ from coordinator.target.allocator import BlockAllocator
 from coordinator.target.drafting import EMPTY_CALL, CallBuilder, DraftCall, DraftResult, session_spec
 from coordinator.target.request import Request, RequestSpec, StepResult
 from coordinator.target.runner import AUX_METHODS, ModelRunner, RunnerConfig
-from coordinator.target.verify import randomized_pit, rejection_sample, sample, target_probs, verify_greedy
+from coordinator.target.verify import randomized_pit, rejection_sample, target_probs, verify_greedy
 from coordinator.tp import TPFanout
 
 

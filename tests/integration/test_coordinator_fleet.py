@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
