@@ -12,6 +12,7 @@ Speculation never changes what is generated: a step without drafts is a plain de
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from coordinator.target.request import Request, RequestSpec, StepResult
 from coordinator.target.runner import AUX_METHODS, ModelRunner, RunnerConfig
 from coordinator.target.verify import randomized_pit, rejection_sample, target_probs, verify_greedy
 from coordinator.tp import TPFanout
+
+log = logging.getLogger("coordinator.target")
 
 
 @dataclass(frozen=True)
@@ -281,8 +284,13 @@ class TargetEngine:
                           ran[0] if ran else None)
 
     def _propose(self, call: DraftCall, padding: DPPadding, ran: list) -> DraftResult:
-        drafts = self.proposer.propose(**call.kwargs, batch_padded=padding.batch_padded,
-                                       tokens_padded=padding.tokens_padded, accepted_counts=call.accepted_counts)
+        try:
+            drafts = self.proposer.propose(**call.kwargs, batch_padded=padding.batch_padded,
+                                           tokens_padded=padding.tokens_padded, accepted_counts=call.accepted_counts)
+        except Exception:  # noqa: BLE001 - the proposer fails closed itself; this guards the TP peers
+            # waiting in the broadcast: whatever happens here, they get "no drafts", not a hang
+            log.exception("proposer raised; no drafts this step")
+            return DraftResult(None, self.builder.generation)
         padded = getattr(self.proposer, "last_batch_padded", None)
         if padded is not None:
             ran.append(padded)
