@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,17 +223,24 @@ def start_fleet(cfg: FleetConfig, requests_by_dp: list[list[RequestSpec]], out_d
 
 def join_fleet(procs, out_dir: str | Path, timeout_s: float) -> FleetResult:
     out = Path(out_dir)
+    deadline = time.monotonic() + timeout_s
+    pending = list(procs)
+    # a rank that dies leaves its peers blocked in a collective: stop them all at once
+    while pending and time.monotonic() < deadline:
+        mp.connection.wait([p.sentinel for p in pending], timeout=max(0.0, deadline - time.monotonic()))
+        pending = [p for p in pending if p.exitcode is None]
+        if any(p.exitcode for p in procs):
+            break
+    timed_out = bool(pending) and not any(p.exitcode for p in procs if p not in pending)
     for p in procs:
-        p.join(timeout_s)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
+        if p.is_alive():
+            p.kill()
         p.join()
     errors = sorted(out.glob("rank*.err"))
-    if errors or alive or any(p.exitcode for p in procs):
+    if errors or any(p.exitcode for p in procs):
         detail = "\n".join(e.read_text() for e in errors)
-        raise FleetError(f"fleet failed (exit codes {[p.exitcode for p in procs]}, "
-                         f"{len(alive)} killed after {timeout_s}s)\n{detail}")
+        why = f"timed out after {timeout_s} s" if timed_out else "a rank failed"
+        raise FleetError(f"fleet failed ({why}; exit codes {[p.exitcode for p in procs]})\n{detail}")
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(len(procs))]
     result = FleetResult(ranks)
     result.check_tp_consistency()
