@@ -78,6 +78,7 @@ class CallRecord:
     padding: DPPadding
     drafts: torch.Tensor | None
     generation: int | None
+    accepted_counts: torch.Tensor | None = None
 
 
 @dataclass
@@ -279,7 +280,8 @@ class TargetEngine:
         wait = time.perf_counter() - t0
         ok = self.builder.apply(call, result, self.running)
         if self.cfg.record_calls and self.fanout.is_src:
-            self.calls.append(CallRecord(padding.step, call.kwargs, padding, result.drafts, result.generation))
+            self.calls.append(CallRecord(padding.step, call.kwargs, padding, result.drafts, result.generation,
+                                         call.accepted_counts))
         return StepRecord(padding.step, padding, scheduled, call.batch, call.num_tokens, "draft", ok, wait,
                           ran[0] if ran else None)
 

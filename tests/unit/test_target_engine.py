@@ -150,3 +150,26 @@ def test_sampling_follows_the_target_distribution(pair):
     assert pvalue > 1e-3
     again, out2 = _run(pair, reqs)
     assert out2 == out  # seeded per request: reproducible
+
+
+def test_calls_carry_vllm_padded_batch_semantics(pair):
+    """Each call is what vLLM's proposer receives in the padded path: the query's tokens (the
+    drafter shifts them), seq_lens that count rejected rows, the last accepted row to sample,
+    rejected counts, and (for the drafter's metrics) accepted counts."""
+    reqs = random_requests(3, vocab_size=512, max_new_tokens=20, seed=5)
+    engine, _ = _run(pair, reqs)
+    saw_rejection = False
+    for call in engine.calls:
+        kw = call.kwargs
+        qsl, rej = kw["query_start_loc"].tolist(), kw["num_rejected_tokens"].tolist()
+        accepted = call.accepted_counts.tolist()
+        for i in range(len(rej)):
+            lo, hi = qsl[i], qsl[i + 1]
+            assert kw["token_indices_to_sample"][i] == hi - 1 - rej[i]
+            assert kw["seq_lens"][i] == kw["target_positions"][hi - 1] + 1  # rejected rows included
+            if hi - lo == K + 1 and call.step > 0:  # a decode step that verified k drafts
+                saw_rejection |= rej[i] > 0
+                assert accepted[i] == K - rej[i]
+            if call.step == 0:  # prefills: nothing verified, nothing to report
+                assert rej[i] == 0 and accepted[i] == -1
+    assert saw_rejection
