@@ -75,6 +75,7 @@ class ProposerStats:
     no_drafts: dict = field(default_factory=dict)  # reason -> count
     latencies: dict = field(default_factory=dict)  # transport name -> seconds of successful calls
     max_wait_s: float = 0.0  # the longest any call made its caller wait
+    late: int = 0  # answers that came after the deadline (the transport overran its timeout)
 
 
 class RemoteProposer:
@@ -171,7 +172,7 @@ class RemoteProposer:
         try:
             ok = self._attach(ep, started + self.cfg.deadline_s)
         except Exception as e:  # noqa: BLE001 - fail closed on anything
-            self._failure(ep, e, started)
+            self._failure(ep, e, started, prefix="attach ")
             return False
         if ok:
             self._breaker(ep).record_success()
@@ -208,69 +209,63 @@ class RemoteProposer:
         if ep is None:
             self._no_drafts("no_endpoint", None, "", started)
             return None
-        breaker = self._breaker(ep)
-        if not breaker.allow():
+        if not self._breaker(ep).allow():
             self._no_drafts("circuit_open", ep, "", started)
             return None
+        if self.session is None:
+            # a new session has no KV yet: this step gets no drafts, the caller resends context
+            self._attach_in_step(ep, deadline_at, started, "attached")
+            return None
         try:
-            if self.session is None:
-                # a new session has no KV yet: this step gets no drafts, the caller resends context
-                if self._attach(ep, deadline_at):
-                    breaker.record_success()
-                    self._no_drafts("attached", ep, "", started)
-                else:
-                    breaker.record_failure()
-                    self._no_drafts("deadline", ep, "no time left to attach", started)
-                return None
             out = self._transport(ep).propose(self.session, timeout=max(1e-3, deadline_at - self.clock()), **kwargs)
         except Exception as e:  # noqa: BLE001 - refusals, transport failures, timeouts, bugs: all fail closed
-            if hasattr(e, "code") and hasattr(e, "message"):  # a typed drafter error
-                return self._drafter_error(ep, e, started, deadline_at)
-            self._failure(ep, e, started)
+            code = code_name(e)
+            if code in SESSION_LOST and hasattr(e, "message"):
+                # the drafter is alive but lost our session (restart: new epoch, or it forgot us):
+                # attach again within what is left of this step's budget
+                self._event("session_lost", ep, f"{code}: {e.message}")
+                self.session = None
+                self._attach_in_step(ep, deadline_at, started, "session_lost")
+            elif code == INVALID_ARGUMENT and hasattr(e, "message"):
+                # our request was wrong, the drafter is fine: do not trip its breaker, say so loudly
+                log.error("%s: drafter refused input field %r: %s", self.key, getattr(e, "field", ""), e.message)
+                self._no_drafts("invalid_argument", ep, f"{getattr(e, 'field', '')}: {e.message}", started)
+            else:
+                self._failure(ep, e, started)
             return None
         drafts = getattr(out, "draft_token_ids", out)
         batch = kwargs["next_token_ids"].shape[0]
         if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2 or drafts.shape[0] != batch or \
                 drafts.shape[1] != self.spec.num_speculative_tokens:
-            breaker.record_failure()
+            self._breaker(ep).record_failure()
             self._no_drafts("malformed", ep, f"drafts of shape {getattr(drafts, 'shape', None)}", started)
             return None
         if self.clock() > deadline_at:
-            # the transport overran its timeout: the answer is valid, but count the overrun
-            self.stats.no_drafts["late"] = self.stats.no_drafts.get("late", 0) + 1
-        breaker.record_success()
+            self.stats.late += 1  # the transport overran its timeout; the answer is still valid
+        self._breaker(ep).record_success()
         self.stats.drafted += 1
         self.stats.latencies.setdefault(self._transport(ep).name, []).append(self.clock() - started)
         self.last_batch_padded = getattr(out, "batch_padded", None)
         return drafts.to(kwargs["next_token_ids"].device, torch.int64)
 
-    def _failure(self, ep: Endpoint | None, e: Exception, started: float) -> None:
-        code = code_name(e)
+    def _attach_in_step(self, ep: Endpoint, deadline_at: float, started: float, reason: str) -> None:
+        """Attach a session as part of a step that returns no drafts."""
+        try:
+            attached = self._attach(ep, deadline_at)
+        except Exception as e:  # noqa: BLE001
+            if code_name(e) in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"):
+                # a refusal of our layout (or a full drafter) is configuration, not an outage
+                log.error("%s: %s refused the session: %s", self.key, ep, e)
+            self._failure(ep, e, started, prefix="attach ")
+            return
+        if attached:
+            self._breaker(ep).record_success()
+            self._no_drafts(reason, ep, "", started)
+        else:  # no time left in this step's budget: attach on the next one
+            self._no_drafts(reason, ep, "no time left to attach", started)
+
+    def _failure(self, ep: Endpoint | None, e: Exception, started: float, prefix: str = "") -> None:
         if ep is not None:
             self._breaker(ep).record_failure()
             self._drop_transport(ep)
-        self._no_drafts(str(code), ep, str(e)[:200], started)
-
-    def _drafter_error(self, ep: Endpoint, e: Exception, started: float, deadline_at: float):
-        code = code_name(e)
-        if code in SESSION_LOST:
-            # the drafter is alive but lost our session (restart: new epoch): attach right away
-            # within what is left of this step's budget; the step itself has no drafts
-            self._event("session_lost", ep, f"{code}: {e.message}")
-            self.session = None
-            try:
-                attached = self._attach(ep, deadline_at)
-            except Exception as e2:  # noqa: BLE001
-                self._failure(ep, e2, started)
-                return None
-            if attached:
-                self._breaker(ep).record_success()
-            self._no_drafts("session_lost", ep, code, started)
-            return None
-        if code == INVALID_ARGUMENT:
-            # our request was wrong, the drafter is fine: do not trip its breaker, but say so loudly
-            log.error("%s: drafter refused input field %r: %s", self.key, e.field, e.message)
-            self._no_drafts("invalid_argument", ep, f"{e.field}: {e.message}", started)
-            return None
-        self._failure(ep, e, started)
-        return None
+        self._no_drafts(prefix + code_name(e), ep, str(e)[:200], started)

@@ -212,3 +212,17 @@ def test_without_failover_the_session_waits_for_its_own_drafter(dirs):
     for kw in _calls(3):
         assert p.propose(**kw) is None
     assert p.endpoint == home and p.generation == 1
+
+
+def test_a_refused_session_layout_fails_closed_and_backs_off(dirs):
+    clock = Clock()
+    probe = Probe(InProcessTransport(dirs / "head", dirs / "target", "eagle"), clock)
+    spec = SessionSpec(method="eagle3", num_speculative_tokens=K, hidden_size=64, num_aux_layers=3,
+                       max_model_len=MAX_LEN, max_num_seqs=8, max_num_batched_tokens=256,
+                       kv_groups=(KVGroupSpec(16, BLOCKS),))
+    p = RemoteProposer(spec, router=Router(StaticEndpoints([A])), key="k", connect=lambda ep: probe,
+                       config=ProposerConfig(breaker=BreakerConfig(failure_threshold=2, jitter=0.0)), clock=clock)
+    assert not p.start() and p.generation == 0
+    assert p.propose(**_calls(1)[0]) is None
+    assert p.stats.no_drafts == {"attach INVALID_ARGUMENT": 2}
+    assert p.breakers[A].state == State.OPEN and p.propose(**_calls(1)[0]) is None
