@@ -57,7 +57,8 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--method", choices=("eagle3", "eagle"), default=d.method)
     p.add_argument("--transport", choices=TRANSPORTS, default=d.transport,
                    help="both: one drafter over gRPC, one over ZMQ; inprocess: no servers")
-    p.add_argument("--deadline", dest="deadline_s", type=float, default=d.deadline_s, help="per-step budget (s)")
+    p.add_argument("--deadline", dest="deadline_s", metavar="SECONDS", type=float, default=d.deadline_s,
+                   help="per-step budget for drafts")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--chaos", action="store_true", help="SIGKILL a drafter mid-run, then restart it")
