@@ -302,7 +302,8 @@ def _report(console, cfg, report, result, reference, drafters, endpoints, fleet_
     for name, values in sorted(lat.items()):
         lt.add_row(name, str(len(values)), f"{_pct(values, 50):.2f}", f"{_pct(values, 99):.2f}")
     console.print(lt)
-    console.print(f"longest wait for drafts in any step: {max_wait * 1e3:.1f} ms (deadline {cfg.deadline_s * 1e3:.0f} ms)")
+    console.print(f"longest wait for drafts in any step: {max_wait * 1e3:.1f} ms "
+                  f"(deadline {cfg.deadline_s * 1e3:.0f} ms)")
 
     if events:
         ev = Table(title="session events and fail-closed steps")

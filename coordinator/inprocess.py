@@ -18,9 +18,7 @@ from drafter.engine import DraftEngine
 from drafter.inputs import InvalidInput
 from drafter.models.loader import load_head
 
-from coordinator.session import (
-    FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, DrafterError, SessionInfo,
-    SessionSpec)
+from coordinator.session import Code, DrafterError, SessionInfo, SessionSpec
 
 
 class InProcessTransport:
@@ -36,7 +34,7 @@ class InProcessTransport:
         self.sessions: dict[str, DraftEngine] = {}
         self._ids = itertools.count()
         self.epoch = uuid.uuid4().hex[:12]
-        self.down: str | None = None  # an error code every call answers while set
+        self.down: Code | None = None  # an error code every call answers while set
 
     # ---------------------------------------------------------------- chaos controls (tests)
     def restart(self) -> None:
@@ -44,7 +42,7 @@ class InProcessTransport:
         self.epoch = uuid.uuid4().hex[:12]
         self.down = None
 
-    def fail(self, code: str = UNAVAILABLE) -> None:
+    def fail(self, code: Code = Code.UNAVAILABLE) -> None:
         self.down = code
 
     # ---------------------------------------------------------------- transport
@@ -55,9 +53,9 @@ class InProcessTransport:
     def attach(self, spec: SessionSpec, timeout: float) -> SessionInfo:
         self._check_up()
         if spec.method != self.method:
-            raise DrafterError(INVALID_ARGUMENT, "method", f"this drafter serves {self.method}, not {spec.method}")
+            raise DrafterError(Code.INVALID_ARGUMENT, "method", f"this drafter serves {self.method}, not {spec.method}")
         if len(self.sessions) >= self.max_sessions:
-            raise DrafterError(RESOURCE_EXHAUSTED, "", f"{self.max_sessions} sessions attached")
+            raise DrafterError(Code.RESOURCE_EXHAUSTED, "", f"{self.max_sessions} sessions attached")
         try:
             config = EngineConfig(
                 method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
@@ -66,9 +64,9 @@ class InProcessTransport:
                 device=self.device, seed=self.seed)
             engine = DraftEngine(self.head, self.head.spec, config)
         except ValueError as e:
-            raise DrafterError(INVALID_ARGUMENT, "session", str(e)) from e
+            raise DrafterError(Code.INVALID_ARGUMENT, "session", str(e)) from e
         if engine.spec.hidden_input_width != spec.hidden_width:
-            raise DrafterError(INVALID_ARGUMENT, "hidden_size",
+            raise DrafterError(Code.INVALID_ARGUMENT, "hidden_size",
                                f"head takes width {engine.spec.hidden_input_width}, session sends {spec.hidden_width}")
         sid = f"s{next(self._ids)}"
         self.sessions[sid] = engine
@@ -78,10 +76,11 @@ class InProcessTransport:
     def _engine(self, session: SessionInfo) -> DraftEngine:
         self._check_up()
         if session.epoch != self.epoch:
-            raise DrafterError(FAILED_PRECONDITION, "epoch", f"session from epoch {session.epoch}, now {self.epoch}")
+            raise DrafterError(Code.FAILED_PRECONDITION, "epoch",
+                               f"session from epoch {session.epoch}, now {self.epoch}")
         engine = self.sessions.get(session.session_id)
         if engine is None:
-            raise DrafterError(NOT_FOUND, "session_id", f"unknown session {session.session_id}")
+            raise DrafterError(Code.NOT_FOUND, "session_id", f"unknown session {session.session_id}")
         return engine
 
     def propose(self, session: SessionInfo, timeout: float, accepted_counts=None, **kwargs):
@@ -89,7 +88,7 @@ class InProcessTransport:
         try:
             return engine.propose(**kwargs)  # DraftOutput: draft_token_ids [batch, k], batch_padded, ...
         except InvalidInput as e:
-            raise DrafterError(INVALID_ARGUMENT, e.field, str(e)) from e
+            raise DrafterError(Code.INVALID_ARGUMENT, e.field, str(e)) from e
 
     def detach(self, session: SessionInfo, timeout: float) -> None:
         self._check_up()

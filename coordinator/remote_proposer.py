@@ -37,17 +37,10 @@ import torch
 
 from coordinator.circuit import BreakerConfig, CircuitBreaker, State
 from coordinator.routing import Endpoint, Router
-from coordinator.session import INVALID_ARGUMENT, SESSION_LOST, DraftTransport, SessionInfo, SessionSpec
+from coordinator.session import (INVALID_ARGUMENT, SESSION_LOST, DraftTransport, SessionInfo, SessionSpec,
+                                 code_name)
 
 log = logging.getLogger("coordinator.proposer")
-
-
-def code_name(e: Exception) -> str:
-    """An error's code as its gRPC status name, whether the code is a name or an IntEnum."""
-    code = getattr(e, "code", None)
-    if code is None:
-        return type(e).__name__
-    return getattr(code, "name", str(code))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Per-step propose calls then carry exactly DraftEngine.propose's keywords.
 
 Any transport with attach / propose / detach / close fits DraftTransport: the in-process one
 (coordinator.inprocess) wraps a DraftEngine; the gRPC and ZMQ clients speak to `drafter serve`.
-Errors carry gRPC status names, the same on every transport (DESIGN section 5).
+Errors are drafter.service.errors.DrafterError, with the same codes on every transport (DESIGN 5).
 """
 
 from __future__ import annotations
@@ -18,30 +18,29 @@ from typing import Protocol
 import torch
 
 from drafter.config import KVGroupSpec
+from drafter.service.errors import Code, DrafterError  # noqa: F401 (re-exported for transports)
 
 PROTOCOL_VERSION = 1
 
-# error codes (gRPC status names), identical on every transport
-INVALID_ARGUMENT = "INVALID_ARGUMENT"
-NOT_FOUND = "NOT_FOUND"  # unknown session
-FAILED_PRECONDITION = "FAILED_PRECONDITION"  # stale epoch: the drafter restarted
-RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-UNAVAILABLE = "UNAVAILABLE"
-DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-INTERNAL = "INTERNAL"
+# Error codes by gRPC status name, the same on every transport.  Errors are
+# drafter.service.errors.DrafterError (code: Code, field, message); compare code_name(e) with these.
+INVALID_ARGUMENT = Code.INVALID_ARGUMENT.name
+NOT_FOUND = Code.NOT_FOUND.name  # unknown session
+FAILED_PRECONDITION = Code.FAILED_PRECONDITION.name  # stale epoch: the drafter restarted
+RESOURCE_EXHAUSTED = Code.RESOURCE_EXHAUSTED.name
+UNAVAILABLE = Code.UNAVAILABLE.name
+DEADLINE_EXCEEDED = Code.DEADLINE_EXCEEDED.name
 
 # codes after which the session is gone and the client attaches a new one
 SESSION_LOST = (NOT_FOUND, FAILED_PRECONDITION)
 
 
-class DrafterError(Exception):
-    """A typed error from a drafter or a transport; `field` names the offending input, if any."""
-
-    def __init__(self, code: str, field: str = "", message: str = ""):
-        super().__init__(f"{code}{f' [{field}]' if field else ''}: {message}")
-        self.code = code
-        self.field = field
-        self.message = message
+def code_name(e: Exception) -> str:
+    """An error's code as its gRPC status name ("UNAVAILABLE"), or the exception's type name."""
+    code = getattr(e, "code", None)
+    if code is None:
+        return type(e).__name__
+    return getattr(code, "name", str(code))
 
 
 @dataclass(frozen=True)

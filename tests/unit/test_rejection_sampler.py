@@ -75,7 +75,9 @@ def test_distribution_check_catches_a_biased_sampler():
     """The same check fails a sampler that keeps every draft (what a verification bug looks like)."""
     p, q = _dists(0)
     fixed = [int(q[0].argmax()), int(q[1].argmax())]
-    keep_all = lambda p_, d, g: Verdict(len(d), tuple(d) + (int(torch.multinomial(p_[len(d)], 1, generator=g)),))  # noqa: E731
+    def keep_all(p_, d, g):
+        return Verdict(len(d), tuple(d) + (int(torch.multinomial(p_[len(d)], 1, generator=g)),))
+
     counts = _joint_counts(keep_all, p, lambda g: fixed, 4000, seed=5)
     expected = _expected_joint(p, torch.nn.functional.one_hot(torch.tensor(fixed[0]), V).float())
     assert 0.5 * float((counts / 4000 - expected).abs().sum()) > 0.3

@@ -10,7 +10,7 @@ from coordinator.circuit import BreakerConfig, State
 from coordinator.inprocess import InProcessTransport
 from coordinator.remote_proposer import ProposerConfig, RemoteProposer
 from coordinator.routing import Endpoint, Router, StaticEndpoints
-from coordinator.session import DEADLINE_EXCEEDED, NOT_FOUND, UNAVAILABLE, DrafterError, SessionSpec
+from coordinator.session import DEADLINE_EXCEEDED, Code, DrafterError, SessionSpec
 from drafter.config import EngineConfig, KVGroupSpec
 from drafter.engine import DraftEngine
 from tests.support.engines import tiny_dirs
@@ -48,7 +48,7 @@ class Probe:
         self.timeouts.append(timeout)
         if self.delay > timeout:  # what a real transport does when the answer is late
             self.clock.t += timeout
-            raise DrafterError(DEADLINE_EXCEEDED, "", "no reply in time")
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", "no reply in time")
         out = self.inner.propose(session, timeout, **kw)
         return torch.zeros(1, 1, dtype=torch.long) if self.junk else out
 
@@ -106,7 +106,7 @@ def test_dead_drafter_fails_closed_then_the_circuit_stops_calling_it(dirs):
     p.start()
     calls = _calls(8)
     assert p.propose(**calls[0]) is not None
-    probes[A].inner.fail(UNAVAILABLE)
+    probes[A].inner.fail(Code.UNAVAILABLE)
     assert p.propose(**calls[1]) is None and p.propose(**calls[2]) is None
     assert p.breakers[A].state == State.OPEN
     before = probes[A].proposes
@@ -158,7 +158,7 @@ def test_deadline_bounds_attach_and_propose_together(dirs):
 
     def slow_not_found(session, timeout, **kw):
         clock.t += 0.6
-        raise DrafterError(NOT_FOUND, "session_id", "unknown")
+        raise DrafterError(Code.NOT_FOUND, "session_id", "unknown")
 
     probes[A].propose = slow_not_found
     attaches = probes[A].attaches
@@ -191,7 +191,7 @@ def test_fail_over_to_the_next_endpoint_and_back(dirs):
     preferred, other = Router(StaticEndpoints([A, B])).rank("target/dp0")
     p.start()
     assert p.endpoint == preferred
-    probes[preferred].inner.fail(UNAVAILABLE)
+    probes[preferred].inner.fail(Code.UNAVAILABLE)
     calls = _calls(6)
     assert p.propose(**calls[0]) is None  # fails, breaker opens
     assert p.propose(**calls[1]) is None and p.endpoint == other  # moved: attach there, no drafts yet

@@ -11,7 +11,7 @@ from coordinator.circuit import BreakerConfig
 from coordinator.inprocess import InProcessTransport
 from coordinator.remote_proposer import ProposerConfig, RemoteProposer
 from coordinator.routing import Router, StaticEndpoints
-from coordinator.session import UNAVAILABLE
+from coordinator.session import Code
 from coordinator.target.engine import TargetConfig, TargetEngine
 from coordinator.target.request import random_requests
 from coordinator.target.verify import ks_uniform
@@ -46,7 +46,7 @@ class Scripted(InProcessTransport):
         action = self.script.get(self.n)
         self.n += 1
         if action == "die":
-            self.fail(UNAVAILABLE)
+            self.fail(Code.UNAVAILABLE)
         elif action == "restart":
             self.restart()
         return super().propose(session, timeout, **kw)
