@@ -26,7 +26,7 @@ from coordinator.routing import Endpoint, assign, session_key
 from coordinator.target.engine import TargetConfig
 from coordinator.target.request import random_requests
 from coordinator.target.verify import ks_uniform
-from tests.support.fleet import reference_outputs, replay_calls
+from tests.support.fleet import reference_outputs, replay_calls, spread_name
 from tests.support.pair import one_torch_thread, trained_pair  # noqa: F401 (fixture)
 
 K = 3
@@ -78,20 +78,21 @@ def _requests(n, seed, temperature=0.0, max_new=32, dp=2):
 
 def test_tp2_dp2_greedy_is_lossless_and_drafts_match_the_in_process_engine(pair, target, drafters, tmp_path):
     by_dp = _requests(6, seed=11)
-    result = run_fleet(_fleet(target, drafters), by_dp, tmp_path)
+    name = spread_name(_endpoints(drafters), 2)  # one DP rank per drafter: gRPC and ZMQ both checked
+    result = run_fleet(_fleet(target, drafters, name=name), by_dp, tmp_path)
     assert result.outputs == reference_outputs(target, by_dp)
     compared = differ = 0
     for r in result.leaders:
         c, d = replay_calls(pair, target, r.calls)
         compared, differ = compared + c, differ + d
     lengths = [round(r.stats.acceptance_length, 2) for r in result.leaders]
-    transports = sorted({r.endpoint.split(":")[0] for r in result.leaders})
+    transports = sorted(r.endpoint.split(":")[0] for r in result.leaders)
     print(f"\n[fleet] TP=2 x DP=2 via {[r.endpoint for r in result.leaders]}: outputs identical, "
           f"{compared} drafter calls replayed in-process, {differ} differ; acceptance length per DP rank {lengths}")
     assert compared >= 15 and differ == 0
     assert all(x > 1.5 for x in lengths)
     assert all(r.generation == 1 and not r.proposer_stats.no_drafts for r in result.leaders)
-    assert transports  # the ranks' routes; which transport each gets is the hash's choice
+    assert transports == ["grpc", "zmq"]
 
 
 def test_sampling_keeps_the_target_distribution_on_every_tp_rank(target, drafters, tmp_path):
@@ -175,10 +176,7 @@ def test_chaos_drafter_killed_and_restarted_mid_run(pair, target, drafters, tmp_
 def test_routing_is_stable_and_only_a_vanished_drafters_sessions_move(target, drafters, tmp_path):
     reqs = random_requests(4, vocab_size=512, max_new_tokens=8, seed=15)
     by_dp = [[r] for r in reqs]
-    eps = [Endpoint.parse(e) for e in _endpoints(drafters)]
-    # the servers' ports are random: pick a fleet name whose four keys use both drafters
-    name = next(f"routing{i}" for i in range(100)
-                if len(set(assign([session_key(f"routing{i}", d) for d in range(4)], eps).values())) == 2)
+    name = spread_name(_endpoints(drafters), 4, prefix="routing")  # four ranks over both drafters
     cfg = _fleet(replace(target, record_calls=False), drafters, tp=1, dp=4, name=name,
                  proposer=ProposerConfig(deadline_s=DEADLINE, breaker=BreakerConfig(
                      failure_threshold=1, backoff_base_s=5.0, backoff_max_s=5.0)))

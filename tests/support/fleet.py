@@ -11,6 +11,17 @@ from drafter.config import EngineConfig, KVGroupSpec
 from drafter.engine import DraftEngine
 
 
+def spread_name(endpoints, dp: int, prefix: str = "target") -> str:
+    """A fleet name whose DP ranks' sessions land on every endpoint (servers get random ports, so
+    rendezvous hashing could otherwise put all ranks on one drafter and skip a transport)."""
+    from coordinator.routing import Endpoint, assign, session_key
+
+    eps = [Endpoint.parse(str(e)) for e in endpoints]
+    names = (f"{prefix}{i}" for i in range(1000))
+    return next(n for n in names
+                if len(set(assign([session_key(n, d) for d in range(dp)], eps).values())) == min(dp, len(eps)))
+
+
 def reference_outputs(target: TargetConfig, requests_by_dp) -> dict[int, list[int]]:
     """The same target decoding the same requests without speculation, in this process."""
     out = {}
