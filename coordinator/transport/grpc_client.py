@@ -40,7 +40,11 @@ class TlsConfig:
 def _channel_options(max_message_bytes: int, tls: TlsConfig | None) -> list:
     opts = [("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000)]
+            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+            # gRPC shares subchannels (and their reconnect backoff, which grows to minutes) between
+            # all channels of a process: a client that reconnects after a drafter restart would
+            # keep failing fast until that timer fires.  A channel of its own connects at once.
+            ("grpc.use_local_subchannel_pool", 1)]
     if tls is not None and tls.server_name:
         opts.append(("grpc.ssl_target_name_override", tls.server_name))
     return opts
