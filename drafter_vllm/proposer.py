@@ -48,6 +48,7 @@ class RemoteEagleProposer(EagleProposer):
         self.source = None  # built by TP rank 0 at its first propose (needs the hidden width)
         self.stats = {"calls": 0, "drafted": 0, "fallback": 0}
         self._last_failure = None
+        self._outage_steps = 0  # steps without drafts since drafting last worked
         if self.speculative_config.draft_sample_method == "probabilistic":
             log.warning("drafter plugin: the drafter proposes greedy drafts; draft_sample_method="
                         "'probabilistic' is ignored (verification stays lossless)")
@@ -121,7 +122,7 @@ class RemoteEagleProposer(EagleProposer):
             source = self._source(hidden.shape[-1])
             got = source.propose(**kwargs)
             if got is None:
-                why = "no drafts from the drafter"
+                why = _last_no_drafts_reason(source)
             else:
                 why = usable_drafts(got, batch, k, self.vocab_size)
                 if why is None:
@@ -131,6 +132,7 @@ class RemoteEagleProposer(EagleProposer):
             log.debug("drafter plugin: propose failed", exc_info=True)
         if drafts is None:
             self.stats["fallback"] += 1
+            self._outage_steps += 1
             self._note_failure(why)
             return fallback_drafts(next_ids, k).to(self.device)
         self.stats["drafted"] += 1
@@ -142,7 +144,8 @@ class RemoteEagleProposer(EagleProposer):
         if (why is None) == (self._last_failure is None):
             return
         if why is None:
-            log.info("drafter plugin: drafts resumed after %d step(s) without", self.stats["fallback"])
+            log.info("drafter plugin: drafts resumed after %d step(s) without", self._outage_steps)
+            self._outage_steps = 0
         else:
             log.warning("drafter plugin: %s; steps go on without drafts until it answers (output unchanged)",
                         why)
@@ -174,7 +177,22 @@ class RemoteEagleProposer(EagleProposer):
             block_size=self.block_size, num_blocks=self.num_kv_blocks,
             padded_drafter_batch=not self.speculative_config.disable_padded_drafter_batch,
             head_dir=str(self.head_dir), target_dir=str(self.target_dir), device=str(self.device),
-            client=f"vllm/dp{dp}")
+            client=f"{self.target_dir}/dp{dp}")
+
+
+# The coordinator's proposer keeps an event per step without drafts (for reports); vLLM runs for
+# weeks, possibly through a long drafter outage: keep only the recent ones.
+_EVENTS_KEPT = 256
+
+
+def _last_no_drafts_reason(source) -> str:
+    events = getattr(source, "events", None)
+    if not events:
+        return "no drafts from the drafter"
+    reason = f"no drafts ({events[-1].detail})"
+    if len(events) > 4 * _EVENTS_KEPT:
+        del events[:-_EVENTS_KEPT]
+    return reason
 
 
 def _mirrored_group(kv_cache_config) -> int:

@@ -1,7 +1,9 @@
 """Where the plugin sends drafting: the environment, or vLLM's `additional_config`.
 
 Environment (the names the k8s target-wiring overlay sets):
-    DRAFTER_ENDPOINTS    comma-separated drafter addresses, host:port (ZMQ also tcp://host:port)
+    DRAFTER_ENDPOINTS    drafter addresses, host:port[,host:port] (a scheme prefix such as tcp:// is
+                         ignored); one host name (a Kubernetes headless Service) is re-resolved through
+                         DNS, one drafter per address
     DRAFTER_TRANSPORT    zmq (default) | grpc | inprocess (the engine inside vLLM's process: tests, debugging)
     DRAFTER_DEADLINE_MS  one step's budget for the drafter (default 50); past it the step has no drafts
 vLLM's speculative_config rejects unknown keys, so a per-engine setting goes into
@@ -32,7 +34,7 @@ class PluginSettings:
         if not self.deadline_ms > 0:
             raise ValueError(f"DRAFTER_DEADLINE_MS must be positive, got {self.deadline_ms}")
         if self.transport != "inprocess":
-            object.__setattr__(self, "endpoints", tuple(_address(e, self.transport) for e in self.endpoints))
+            object.__setattr__(self, "endpoints", tuple(_address(e) for e in self.endpoints))
 
     @property
     def enabled(self) -> bool:
@@ -77,15 +79,10 @@ class PluginSettings:
                                 getattr(vllm_config, "additional_config", None))
 
 
-def _address(endpoint: str, transport: str) -> str:
-    """host:port for gRPC, tcp://host:port for ZMQ (either spelling accepted)."""
-    ep = endpoint.strip()
-    if transport == "zmq" and ep.startswith("ipc://"):
-        return ep
-    bare = ep.split("://", 1)[1] if "://" in ep else ep
+def _address(endpoint: str) -> str:
+    """host:port, whatever scheme the user wrote in front (tcp://, grpc://, zmq://)."""
+    bare = endpoint.strip().split("://", 1)[-1]
     host, sep, port = bare.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"drafter endpoint {endpoint!r}: expected host:port")
-    if transport == "zmq":
-        return f"tcp://{bare}"
     return bare

@@ -28,12 +28,13 @@ def test_env_as_the_k8s_overlay_sets_it():
     s = PluginSettings.from_env({"DRAFTER_ENDPOINTS": "drafter.ns.svc:5555, other:5555",
                                  "DRAFTER_TRANSPORT": "zmq", "DRAFTER_DEADLINE_MS": "50"})
     assert s.enabled
-    assert s.endpoints == ("tcp://drafter.ns.svc:5555", "tcp://other:5555")
+    assert s.endpoints == ("drafter.ns.svc:5555", "other:5555")
     assert s.deadline_s == 0.05
 
 
-def test_grpc_endpoints_are_bare_host_port():
-    s = PluginSettings.from_env({"DRAFTER_ENDPOINTS": "grpc://h:50051", "DRAFTER_TRANSPORT": "GRPC"})
+@pytest.mark.parametrize("written", ["h:50051", "grpc://h:50051", "tcp://h:50051"])
+def test_endpoints_are_host_port_whatever_the_prefix(written):
+    s = PluginSettings.from_env({"DRAFTER_ENDPOINTS": written, "DRAFTER_TRANSPORT": "GRPC"})
     assert s.endpoints == ("h:50051",) and s.transport == "grpc"
 
 

@@ -1,164 +1,61 @@
-"""The vLLM plugin's network source (drafter_vllm.sources.ServiceSource) against scripted clients.
+"""drafter_vllm.sources: a vLLM worker's settings and facts -> the coordinator's RemoteProposer.
 
-Its policy, without processes or sockets: one deadline per step (attach included), fail closed,
-backoff after failures, the same session over a rebuilt connection, re-attach after a restart.
-The real transports against a real `drafter serve` run in tests/vllm_parity/test_plugin.py.
+The proposer's policy (deadline, breaker, re-attach) is tested with the coordinator; here: the
+session spec the worker attaches with, and where its drafters are looked up.
 """
 
 from __future__ import annotations
 
-import types
-
 import pytest
-import torch
 
-from drafter.service.errors import Code, DrafterError
+from coordinator.routing import DnsEndpoints, Endpoint, StaticEndpoints
+from drafter.config import KVGroupSpec
 from drafter_vllm.settings import PluginSettings
-from drafter_vllm.sources import ServiceSource, TargetFacts
+from drafter_vllm.sources import TargetFacts, check_transport, endpoint_source, make_source
 
-FACTS = TargetFacts(method="eagle3", num_speculative_tokens=3, hidden_size=64, num_aux_layers=3, dtype="float32",
+FACTS = TargetFacts(method="eagle3", num_speculative_tokens=3, hidden_size=64, num_aux_layers=3, dtype="bfloat16",
                     max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512, block_size=32, num_blocks=128,
-                    padded_drafter_batch=True, head_dir="h", target_dir="t", device="cpu", client="vllm/dp0")
-DRAFTS = torch.tensor([[1, 2, 3]])
+                    padded_drafter_batch=True, head_dir="h", target_dir="t", device="cpu", client="/models/t/dp1")
 
 
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
+def settings(endpoints=("10.0.0.7:5555",), transport="zmq", deadline_ms=50.0):
+    return PluginSettings(endpoints=tuple(endpoints), transport=transport, deadline_ms=deadline_ms)
 
 
-class FakeClient:
-    """Answers from a script: each entry is drafts, or an exception to raise."""
-
-    def __init__(self, world):
-        self.world = world
-        self.session = types.SimpleNamespace(value=None, set=lambda resp: setattr(self.session, "value", resp))
-        self.closed = False
-
-    def attach(self, layout, timeout):
-        self.world.timeouts.append(("attach", timeout))
-        self.world.layouts.append(layout)
-        if self.world.attach_error:
-            raise self.world.attach_error
-        self.world.epoch_n += 1
-        resp = types.SimpleNamespace(session_id=f"s{self.world.epoch_n}", epoch=self.world.epoch)
-        self.session.set(resp)
-        return resp
-
-    def propose(self, timeout, **kw):
-        self.world.timeouts.append(("propose", timeout))
-        self.world.proposed_on.append(self.session.value.session_id if self.session.value else None)
-        step = self.world.script.pop(0)
-        if isinstance(step, Exception):
-            raise step
-        return types.SimpleNamespace(draft_token_ids=step)
-
-    def detach(self, timeout):
-        self.world.detached += 1
-
-    def close(self):
-        self.closed = True
+def test_session_spec_deadline_and_key():
+    src = make_source(settings(deadline_ms=80), FACTS)
+    spec = src.spec
+    assert (spec.method, spec.num_speculative_tokens, spec.hidden_size, spec.num_aux_layers) == ("eagle3", 3, 64, 3)
+    assert spec.hidden_width == 192 and spec.dtype == "bfloat16"
+    assert (spec.max_model_len, spec.max_num_seqs, spec.max_num_batched_tokens) == (128, 8, 512)
+    assert spec.kv_groups == (KVGroupSpec(32, 128),)
+    assert src.key == spec.client == "/models/t/dp1"
+    assert src.cfg.deadline_s == pytest.approx(0.08)
 
 
-@pytest.fixture
-def world(monkeypatch):
-    w = types.SimpleNamespace(script=[], timeouts=[], layouts=[], proposed_on=[], clients=[], attach_error=None,
-                              epoch=7, epoch_n=0, detached=0)
-
-    def connect(self):
-        c = FakeClient(w)
-        w.clients.append(c)
-        return c
-
-    monkeypatch.setattr(ServiceSource, "_connect", connect)
-    return w
+def test_a_service_name_is_resolved_through_dns():
+    source = endpoint_source(settings(["drafter.llm-serving.svc.cluster.local:5555"]))
+    assert isinstance(source, DnsEndpoints)
+    assert (source.name, source.port, source.scheme) == ("drafter.llm-serving.svc.cluster.local", 5555, "zmq")
 
 
-def source(clock, deadline_ms=50):
-    settings = PluginSettings(endpoints=("h:5555",), transport="zmq", deadline_ms=deadline_ms)
-    return ServiceSource(settings, FACTS, clock=clock)
+def test_addresses_and_lists_are_static():
+    source = endpoint_source(settings(["10.0.0.7:50051", "drafter-b:50051"], transport="grpc"))
+    assert isinstance(source, StaticEndpoints)
+    assert set(source.resolve()) == {Endpoint("grpc", "10.0.0.7", 50051), Endpoint("grpc", "drafter-b", 50051)}
+    assert endpoint_source(settings(["[::1]:5555"])).resolve() == (Endpoint("zmq", "::1", 5555),)
 
 
-def test_attach_layout_and_one_deadline_per_step(world):
-    clock = Clock()
-    src = source(clock)
-    assert src.start()
-    layout = world.layouts[0]
-    assert layout["method"] == "eagle3" and layout["num_aux_layers"] == 3 and layout["hidden_size"] == 64
-    assert layout["kv_groups"] == [{"block_size": 32, "num_blocks": 128}] and layout["client_name"] == "vllm/dp0"
-    world.script = [DRAFTS]
-    assert torch.equal(src.propose(), DRAFTS)
-    assert all(0 < t <= 0.05 for _, t in world.timeouts)
+def test_inprocess_has_one_local_endpoint():
+    assert endpoint_source(settings((), transport="inprocess")).resolve() == (Endpoint("inprocess", "vllm", 0),)
 
 
-def test_restarted_drafter_is_reattached_within_the_same_step(world):
-    clock = Clock()
-    src = source(clock)
-    src.start()
-    world.epoch = 8
-    world.script = [DrafterError(Code.FAILED_PRECONDITION, "epoch", "stale"), DRAFTS]
-    assert torch.equal(src.propose(), DRAFTS)
-    assert src.attaches == 2 and src.epoch == 8
-    assert world.proposed_on == ["s1", "s2"]
+@pytest.mark.parametrize("transport", ["zmq", "grpc", "inprocess"])
+def test_transports_import(transport):
+    check_transport(settings(transport=transport))
 
 
-def test_failures_back_off_and_keep_the_session(world):
-    clock = Clock()
-    src = source(clock)
-    src.start()
-    world.script = [DrafterError(Code.DEADLINE_EXCEEDED, "", "slow")]
-    assert src.propose() is None
-    assert world.clients[0].closed  # a fresh connection next time
-    calls = len(world.proposed_on)
-    clock.t += 0.05
-    assert src.propose() is None and len(world.proposed_on) == calls  # paused: the drafter is not asked
-    clock.t += 0.1
-    world.script = [DrafterError(Code.UNAVAILABLE, "", "down")]
-    assert src.propose() is None and src.backoff == pytest.approx(0.2)  # doubled
-    clock.t += 0.2
-    world.script = [DRAFTS]
-    assert torch.equal(src.propose(), DRAFTS)
-    # the same session travelled over each new connection: no new attach, no leaked pool blocks
-    assert src.attaches == 1 and world.proposed_on[-1] == "s1" and len(world.clients) == 3
-    assert src.backoff == 0.0
-
-
-def test_backoff_is_capped(world):
-    clock = Clock()
-    src = source(clock)
-    world.attach_error = DrafterError(Code.UNAVAILABLE, "", "down")
-    for _ in range(12):
-        assert src.propose() is None
-        clock.t += src.backoff
-    assert src.backoff == ServiceSource.BACKOFF_S[1]
-
-
-def test_refused_layout_fails_closed_and_is_logged_once(world, caplog):
-    clock = Clock()
-    src = source(clock)
-    world.attach_error = DrafterError(Code.FAILED_PRECONDITION, "max_model_len", "128 != 2048")
-    with caplog.at_level("WARNING", logger="vllm.drafter_vllm"):
-        assert not src.start()
-        for _ in range(3):
-            clock.t += src.backoff
-            assert src.propose() is None
-    warnings = [r for r in caplog.records if "max_model_len" in r.getMessage()]
-    assert len(warnings) == 1
-
-
-def test_any_exception_fails_closed(world):
-    clock = Clock()
-    src = source(clock)
-    src.start()
-    world.script = [RuntimeError("bug in a transport")]
-    assert src.propose() is None
-
-
-def test_close_detaches(world):
-    src = source(Clock())
-    src.start()
-    src.close()
-    assert world.detached == 1 and src.session is None
+def test_nothing_listening_fails_closed_within_the_deadline():
+    src = make_source(settings(["127.0.0.1:9"], transport="grpc", deadline_ms=200), FACTS)
+    assert not src.start()
+    assert src.propose(next_token_ids=None) is None

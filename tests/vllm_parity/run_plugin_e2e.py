@@ -11,9 +11,7 @@ the other (vLLM is imported once).  Modes:
     kill-zmq / kill-grpc
                 as zmq / grpc, and the drafter is SIGKILLed right after the plugin's
                 `kill_after`-th propose call returned (counted in vLLM's runner, no timing involved);
-                with `restart_after` a fresh drafter is started on the same ports after that many calls
-    fail-inprocess
-                as inprocess, and the in-process engine raises on every call after `kill_after`
+                with "restart": true a fresh drafter is started on the same ports right after
     unreachable-zmq / unreachable-grpc
                 the plugin pointed at a local port nobody listens on
 
@@ -54,8 +52,7 @@ for _k in ("DRAFTER_ENDPOINTS", "DRAFTER_TRANSPORT", "DRAFTER_DEADLINE_MS"):
     os.environ.pop(_k, None)  # each run configures the plugin explicitly
 
 REPO = Path(__file__).resolve().parents[2]
-SPEC_MODES = ("vllm", "inprocess", "zmq", "grpc", "kill-zmq", "kill-grpc", "fail-inprocess", "unreachable-zmq",
-              "unreachable-grpc")
+SPEC_MODES = ("vllm", "inprocess", "zmq", "grpc", "kill-zmq", "kill-grpc", "unreachable-zmq", "unreachable-grpc")
 PLUGIN_MODES = SPEC_MODES[1:]
 
 
@@ -217,8 +214,7 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
         llm_kw["speculative_config"] = {"method": run["method"], "model": run["head"], "num_speculative_tokens": k}
 
     servers: list[DrafterProcess] = []
-    killed = {"after_call": None, "restarted_after_call": None}
-    rec_holder: dict = {}
+    killed = {"after_call": None, "restarted": False}
     transport = mode.split("-")[-1] if mode in PLUGIN_MODES else None
     # equality runs get a deadline no loaded CI box reaches: a missed step would change drafts
     deadline_ms = run.get("deadline_ms", 60000)
@@ -238,26 +234,18 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
             llm_kw["additional_config"] = {"drafter": drafter_cfg}
 
     def on_call(n: int) -> None:
-        if run.get("restart_after") and n == run["restart_after"]:
-            # a fresh drafter on the same ports: the plugin must find it and attach again
-            ports = {p: servers[0].ready[p] for p in ("grpc_port", "zmq_port", "health_port", "metrics_port")}
-            servers.append(DrafterProcess(plan["drafter_python"], run, out_dir / f"{run['name']}.drafter2.log",
-                                          ports=ports))
-            killed["restarted_after_call"] = n
-        if mode.startswith(("kill-", "fail-")) and n == run["kill_after"]:
+        if mode.startswith("kill-") and n == run["kill_after"]:
             killed["after_call"] = n
-            if mode == "fail-inprocess":
-                source = rec_holder["rec"].runner.drafter.source
-
-                def broken(**kw):
-                    raise RuntimeError("drafter gone (test)")
-
-                source.engine.propose = broken
-            else:
-                servers[-1].kill()
+            servers[-1].kill()
+            if run.get("restart"):
+                # a fresh drafter (new epoch, empty KV) on the same ports before the next step:
+                # the plugin must find it and attach again
+                ports = {p: servers[0].ready[p] for p in ("grpc_port", "zmq_port", "health_port", "metrics_port")}
+                servers.append(DrafterProcess(plan["drafter_python"], run, out_dir / f"{run['name']}.drafter2.log",
+                                              ports=ports))
+                killed["restarted"] = True
 
     rec = Recorder(on_call)
-    rec_holder["rec"] = rec
     Recorder.install()
     Recorder.current = rec
     try:
@@ -278,7 +266,7 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "request_ids": [o.request_id for o in outs],
             "steps": rec.steps, "calls": rec.calls, "killed_after_call": killed["after_call"],
-            "restarted_after_call": killed["restarted_after_call"],
+            "restarted": killed["restarted"],
             **facts,
             "timing_s": {"engine_start": round(t_engine - t0, 2), "generate": round(t_gen - t_engine, 2)},
         }
@@ -320,7 +308,8 @@ def worker_facts(worker) -> dict:
             "num_target_layers": int(runner.model_config.hf_config.num_hidden_layers),
             "plugin_stats": dict(drafter.stats) if hasattr(drafter, "stats") else None,
             "has_drafter_source": getattr(drafter, "source", None) is not None,
-            "attaches": getattr(getattr(drafter, "source", None), "attaches", None)}
+            "attaches": getattr(getattr(drafter, "source", None), "generation", None),
+            "no_drafts": dict(drafter.source.stats.no_drafts) if getattr(drafter, "source", None) else None}
 
 
 def spec_counters(llm) -> dict:
