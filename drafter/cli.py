@@ -28,6 +28,7 @@ def _make_tiny(ns) -> int:
 SUBCOMMANDS = [
     "drafter.service.serve_cli",  # serve
     _register_make_tiny,  # make-tiny
+    "drafter.loadtest.cli",  # loadtest
 ]
 
 
