@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -252,6 +254,12 @@ def run(ns) -> int:
     server, server_desc = None, {"spawned": False, "device": None}
     failed = False
     index = []
+    # SIGTERM (e.g. `timeout`) ends the run like Ctrl-C: the current run keeps what it measured, the
+    # spawned drafter is stopped, the index is written.
+    restore = None
+    if threading.current_thread() is threading.main_thread():
+        restore = signal.signal(signal.SIGTERM, _interrupt)
+    rc = 0
     with tempfile.TemporaryDirectory(prefix="drafter-loadtest-") as tmp:
         try:
             if ns.spawn_server:
@@ -278,21 +286,36 @@ def run(ns) -> int:
                 failed |= summ["errors"] > 0
                 print(_line(name, summ), flush=True)
                 index.append({"name": name, "report": f"{name}.json", "png": None if ns.no_plot else f"{name}.png",
-                              "transport": transport, "schedule": sched.describe(), "summary": {
-                                  k: summ[k] for k in ("calls", "ok", "errors", "errors_by_code", "latency_us",
-                                                       "service_us", "throughput", "request_bytes",
-                                                       "response_bytes")}})
+                              "transport": transport, "schedule": sched.describe(), "notes": result.notes,
+                              "summary": {k: summ[k] for k in ("calls", "ok", "errors", "errors_by_code",
+                                                               "latency_us", "service_us", "throughput",
+                                                               "request_bytes", "response_bytes")}})
+                if runner.stop.is_set():
+                    print("drafter loadtest: interrupted", file=sys.stderr)
+                    rc = 130
+                    break
+        except KeyboardInterrupt:
+            print("drafter loadtest: interrupted", file=sys.stderr)
+            rc = 130
         except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
             print(f"drafter loadtest: {exc}", file=sys.stderr)
-            return 1
+            rc = 1
         finally:
+            if restore is not None:
+                signal.signal(signal.SIGTERM, restore)
             if server is not None:
                 server_desc["exit_code"] = server.stop()
             if index:
                 (out / "index.json").write_text(json.dumps(
                     {"server": {k: v for k, v in server_desc.items() if k != "ready"}, "runs": index}, indent=1) + "\n")
     print(f"reports in {out}{os.sep}", file=sys.stderr)
+    if rc:
+        return rc
     return 1 if (failed and ns.fail_on_errors) else 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

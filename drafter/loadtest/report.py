@@ -95,9 +95,14 @@ def recompute_summary(report: dict) -> dict:
 
 
 def write_json(report: dict, path: Path) -> None:
+    """Indented, except that each sample column is one line (tens of thousands of values)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    head = {k: v for k, v in report.items() if k != "samples"}
     # allow_nan=False: NaN is no JSON; to_columns already turned "never sent" into null
-    path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+    text = json.dumps(head, indent=1, allow_nan=False)
+    cols = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v, separators=(',', ':'), allow_nan=False)}"
+                       for k, v in report["samples"].items())
+    path.write_text(text[:-2] + ',\n "samples": {\n' + cols + "\n }\n}\n")
 
 
 def plot(report: dict, path: Path) -> None:

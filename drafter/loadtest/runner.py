@@ -101,6 +101,10 @@ def fit_workload(wl: WorkloadConfig, info: schema.InfoResponse) -> WorkloadConfi
                    max_num_batched_tokens=min(wl.max_num_batched_tokens, lim.max_num_batched_tokens))
 
 
+def _tagged(times, session: int):
+    return ((float(t), session) for t in times)
+
+
 class _Counter:
     def __init__(self, limit: int):
         self.limit, self.n, self.lock = limit, 0, threading.Lock()
@@ -158,7 +162,7 @@ class Runner:
             self._call(conn, session, step, scheduled, self.cfg.timeout_s, out)
 
     def _dispatch(self, times, workloads, queues, senders: int) -> None:
-        merged = heapq.merge(*[((float(t), s) for t in ts) for s, ts in enumerate(times)])
+        merged = heapq.merge(*[_tagged(ts, s) for s, ts in enumerate(times)])  # (time, session), by time
         try:
             for t, s in merged:
                 if self.stop.is_set():

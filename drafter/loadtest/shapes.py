@@ -52,7 +52,7 @@ def write_shaped(preset: str, out_dir: str | Path, seed: int = 0) -> tuple[str, 
     out = Path(out_dir)
     head, target = out / "head", out / "target"
     stamp = out / "preset.json"
-    want = {"preset": preset, "seed": seed, "sizes": asdict(sizes)}
+    want = json.loads(json.dumps({"preset": preset, "seed": seed, "sizes": asdict(sizes)}))  # as stored
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return method, head, target
     write_eagle3(head, sizes, seed + 1)

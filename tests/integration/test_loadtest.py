@@ -51,6 +51,8 @@ def test_smoke_run_reports_zero_errors(smoke, transport):
     assert summ["request_bytes"]["min"] > 768 and summ["response_bytes"]["min"] > 0
     assert report["config"]["transport"] == transport and report["layout"]["dp"] == 2
     assert len(report["layout"]["sessions"]) == 2
+    per_session = np.bincount(report["samples"]["session"], minlength=2)
+    assert per_session.min() > 5, per_session  # both DP ranks sent their share
     assert report["server"]["spawned"] and report["server"]["device"] == "cpu"
     assert report["host"]["cpus"] and report["started_at"].endswith("+00:00")
     png = (smoke / f"{name}.png").read_bytes()
