@@ -7,6 +7,8 @@ report.json
   server                          what the drafter said (Info) + how it was started when spawned
   config                          transport, endpoint, schedule, workload, bounds, seed
   layout                          what each session attached with, and what it got
+  end_s                           end of the measured window (seconds from the start)
+  load_generator                  this process's CPU time during the run (is the generator the limit?)
   summary                         stats.summarize(): percentiles, throughput, errors by code, bytes
   percentiles                     {"method": "linear", "values": [50, 90, 99, 99.9]}
   samples                         every call, column-wise (stats.Samples.COLUMNS); the summary is
@@ -82,6 +84,11 @@ def build_report(result, *, config: dict, server: dict, command: list[str]) -> d
                    "shape": vars(result.shape)},
         "end_s": result.end_s,
         "notes": result.notes,
+        # A saturated load generator shows as CPU near (cores it can use) and a growing send lag:
+        # then the numbers describe the generator, not the drafter.
+        "load_generator": {"cpu_s": round(result.generator_cpu_s, 3),
+                           "cpu_per_call_us": round(result.generator_cpu_s / max(len(result.samples), 1) * 1e6, 1),
+                           "threads": "one sender per connection + a dispatcher (open loop)"},
         "summary": summary,
         "percentiles": {"method": PERCENTILE_METHOD, "values": list(PERCENTILES)},
         "samples": result.samples.to_columns(),

@@ -26,7 +26,7 @@ import heapq
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from drafter.loadtest.clients import Connection
 from drafter.loadtest.schedule import ClosedLoop, OpenLoop
@@ -65,6 +65,7 @@ class RunResult:
     layout: schema.AttachRequest
     shape: SessionShape
     notes: list[str] = field(default_factory=list)
+    generator_cpu_s: float = 0.0  # CPU time of this process (all its threads) while the calls ran
 
 
 def shape_from_info(info: schema.InfoResponse) -> SessionShape:
@@ -94,8 +95,6 @@ def attach_layout(info: schema.InfoResponse, wl: WorkloadConfig, shape: SessionS
 
 def fit_workload(wl: WorkloadConfig, info: schema.InfoResponse) -> WorkloadConfig:
     """The session limits the drafter allows (ours when smaller)."""
-    from dataclasses import replace
-
     lim = info.limits
     return replace(wl, max_num_seqs=min(wl.max_num_seqs, lim.max_num_seqs),
                    max_num_batched_tokens=min(wl.max_num_batched_tokens, lim.max_num_batched_tokens))
@@ -106,6 +105,8 @@ def _tagged(times, session: int):
 
 
 class _Counter:
+    """--max-requests over all closed-loop senders."""
+
     def __init__(self, limit: int):
         self.limit, self.n, self.lock = limit, 0, threading.Lock()
 
@@ -121,7 +122,7 @@ class Runner:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.stop = threading.Event()  # set on Ctrl-C: senders finish their call and leave
-        self.done = 0  # calls finished (progress display; read without a lock, ints are atomic)
+        self.done = 0  # calls finished, for the progress display only (unlocked: may miss a few)
         self.expected = 0
         self.t0 = 0.0
 
@@ -222,9 +223,13 @@ class Runner:
             workloads = [SessionWorkload(shape, wl, seed=cfg.seed * 7919 + s) for s in range(cfg.dp)]
             outs = [[Samples() for _ in c] for c in conns]
             threads = []
+            truncated = False
             if isinstance(sched, OpenLoop):
                 times = sched.session_times(cfg.dp, cfg.duration_s, cfg.seed, cfg.max_requests)
                 self.expected = sum(len(t) for t in times)
+                if cfg.max_requests > 0:  # did --max-requests cut the schedule short of the duration?
+                    full = sched.session_times(cfg.dp, cfg.duration_s, cfg.seed, 0)
+                    truncated = sum(map(len, full)) > self.expected
                 queues = [queue.Queue() for _ in range(cfg.dp)]
                 for s in range(cfg.dp):
                     for c, out in zip(conns[s], outs[s]):
@@ -242,6 +247,7 @@ class Runner:
                             target=self._closed_sender, args=(c, s, workloads[s], locks[s], budget, out),
                             name=f"sender-{s}", daemon=True))
             started_at = time.time()
+            cpu0 = time.process_time()
             self.t0 = time.perf_counter()
             for t in threads:
                 t.start()
@@ -255,13 +261,18 @@ class Runner:
                 self.stop.set()
                 for t in threads:
                     t.join(cfg.timeout_s + 5)
+            cpu_s = time.process_time() - cpu0
             samples = Samples()
             for per_session in outs:
                 for out in per_session:
                     samples.extend(out)
             samples = samples.sorted()
+            # The measured window ends with the duration, or earlier when the calls ran out first
+            # (--max-requests): then at the last completion.
             done = [sch + lat / 1e6 for sch, lat in zip(samples.scheduled_s, samples.latency_us)]
-            end_s = min(cfg.duration_s, max(done)) if done else cfg.duration_s
+            end_s = cfg.duration_s
+            if done and (truncated or isinstance(sched, ClosedLoop)):
+                end_s = min(cfg.duration_s, max(done))
             notes = []
             if self.stop.is_set():
                 notes.append("interrupted")
@@ -271,7 +282,7 @@ class Runner:
                 except DrafterError as exc:
                     notes.append(f"session {s} detach: {exc}")
             return RunResult(samples, end_s, started_at, time.monotonic() - wall0, info, attached, layout, shape,
-                             notes)
+                             notes, cpu_s)
         finally:
             for cs in conns:
                 for c in cs:
