@@ -29,11 +29,11 @@ if [ -n "${LOADTEST_CPU:-}" ]; then  # dry run: same code path, a head a CPU ser
   : "${MAX_NUM_SEQS:=8}" "${TOKENS:=128}" "${MML:=256}" "${PROMPT:=uniform:8:64}" "${OUTPUT:=uniform:8:64}"
   : "${CHUNK:=32}" "${SERVER_ARGS:=--server-arg=--torch-threads=1}" "${TIMEOUT_S:=5}"
 else
-  : "${SHAPE:=llama3-8b-eagle3}" "${DEVICE:=cuda:0}" "${DURATION:=20}" "${WARMUP:=4}" "${RATES:=50,200,500}"
+  : "${SHAPE:=llama3-8b-eagle3}" "${DEVICE:=cuda:0}" "${DURATION:=20}" "${WARMUP:=4}" "${RATES:=50,100,200}"
   : "${DP:=4}" "${MAX_NUM_SEQS:=64}" "${TOKENS:=2048}" "${MML:=4096}" "${PROMPT:=lognormal:512:0.8}"
   : "${OUTPUT:=lognormal:256:0.7}" "${CHUNK:=512}" "${SERVER_ARGS:=}" "${TIMEOUT_S:=1}"
 fi
-: "${TRANSPORTS:=zmq,grpc}" "${TP:=4}" "${CONCURRENCY:=1}" "${LOADTEST_BUDGET_S:=420}"
+: "${TRANSPORTS:=zmq,grpc}" "${TP:=2}" "${CONCURRENCY:=1}" "${LOADTEST_BUDGET_S:=420}"
 
 # ---- packages the host lacks, from carried wheels
 if compgen -G ".whl/*.whl" >/dev/null; then

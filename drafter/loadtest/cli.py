@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="spawn on this head checkpoint directory")
     g.add_argument("--target-model", help="the target checkpoint directory the head needs")
     g.add_argument("--method", help="head method of --model: eagle | eagle3 | mtp | extract_hidden_states")
-    g.add_argument("--device", default="auto", help="spawned drafter's device: cpu | cuda:N | auto")
+    g.add_argument("--device", default="auto", help="spawned drafter's device: cpu | cuda:N | auto (without "
+                                                    "--spawn-server: a label for the report)")
     g.add_argument("--k", type=int, default=3, help="spawned drafter's num_speculative_tokens [3]")
     g.add_argument("--max-model-len", type=int, default=2048, help="spawned drafter's max_model_len [2048]")
     g.add_argument("--block-size", type=int, default=16, help="spawned drafter's KV block size [16]")
@@ -251,7 +252,8 @@ def run(ns) -> int:
     out = Path(ns.out or time.strftime("loadtest-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     command = ["drafter", "loadtest", *sys.argv[2:]] if sys.argv[1:2] == ["loadtest"] else sys.argv[:]
-    server, server_desc = None, {"spawned": False, "device": None}
+    # a drafter we did not start: --device, when given, only labels the report
+    server, server_desc = None, {"spawned": False, "device": None if ns.device == "auto" else ns.device}
     failed = False
     index = []
     # SIGTERM (e.g. `timeout`) ends the run like Ctrl-C: the current run keeps what it measured, the
