@@ -130,9 +130,10 @@ class SessionWorkload:
         self.k = shape.num_speculative_tokens
         self.cap = request_capacity(shape, cfg)
         m = cfg.max_num_seqs
-        self.max_batch = max(1, min(m, cfg.max_num_batched_tokens // (self.k + 1)))
-        if self.max_batch < 1 or cfg.max_num_batched_tokens < self.k + 1:
+        if cfg.max_num_batched_tokens < self.k + 1:
             raise ValueError(f"max_num_batched_tokens {cfg.max_num_batched_tokens} < one decode query ({self.k + 1})")
+        # a step of decodes only must fit the token budget
+        self.max_batch = min(m, cfg.max_num_batched_tokens // (self.k + 1))
         self.width = blocks_per_slot(shape, cfg)
         self.pos = np.zeros(m, np.int64)  # [slots] tokens of the request already sent (next position)
         self.prompt_left = np.zeros(m, np.int64)  # [slots]
