@@ -1,0 +1,324 @@
+"""`drafter loadtest` (alias `drafter-loadtest`): the RPC load generator.
+
+    drafter loadtest --tiny eagle3 --spawn-server --duration 5                  # a fresh machine
+    drafter loadtest --transport grpc --endpoint 10.0.0.7:50051 --rate 500 --dp 4
+    drafter loadtest --shape llama3-8b-eagle3 --spawn-server --device cuda:0 \\
+        --transport zmq,grpc --mode open,closed --rate 100,400 --duration 25 --out bench/results/x
+
+Several transports / modes / rates make several runs (one report each) against one drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from drafter.loadtest.clients import TRANSPORTS
+from drafter.loadtest.schedule import ARRIVALS, ClosedLoop, OpenLoop
+from drafter.loadtest.workload import Dist, SessionShape, WorkloadConfig, blocks_per_slot
+
+DEFAULT_PORTS = {"zmq": 5555, "grpc": 50051, "grpc-unary": 50051}
+
+
+def _list(kind):
+    def parse(text: str):
+        return [kind(x) for x in str(text).split(",") if x.strip()]
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("drafter to load")
+    g.add_argument("--transport", type=_list(str), default=["zmq"],
+                   help=f"one or a comma list of {', '.join(TRANSPORTS)} (grpc = the bidi stream, the per-step "
+                        "path; grpc-unary = one Propose RPC per step) [default zmq]")
+    g.add_argument("--endpoint", default="", help="HOST:PORT of the drafter (one transport; default 127.0.0.1 "
+                                                  "and port 5555 for zmq, 50051 for grpc)")
+    g.add_argument("--spawn-server", action="store_true",
+                   help="start a local `drafter serve` on loopback (free ports, read from its ready line) and "
+                        "stop it at the end")
+    g.add_argument("--tiny", metavar="VARIANT", help="spawn on a tiny random checkpoint (make-tiny), e.g. eagle3")
+    g.add_argument("--shape", metavar="PRESET",
+                   help="spawn on a random-weight head of real shape: llama3-8b-eagle3, llama3-70b-eagle3, "
+                        "mini-eagle3 (written once under --shape-dir)")
+    g.add_argument("--shape-dir", default="", help="where --shape writes its checkpoint [default $TMPDIR/"
+                                                    "drafter-shapes/PRESET]")
+    g.add_argument("--model", help="spawn on this head checkpoint directory")
+    g.add_argument("--target-model", help="the target checkpoint directory the head needs")
+    g.add_argument("--method", help="head method of --model: eagle | eagle3 | mtp | extract_hidden_states")
+    g.add_argument("--device", default="auto", help="spawned drafter's device: cpu | cuda:N | auto (without "
+                                                    "--spawn-server: a label for the report)")
+    g.add_argument("--k", type=int, default=3, help="spawned drafter's num_speculative_tokens [3]")
+    g.add_argument("--max-model-len", type=int, default=2048, help="spawned drafter's max_model_len [2048]")
+    g.add_argument("--block-size", type=int, default=16, help="spawned drafter's KV block size [16]")
+    g.add_argument("--server-arg", action="append", default=[], metavar="--FLAG=VALUE",
+                   help="extra `drafter serve` flag for the spawned drafter (repeat), e.g. "
+                        "--server-arg=--batch-window-us=200")
+    g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the spawned "
+                                                                      "drafter's ready line [600]")
+
+    g = p.add_argument_group("simulated target")
+    g.add_argument("--dp", type=int, default=1, help="sessions = DP ranks of the target, each attached once [1]")
+    g.add_argument("--tp", type=int, default=1,
+                   help="TP ranks per DP rank; recorded only: TP rank 0 sends for its group (hidden states are "
+                        "replicated) and the drafts reach the others through the target's own group, so TP does "
+                        "not multiply drafter traffic [1]")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="request slots per session (capped by the "
+                                                                "drafter's limit) [64]")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step [2048]")
+    g.add_argument("--batch", default="", help="batch size per step: fixed:N | uniform:LO:HI | normal:MEAN:STD | "
+                                               "lognormal:MEDIAN:SIGMA [uniform:1:max-num-seqs]")
+    g.add_argument("--prompt-len", default="lognormal:256:0.8", help="prompt tokens per request [lognormal:256:0.8]")
+    g.add_argument("--output-len", default="lognormal:192:0.7", help="output tokens per request [lognormal:192:0.7]")
+    g.add_argument("--prefill-chunk", type=int, default=512, help="most prompt tokens per request and step [512]")
+    g.add_argument("--max-request-len", type=int, default=0,
+                   help="cap on a request's length; sizes each session's KV pool [max_model_len]")
+    g.add_argument("--acceptance", type=float, default=0.7, help="per-draft acceptance probability, sets the "
+                                                                 "rejected counts [0.7]")
+    g.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("schedule and bounds")
+    g.add_argument("--mode", type=_list(str), default=["open"], help="open | closed, or both: open,closed [open]")
+    g.add_argument("--rate", type=_list(float), default=[100.0],
+                   help="open loop: calls/s over all sessions; a comma list makes one run per rate [100]")
+    g.add_argument("--arrival", choices=ARRIVALS, default="poisson", help="open-loop arrivals [poisson]")
+    g.add_argument("--max-inflight", type=int, default=8, help="open loop: senders (connections) per session [8]")
+    g.add_argument("--concurrency", type=int, default=1, help="closed loop: calls in flight per session [1]")
+    g.add_argument("--duration", type=float, default=10.0, help="seconds per run, warm-up included [10]")
+    g.add_argument("--warmup", type=float, default=2.0, help="first seconds left out of the statistics [2]")
+    g.add_argument("--max-requests", type=int, default=0, help="most calls per run, warm-up included (0: no "
+                                                               "bound but the duration) [0]")
+    g.add_argument("--timeout", type=float, default=1.0, help="per-call deadline in seconds (open loop: from the "
+                                                              "scheduled send time) [1.0]")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="", help="directory for the reports [./loadtest-DATE-TIME]")
+    g.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar (also when stderr is no terminal)")
+    g.add_argument("--fail-on-errors", action="store_true", help="exit 1 when any measured call failed")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "loadtest", help="RPC load generator: simulated DP x TP target sessions against a drafter",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="drafter-loadtest", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+# ------------------------------------------------------------------ checks and plans
+def _check(ns) -> str | None:
+    bad = [t for t in ns.transport if t not in TRANSPORTS]
+    if bad or not ns.transport:
+        return f"--transport: {bad or 'none'}; choose from {TRANSPORTS}"
+    if any(m not in ("open", "closed") for m in ns.mode) or not ns.mode:
+        return "--mode: open, closed or open,closed"
+    if ns.endpoint and (len(ns.transport) > 1 or ns.spawn_server):
+        return "--endpoint names one drafter port: use it with one transport and without --spawn-server"
+    sources = [x for x in (ns.tiny, ns.shape, ns.model) if x]
+    if ns.spawn_server and len(sources) != 1:
+        return "--spawn-server needs one of --tiny, --shape or --model"
+    if not ns.spawn_server and sources:
+        return "--tiny / --shape / --model choose what a spawned drafter serves: add --spawn-server"
+    if ns.model and not ns.method:
+        return "--model needs --method"
+    if ns.warmup < 0 or ns.duration <= ns.warmup:
+        return f"--duration ({ns.duration}) must exceed --warmup ({ns.warmup})"
+    if ns.dp < 1 or ns.tp < 1 or ns.max_inflight < 1 or ns.concurrency < 1:
+        return "--dp, --tp, --max-inflight and --concurrency must be >= 1"
+    if "open" in ns.mode and any(r <= 0 for r in ns.rate):
+        return "--rate must be positive"
+    if not 0.0 <= ns.acceptance <= 1.0:
+        return "--acceptance must lie in [0, 1]"
+    try:
+        _workload(ns)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _workload(ns) -> WorkloadConfig:
+    return WorkloadConfig(
+        max_num_seqs=ns.max_num_seqs, max_num_batched_tokens=ns.max_num_batched_tokens,
+        batch=Dist(ns.batch or f"uniform:1:{ns.max_num_seqs}"), prompt_len=Dist(ns.prompt_len),
+        output_len=Dist(ns.output_len), prefill_chunk=ns.prefill_chunk, acceptance=ns.acceptance,
+        max_request_len=ns.max_request_len)
+
+
+def _runs(ns) -> list[tuple[str, object, str]]:
+    """(transport, schedule, name) for every run, in order."""
+    out = []
+    for transport in ns.transport:
+        for mode in ns.mode:
+            if mode == "open":
+                for rate in ns.rate:
+                    out.append((transport, OpenLoop(rate, ns.arrival, ns.max_inflight), f"{transport}-open-{rate:g}"))
+            else:
+                out.append((transport, ClosedLoop(ns.concurrency), f"{transport}-closed-c{ns.concurrency}"))
+    return out
+
+
+def _spawn(ns, out: Path, tmp: Path):
+    from drafter.loadtest.spawn import SpawnedServer
+
+    target = ns.target_model
+    if ns.tiny:
+        from drafter.models.tiny import write_tiny
+
+        method = write_tiny(ns.tiny, tmp / "tiny", seed=ns.seed)
+        model, target = tmp / "tiny" / "head", tmp / "tiny" / "target"
+    elif ns.shape:
+        from drafter.loadtest.shapes import write_shaped
+
+        where = Path(ns.shape_dir) if ns.shape_dir else Path(tempfile.gettempdir()) / "drafter-shapes" / ns.shape
+        t0 = time.monotonic()
+        method, model, target = write_shaped(ns.shape, where, seed=ns.seed)
+        print(f"shape {ns.shape}: checkpoint in {where} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
+    else:
+        method, model = ns.method, ns.model
+    # The pool: every session gets one block range per request slot (workload.blocks_per_slot).
+    probe = SessionShape(hidden_width=1, hidden_dtype="float32", vocab_size=2, max_model_len=ns.max_model_len,
+                         block_sizes=(ns.block_size,), num_speculative_tokens=ns.k, draft_span=ns.k - 1,
+                         num_drafts=ns.k)
+    per_session = ns.max_num_seqs * blocks_per_slot(probe, _workload(ns))[0]
+    settings = dict(num_speculative_tokens=ns.k, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
+                    max_num_batched_tokens=ns.max_num_batched_tokens, block_sizes=ns.block_size,
+                    kv_blocks=ns.dp * per_session, max_sessions=max(ns.dp, 1) + 1)
+    server = SpawnedServer(method=method, model=str(model), target_model=str(target) if target else None,
+                           device=ns.device, settings=settings, log_path=out / "server.log",
+                           extra_args=ns.server_arg)
+    t0 = time.monotonic()
+    server.start(ns.ready_timeout)
+    desc = {"spawned": True, "method": method, "model": str(model), "target_model": str(target or ""),
+            "tiny": ns.tiny, "shape": ns.shape, "device": _device(ns.device), "args": server.args[3:],
+            "ready_s": round(time.monotonic() - t0, 1), "ready": server.ready}
+    print(f"drafter serve ready in {desc['ready_s']} s on {desc['device']} (grpc {server.ready['grpc_port']}, "
+          f"zmq {server.ready['zmq_port']})", file=sys.stderr)
+    return server, desc
+
+
+def _device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def _endpoint(ns, transport: str, server) -> str:
+    if server is not None:
+        return server.endpoint(transport)
+    return ns.endpoint or f"127.0.0.1:{DEFAULT_PORTS[transport]}"
+
+
+def _config(ns, transport, sched, endpoint, wl: WorkloadConfig) -> dict:
+    return {"transport": transport, "endpoint": endpoint, "schedule": sched.describe(), "dp": ns.dp, "tp": ns.tp,
+            "duration_s": ns.duration, "warmup_s": ns.warmup, "max_requests": ns.max_requests,
+            "timeout_s": ns.timeout, "seed": ns.seed,
+            "workload": {**{k: (repr(v) if isinstance(v, Dist) else v) for k, v in vars(wl).items()}}}
+
+
+def _line(name: str, summ: dict) -> str:
+    lat = summ["latency_us"]
+    f = lambda v: "-" if v is None else f"{v / 1e3:8.3f}"  # noqa: E731
+    return (f"{name:<24} {summ['throughput']['calls_per_s']:9.1f} {f(lat['p50'])} {f(lat['p90'])} {f(lat['p99'])} "
+            f"{f(lat['p99_9'])} {summ['request_bytes']['mean'] or 0:11.0f} {summ['errors']:6d} "
+            f"{json.dumps(summ['errors_by_code']) if summ['errors'] else ''}")
+
+
+# ------------------------------------------------------------------ run
+def run(ns) -> int:
+    problem = _check(ns)
+    if problem:
+        print(f"drafter loadtest: {problem}", file=sys.stderr)
+        return 2
+    from drafter.loadtest.progress import progress_bar
+    from drafter.loadtest.report import build_report, plot, write_json
+    from drafter.loadtest.runner import RunConfig, Runner
+
+    out = Path(ns.out or time.strftime("loadtest-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    command = ["drafter", "loadtest", *sys.argv[2:]] if sys.argv[1:2] == ["loadtest"] else sys.argv[:]
+    # a drafter we did not start: --device, when given, only labels the report
+    server, server_desc = None, {"spawned": False, "device": None if ns.device == "auto" else ns.device}
+    failed = False
+    index = []
+    # SIGTERM (e.g. `timeout`) ends the run like Ctrl-C: the current run keeps what it measured, the
+    # spawned drafter is stopped, the index is written.
+    restore = None
+    if threading.current_thread() is threading.main_thread():
+        restore = signal.signal(signal.SIGTERM, _interrupt)
+    rc = 0
+    with tempfile.TemporaryDirectory(prefix="drafter-loadtest-") as tmp:
+        try:
+            if ns.spawn_server:
+                server, server_desc = _spawn(ns, out, Path(tmp))
+            print(f"{'run':<24} {'calls/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'p99.9':>8} "
+                  f"{'req bytes':>11} {'errors':>6}")
+            for transport, sched, name in _runs(ns):
+                endpoint = _endpoint(ns, transport, server)
+                wl = _workload(ns)
+                cfg = RunConfig(transport=transport, endpoint=endpoint, schedule=sched, workload=wl, dp=ns.dp,
+                                tp=ns.tp, duration_s=ns.duration, warmup_s=ns.warmup, max_requests=ns.max_requests,
+                                timeout_s=ns.timeout, seed=ns.seed)
+                runner = Runner(cfg)
+                with progress_bar(name, ns.duration, ns.quiet) as bar:
+                    result = runner.run(bar)
+                wl_used = replace(wl, max_num_seqs=result.layout.max_num_seqs,
+                                  max_num_batched_tokens=result.layout.max_num_batched_tokens)
+                report = build_report(result, config=_config(ns, transport, sched, endpoint, wl_used),
+                                      server=server_desc, command=command)
+                write_json(report, out / f"{name}.json")
+                if not ns.no_plot:
+                    plot(report, out / f"{name}.png")
+                summ = report["summary"]
+                failed |= summ["errors"] > 0
+                print(_line(name, summ), flush=True)
+                index.append({"name": name, "report": f"{name}.json", "png": None if ns.no_plot else f"{name}.png",
+                              "transport": transport, "schedule": sched.describe(), "notes": result.notes,
+                              "summary": {k: summ[k] for k in ("calls", "ok", "errors", "errors_by_code",
+                                                               "latency_us", "service_us", "throughput",
+                                                               "request_bytes", "response_bytes")}})
+                if runner.stop.is_set():
+                    print("drafter loadtest: interrupted", file=sys.stderr)
+                    rc = 130
+                    break
+        except KeyboardInterrupt:
+            print("drafter loadtest: interrupted", file=sys.stderr)
+            rc = 130
+        except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
+            print(f"drafter loadtest: {exc}", file=sys.stderr)
+            rc = 1
+        finally:
+            if restore is not None:
+                signal.signal(signal.SIGTERM, restore)
+            if server is not None:
+                server_desc["exit_code"] = server.stop()
+            if index:
+                (out / "index.json").write_text(json.dumps(
+                    {"server": {k: v for k, v in server_desc.items() if k != "ready"}, "runs": index}, indent=1) + "\n")
+    print(f"reports in {out}{os.sep}", file=sys.stderr)
+    if rc:
+        return rc
+    return 1 if (failed and ns.fail_on_errors) else 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

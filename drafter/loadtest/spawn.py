@@ -1,0 +1,86 @@
+"""--spawn-server: a local `drafter serve` subprocess on loopback, its ports read from its ready line.
+
+Ports are 0 (the server picks free ones) and come back in its JSON "ready" event on stdout, so
+nothing races for a port and nothing sleeps: we wait for the line.  Its stderr (the structured
+log) goes to a file kept beside the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+
+class SpawnedServer:
+    def __init__(self, *, method: str, model: str, target_model: str | None, device: str, settings: dict,
+                 log_path: Path, extra_args: list[str] = ()):
+        self.args = [sys.executable, "-m", "drafter", "serve", "--method", method, "--model", str(model),
+                     "--device", device, "--host", "127.0.0.1", "--grpc-port", "0", "--zmq-port", "0",
+                     "--health-port", "0", "--metrics-port", "0", "--log-format", "json"]
+        if target_model:
+            self.args += ["--target-model", str(target_model)]
+        for key, value in settings.items():
+            self.args += ["--" + key.replace("_", "-"), str(value)]
+        self.args += list(extra_args)
+        # the server's settings are these flags: DRAFTER_* variables of this shell must not leak in
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTER_")}
+        self.env["PYTHONUNBUFFERED"] = "1"
+        repo = str(Path(__file__).resolve().parents[2])  # a source checkout runs without being installed
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, self.env.get("PYTHONPATH", "")) if p)
+        self.log_path = log_path
+        self.events: queue.Queue = queue.Queue()
+        self.proc: subprocess.Popen | None = None
+        self.ready: dict = {}
+
+    def start(self, timeout_s: float) -> "SpawnedServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=log, env=self.env)
+        threading.Thread(target=self._read, daemon=True, name="server-stdout").start()
+        while True:
+            try:
+                ev = self.events.get(timeout=timeout_s)
+            except queue.Empty:
+                self.stop()
+                raise TimeoutError(f"drafter serve was not ready within {timeout_s} s; log: {self.log_tail()}") from None
+            if ev.get("event") == "ready":
+                self.ready = ev
+                return self
+            if ev.get("event") in ("failed", "eof"):
+                self.stop()
+                raise RuntimeError(f"drafter serve ended before it was ready: {ev}; log: {self.log_tail()}")
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.events.put(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # only the JSON event lines matter
+        self.events.put({"event": "eof"})
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_bytes()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def endpoint(self, transport: str) -> str:
+        port = self.ready["zmq_port"] if transport == "zmq" else self.ready["grpc_port"]
+        return f"127.0.0.1:{port}"
+
+    def stop(self, timeout_s: float = 60.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # drains and exits 0
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
