@@ -15,8 +15,10 @@ import torch
 from drafter.attention import ReferenceBackend
 from drafter.buffers import StaticBuffers
 from drafter.config import EngineConfig, pad_to_capture_size
+from drafter.graphs import GraphRunner
 from drafter.inputs import InvalidInput, Limits, ProposeInputs, as_group_list, validate
 from drafter.kv_cache import HiddenStateStore, PagedKVCache
+from drafter.models.fusion import fuse_head
 from drafter.models.loader import load_head
 from drafter.models.spec import ModelSpec, parse_head, read_config
 from drafter.proposer import Proposer
@@ -65,6 +67,12 @@ class DraftEngine:
             head, self.kv.layers, self.backend, config.num_speculative_tokens, config.max_model_len,
             config.speculative_token_tree)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        if head is not None and hasattr(self.backend, "forward_rope"):
+            fuse_head(head)  # fused q/k/v, rotary + KV write, norms: the backend supports it
+        # the draft loop as CUDA graphs: only the Triton backend is free of host syncs
+        self.graphs = GraphRunner(self) if (
+            head is not None and config.use_cuda_graphs and self.device.type == "cuda"
+            and self.backend.name == "triton") else None
         span = config.num_tree_nodes or config.num_speculative_tokens - 1
         self.limits = Limits(
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -129,6 +137,9 @@ class DraftEngine:
     def _propose_validated(self, inp: ProposeInputs, return_probs: bool, return_logits: bool, batch_padded,
                            tokens_padded):
         b_pad, t_pad = self._padded_sizes(inp, batch_padded, tokens_padded)
+        if self.graphs is not None and self.graphs.handles(inp, b_pad, t_pad, return_probs, return_logits):
+            ids = self.graphs.run(inp, t_pad, b_pad)
+            return DraftOutput(ids[: inp.batch_size].clone(), None, b_pad, t_pad)
         buf = self.buffers
         buf.load(inp, t_pad, b_pad)
         first = self.proposer.first_pass(buf, t_pad, b_pad)

@@ -14,6 +14,7 @@ import triton
 
 from drafter.attention.kernels.kv_write import rope_write_kernel, write_kv_kernel
 from drafter.attention.kernels.paged_attention import combine_splits_kernel, paged_attention_kernel
+from drafter.attention.kernels.step_inputs import decode_step_inputs
 from drafter.attention.metadata import AttentionMetadata
 
 MAX_SPLITS = 64
@@ -33,6 +34,8 @@ def _check_cache(kv_cache: torch.Tensor, head_dim: int) -> None:
 
 class TritonBackend:
     name = "triton"
+    # the proposer's chain asks for the next step's positions, seq_lens and slots through this
+    decode_step_inputs = staticmethod(decode_step_inputs)
 
     def __init__(self, num_splits: int | None = None, target_programs: int | None = None):
         """num_splits: force the number of key splits (tests); None = pick from the grid size.
@@ -141,9 +144,11 @@ class TritonBackend:
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=4, num_stages=2)
         if splits > 1:
-            combine_splits_kernel[(n, num_heads)](
+            # the interpreter runs programs one by one: give it few, each over all heads
+            heads = _pow2(num_heads) if q.device.type == "cpu" else 1
+            combine_splits_kernel[(n, triton.cdiv(num_heads, heads))](
                 part, ml, out, out.stride(0), out.stride(1), n, num_heads,
-                NUM_SPLITS=splits, HEAD_DIM=head_dim, num_warps=4)
+                NUM_SPLITS=splits, HEAD_DIM=head_dim, HEADS=heads, num_warps=4)
         return out
 
     def _splits(self, device, programs: int, max_keys: int) -> int:

@@ -156,19 +156,22 @@ def combine_splits_kernel(
     part_ptr, ml_ptr,  # [splits, num_tokens, num_heads, head_dim] f32, [splits, num_tokens, num_heads, 2] f32
     out_ptr, stride_ot, stride_oh,  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
 ):
     tok = tl.program_id(0)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    h_ok = heads < num_heads
     splits = tl.arange(0, NUM_SPLITS)
-    base = (splits * num_tokens + tok) * num_heads + head  # [NUM_SPLITS]
-    m = tl.load(ml_ptr + base * 2)
-    l = tl.load(ml_ptr + base * 2 + 1)
+    base = (splits[:, None] * num_tokens + tok) * num_heads + heads[None, :]  # [NUM_SPLITS, HEADS]
+    m = tl.load(ml_ptr + base * 2, mask=h_ok[None, :], other=float("-inf"))
+    l = tl.load(ml_ptr + base * 2 + 1, mask=h_ok[None, :], other=0.0)
     m_max = tl.max(m, 0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_safe)  # splits that saw nothing have m = -inf and weigh 0
-    total = tl.sum(l * w, 0)
+    w = tl.exp2(m - m_safe[None, :])  # splits that saw nothing have m = -inf and weigh 0
+    total = tl.sum(l * w, 0)  # [HEADS]
     offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_ptr + base[:, None] * HEAD_DIM + offs_d[None, :])
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    acc = tl.load(part_ptr + base[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=h_ok[None, :, None],
+                  other=0.0)
+    out = tl.sum(acc * w[:, :, None], 0) / tl.where(total > 0, total, 1.0)[:, None]  # [HEADS, HEAD_DIM]
+    tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
