@@ -15,10 +15,8 @@ import torch
 from drafter.attention import ReferenceBackend
 from drafter.buffers import StaticBuffers
 from drafter.config import EngineConfig, pad_to_capture_size
-from drafter.graphs import GraphRunner
 from drafter.inputs import InvalidInput, Limits, ProposeInputs, as_group_list, validate
 from drafter.kv_cache import HiddenStateStore, PagedKVCache
-from drafter.models.fusion import fuse_head
 from drafter.models.loader import load_head
 from drafter.models.spec import ModelSpec, parse_head, read_config
 from drafter.proposer import Proposer
@@ -67,12 +65,15 @@ class DraftEngine:
             head, self.kv.layers, self.backend, config.num_speculative_tokens, config.max_model_len,
             config.speculative_token_tree)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        if head is not None and hasattr(self.backend, "forward_rope"):
-            fuse_head(head)  # fused q/k/v, rotary + KV write, norms: the backend supports it
-        # the draft loop as CUDA graphs: only the Triton backend is free of host syncs
-        self.graphs = GraphRunner(self) if (
-            head is not None and config.use_cuda_graphs and self.device.type == "cuda"
-            and self.backend.name == "triton") else None
+        self.graphs = None
+        if head is not None and self.backend.name == "triton":  # imported here: these need triton
+            from drafter.graphs import GraphRunner
+            from drafter.models.fusion import fuse_head
+
+            fuse_head(head)  # one q/k/v GEMM, rotary + KV write and norms in fused kernels
+            if config.use_cuda_graphs and self.device.type == "cuda":
+                # the draft loop as CUDA graphs: the Triton path never reads device values on the host
+                self.graphs = GraphRunner(self)
         span = config.num_tree_nodes or config.num_speculative_tokens - 1
         self.limits = Limits(
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from drafter.attention.kernels.batch_inputs import load_batch
 from drafter.attention.metadata import PADDING_SLOT_ID
 from drafter.inputs import ProposeInputs
 
@@ -117,11 +118,24 @@ class GraphRunner:
         """Load the batch, replay both graphs; returns drafts [batch_padded, k | nodes] (a static view)."""
         if not self.captured:
             self.capture()
-        self.engine.buffers.load(inp, tokens_padded, self.meta_batch)
+        buf = self.engine.buffers
+        load_batch(buf, on_device(inp, buf.input_ids.device), tokens_padded, self.meta_batch)
         self.first_graphs[tokens_padded]()
         self.loop_graphs[batch_padded]()
         self.replays += 1
         return self.drafts[:batch_padded]
+
+
+def on_device(inp: ProposeInputs, device: torch.device) -> ProposeInputs:
+    """The call's tensors on the engine's device (a no-op for an in-process caller on the GPU)."""
+    def move(t):
+        return t if t is None or t.device == device else t.to(device, non_blocking=True)
+    if inp.target_token_ids.device == device and inp.target_hidden_states.device == device:
+        return inp
+    return ProposeInputs(*(move(getattr(inp, f)) for f in (
+        "target_token_ids", "target_positions", "target_hidden_states", "next_token_ids", "query_start_loc",
+        "seq_lens")), [move(t) for t in inp.block_tables], [move(t) for t in inp.slot_mappings],
+        move(inp.token_indices_to_sample), move(inp.num_rejected_tokens), move(inp.temperatures))
 
 
 def neutralize(buf) -> None:

@@ -38,7 +38,11 @@ def _concat_weights(linears: list[nn.Linear]) -> torch.Tensor:
 
 
 def fuse_head(head: DraftHead) -> DraftHead:
-    """Switch a head (already on its device and dtype) to the fused path; returns it."""
+    """Switch a head (already on its device and dtype) to the fused path; returns it.
+    Idempotent: engines sharing one head (several k in a benchmark) fuse it once."""
+    if getattr(head, "fused", False):
+        return head
+    head.fused = True
     for m in head.modules():
         if isinstance(m, Attention):
             if any(p.bias is not None for p in (m.q_proj, m.k_proj, m.v_proj)):

@@ -180,6 +180,58 @@ def test_step_inputs_match_the_torch_path():
     assert int(want_metas[0].slot_mapping[1]) == -1 and int(want_metas[0].slot_mapping[3]) == -1
 
 
+@pytest.mark.parametrize("rejection", ["none", "explicit-sample", "rejected-counts"])
+def test_load_batch_matches_buffers_load(tiny_root, rejection):
+    """The one-launch loader leaves the buffers as StaticBuffers.load does (up to the padded sizes)."""
+    from drafter.attention.kernels.batch_inputs import load_batch
+    from drafter.inputs import ProposeInputs
+
+    engine = build_engine(tiny_root, "eagle-2groups", max_model_len=MAX_MODEL_LEN, max_num_seqs=6,
+                          max_num_batched_tokens=32)
+    scn = _scenario(engine)
+    scn.call([(0, 5, 0), (1, 3, 0), (2, 6, 0)])
+    call = scn.call([(0, 4, 2), (1, 4, 0), (2, 4, 1)], padded=rejection == "explicit-sample")
+    kw = dict(call.kwargs)
+    if rejection == "none":
+        kw.pop("num_rejected_tokens", None)
+    inp = ProposeInputs(kw["target_token_ids"], kw["target_positions"], kw["target_hidden_states"],
+                        kw["next_token_ids"], kw["query_start_loc"], kw["seq_lens"], kw["block_tables"],
+                        kw["slot_mappings"], kw.get("token_indices_to_sample"), kw.get("num_rejected_tokens"))
+    assert (inp.token_indices_to_sample is not None) == (rejection == "explicit-sample")
+    want = engine.buffers
+    want.load(inp, 16, 6)
+    got = StaticBuffersLike(want, DEVICE)
+    load_batch(got, ProposeInputs(*[_dev(getattr(inp, f)) for f in ProposeInputs.__dataclass_fields__]), 16, 6)
+    n = inp.num_tokens
+    for name in ("input_ids", "positions"):
+        assert torch.equal(getattr(got, name)[:16].cpu(), getattr(want, name)[:16]), name
+    assert torch.equal(got.hidden[:n].cpu(), want.hidden[:n])
+    assert torch.equal(got.query_start_loc[:7].cpu(), want.query_start_loc[:7])
+    assert torch.equal(got.seq_lens[:6].cpu(), want.seq_lens[:6])
+    assert torch.equal(got.sample_indices[:6].cpu(), want.sample_indices[:6])
+    for g in range(2):
+        assert torch.equal(got.slot_mappings[g][:16].cpu(), want.slot_mappings[g][:16])
+        assert torch.equal(got.block_tables[g][:6].cpu(), want.block_tables[g][:6])
+
+
+def _dev(value):
+    if isinstance(value, list):
+        return [t.to(DEVICE) for t in value]
+    return None if value is None else value.to(DEVICE)
+
+
+class StaticBuffersLike:
+    """Buffers shaped like `like`'s, filled with junk the loader must overwrite."""
+
+    def __init__(self, like, device):
+        def junk(t):
+            return torch.full_like(t, 7, device=device) if t.dtype != torch.float32 else torch.randn_like(t, device=device)
+        for name in ("input_ids", "positions", "hidden", "query_start_loc", "seq_lens", "sample_indices"):
+            setattr(self, name, junk(getattr(like, name)))
+        self.block_tables = [junk(t) for t in like.block_tables]
+        self.slot_mappings = [junk(t) for t in like.slot_mappings]
+
+
 # ---------------------------------------------------------------------- whole engine
 MAX_MODEL_LEN = 48
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
