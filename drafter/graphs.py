@@ -7,9 +7,9 @@ of the whole draft loop (chain or tree) per batch capture size.
 
 Both graphs read only the engine's StaticBuffers and a few static hand-off tensors, so one
 replay serves any batch padded to its size:
-  * the first pass runs with attention metadata for the largest batch capture size, whose
-    extra requests have query length 0 and seq_len 0 (they read nothing); that keys its graph
-    by token count alone;
+  * the first pass over t tokens runs with attention metadata for min(t, largest batch) requests
+    (a batch never has more requests than tokens); the requests past the call's batch have
+    query length 0 and seq_len 0 and read nothing; that keys its graph by token count alone;
   * its sampled rows are copied into static tensors that the loop graph reads;
   * padded rows have slot -1 and seq_len 0 in the buffers: they write and read nothing;
   * the loop decides which rows are live from the buffers (seq_len > 0), never from a host int.
@@ -94,10 +94,11 @@ class GraphRunner:
 
     def _first_pass(self, num_tokens: int) -> None:
         e = self.engine
-        logit_h, carry_h, pos = e.proposer.first_pass(e.buffers, num_tokens, self.meta_batch)
-        self.first_logit_h.copy_(logit_h)
-        self.first_carry_h.copy_(carry_h)
-        self.first_pos.copy_(pos)
+        batch = min(num_tokens, self.meta_batch)
+        logit_h, carry_h, pos = e.proposer.first_pass(e.buffers, num_tokens, batch)
+        self.first_logit_h[:batch].copy_(logit_h)
+        self.first_carry_h[:batch].copy_(carry_h)
+        self.first_pos[:batch].copy_(pos)
 
     def _loop(self, batch: int) -> None:
         e = self.engine

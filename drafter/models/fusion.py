@@ -61,6 +61,14 @@ def fuse_head(head: DraftHead) -> DraftHead:
     return head
 
 
+def unfuse_head(head: DraftHead) -> DraftHead:
+    """Back to the modules' own torch forwards (the fused weights stay; they are the same numbers)."""
+    for m in head.modules():
+        m.__dict__.pop("forward", None)
+    head.fused = False
+    return head
+
+
 def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
     if x.dim() != 2 or x.stride(-1) != 1:
         return K.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), norm.weight, norm.eps).view(x.shape)

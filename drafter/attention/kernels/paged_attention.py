@@ -36,7 +36,8 @@ def _find_request(qsl_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# sizes that vary per call stay runtime values: one compiled kernel serves every batch
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_nodes", "window"])
 def paged_attention_kernel(
     q_ptr, stride_qt, stride_qh,  # [num_tokens, num_heads, head_dim], last stride 1
     cache_ptr, stride_cb, stride_cs, stride_ch,  # keys at cache_ptr, values at cache_ptr + v_offset
@@ -112,8 +113,8 @@ def paged_attention_kernel(
         key_ok = key < kv_end
         block = tl.load(table_ptr + req * stride_table + key // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
         slot_off = block * stride_cb + (key % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(cache_ptr + slot_off[None, :] + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-        s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        k = tl.load(cache_ptr + slot_off[:, None] + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if IS_TREE:
             is_node = key >= tree_context
             node = tl.where(is_node, key - tree_context, 0)
@@ -151,7 +152,7 @@ def paged_attention_kernel(
         tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def combine_splits_kernel(
     part_ptr, ml_ptr,  # [splits, num_tokens, num_heads, head_dim] f32, [splits, num_tokens, num_heads, 2] f32
     out_ptr, stride_ot, stride_oh,  # [num_tokens, num_heads, head_dim]

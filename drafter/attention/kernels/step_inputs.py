@@ -15,7 +15,7 @@ import triton.language as tl
 from drafter.attention.metadata import PADDING_SLOT_ID, AttentionMetadata
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch", "max_model_len"])
 def decode_step_inputs_kernel(
     pos_ptr,  # [batch] int64: the previous step's (unclamped) position
     real_ptr,  # [batch] int32: the first pass's seq_lens; 0 = padded row
