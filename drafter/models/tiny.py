@@ -22,6 +22,7 @@ class TinySizes:
     num_layers: int = 4
     num_heads: int = 4
     num_kv_heads: int = 2
+    head_dim: int = 32  # vLLM's CPU attention needs head_dim in {32, 64, ...}; q width may differ from hidden
     intermediate_size: int = 128
     vocab_size: int = 512
     max_position_embeddings: int = 4096
@@ -43,7 +44,7 @@ def _llama_config(s: TinySizes, num_layers: int, layer_types=None) -> dict:
         "num_hidden_layers": num_layers,
         "num_attention_heads": s.num_heads,
         "num_key_value_heads": s.num_kv_heads,
-        "head_dim": s.hidden_size // s.num_heads,
+        "head_dim": s.head_dim,
         "vocab_size": s.vocab_size,
         "rms_norm_eps": s.rms_norm_eps,
         "rope_theta": s.rope_theta,
@@ -75,7 +76,7 @@ class _Init:
 
 
 def _layer(init: _Init, s: TinySizes, prefix: str, attn_in: int, input_norm: bool = True) -> dict:
-    hd = s.hidden_size // s.num_heads
+    hd = s.head_dim
     w = {
         f"{prefix}self_attn.q_proj.weight": init.linear(s.num_heads * hd, attn_in, 2.0),
         f"{prefix}self_attn.k_proj.weight": init.linear(s.num_kv_heads * hd, attn_in, 2.0),
