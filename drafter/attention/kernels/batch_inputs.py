@@ -18,6 +18,8 @@ import triton.language as tl
 
 from drafter.attention.metadata import PADDING_SLOT_ID
 
+PAD_SLOT = tl.constexpr(PADDING_SLOT_ID)  # globals a kernel reads must be constexpr
+
 
 @triton.jit(do_not_specialize=["n", "b"])
 def load_batch_kernel(
@@ -39,7 +41,7 @@ def load_batch_kernel(
     # ---- per token row, up to the padded token count
     tok_ok = rows < num_tokens
     live = rows < n
-    slots = tl.load(slots_in_ptr + rows, mask=live, other=PADDING_SLOT_ID).to(tl.int64)
+    slots = tl.load(slots_in_ptr + rows, mask=live, other=PAD_SLOT).to(tl.int64)
     tl.store(slots_ptr + rows, slots, mask=tok_ok)
     if COMMON:
         tl.store(positions_ptr + rows, tl.load(pos_in_ptr + rows, mask=live, other=0).to(tl.int64), mask=tok_ok)

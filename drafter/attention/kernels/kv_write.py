@@ -75,13 +75,13 @@ def rope_write_kernel(
         kh = tl.arange(0, KV_HEADS_PAD)
         k_ok = (kh < num_kv_heads)[:, None]
         k_row = row + num_heads * HEAD_DIM
-        r1, r2 = _rotate(k_row + kh[:, None] * HEAD_DIM, kh, half, k_ok, cos, sin, HALF)
+        k1, k2 = _rotate(k_row + kh[:, None] * HEAD_DIM, kh, half, k_ok, cos, sin, HALF)
         dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
             + kh[:, None] * stride_ch + half[None, :]
         ty = cache_ptr.dtype.element_ty
         # the reference rounds rotated keys to the activation dtype before the cache stores them
-        tl.store(dst, r1.to(q_out_ptr.dtype.element_ty).to(ty), mask=k_ok)
-        tl.store(dst + HALF, r2.to(q_out_ptr.dtype.element_ty).to(ty), mask=k_ok)
+        tl.store(dst, k1.to(q_out_ptr.dtype.element_ty).to(ty), mask=k_ok)
+        tl.store(dst + HALF, k2.to(q_out_ptr.dtype.element_ty).to(ty), mask=k_ok)
         v_row = k_row + num_kv_heads * HEAD_DIM
         d = tl.arange(0, HEAD_DIM)
         vdst = cache_ptr + v_offset + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \

@@ -14,6 +14,8 @@ import triton.language as tl
 
 from drafter.attention.metadata import PADDING_SLOT_ID, AttentionMetadata
 
+PAD_SLOT = tl.constexpr(PADDING_SLOT_ID)  # globals a kernel reads must be constexpr
+
 
 @triton.jit(do_not_specialize=["batch", "max_model_len"])
 def decode_step_inputs_kernel(
@@ -36,7 +38,7 @@ def decode_step_inputs_kernel(
     fed = tl.where(exceeds, 0, pos)
     live = real & ~exceeds
     block = tl.load(table_ptr + rows * stride_table + fed // BLOCK_SIZE, mask=ok & live, other=0).to(tl.int64)
-    slot = tl.where(live, block * BLOCK_SIZE + fed % BLOCK_SIZE, PADDING_SLOT_ID)
+    slot = tl.where(live, block * BLOCK_SIZE + fed % BLOCK_SIZE, PAD_SLOT)
     tl.store(slot_ptr + rows, slot, mask=ok)
     if WRITE_COMMON:
         tl.store(next_pos_ptr + rows, pos, mask=ok)
