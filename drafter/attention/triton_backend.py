@@ -81,11 +81,14 @@ class TritonBackend:
         if qkv.stride(-1) != 1 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
             raise ValueError(f"qkv: expected contiguous rows of {(num_heads + 2 * num_kv_heads) * head_dim}")
         q = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        # the kernel indexes row t at ptr + t: a broadcast view (stride 0, as the tree's
+        # per-node positions can be) must become real rows first
+        positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         if n:
             rope_write_kernel[(n,)](
                 qkv, qkv.stride(0), positions, inv_freq, q,
                 kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
-                meta.slot_mapping, num_heads, num_kv_heads,
+                slots, num_heads, num_kv_heads,
                 BLOCK_SIZE=meta.block_size, Q_HEADS_PAD=_pow2(num_heads), KV_HEADS_PAD=_pow2(num_kv_heads),
                 HEAD_DIM=head_dim)
         return self.attend(q, kv_cache, meta, sliding_window)
@@ -100,7 +103,7 @@ class TritonBackend:
         write_kv_kernel[(n,)](
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
-            slot_mapping, num_kv_heads,
+            slot_mapping.contiguous(), num_kv_heads,
             BLOCK_SIZE=block_size, HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -123,8 +126,11 @@ class TritonBackend:
         splits = self._splits(q.device, min(num_reqs, -(-n // block_q)) * num_kv_heads,
                               meta.block_table.shape[1] * meta.block_size)
         tree = meta.tree_mask is not None
-        mask = meta.tree_mask if tree else meta.seq_lens  # any tensor: unused without a tree
-        depths = meta.tree_depths if tree else meta.seq_lens
+        qsl, seq_lens = meta.query_start_loc.contiguous(), meta.seq_lens.contiguous()
+        if meta.block_table.stride(1) != 1:
+            raise ValueError("block_table rows must be contiguous")
+        mask = meta.tree_mask.contiguous() if tree else seq_lens  # any tensor: unused without a tree
+        depths = meta.tree_depths.contiguous() if tree else seq_lens
         num_nodes = meta.tree_mask.shape[1] if tree else 0
         window = sliding_window or 0
         if splits > 1:
@@ -135,7 +141,7 @@ class TritonBackend:
         paged_attention_kernel[(num_qblocks, num_kv_heads, splits)](
             q, q.stride(0), q.stride(1),
             kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
-            meta.query_start_loc, meta.seq_lens, meta.block_table, meta.block_table.stride(0),
+            qsl, seq_lens, meta.block_table, meta.block_table.stride(0),
             mask, depths, num_nodes,
             out, out.stride(0), out.stride(1), part, ml,
             n, num_reqs, num_heads, head_dim ** -0.5, window,

@@ -98,6 +98,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """norm(x) -> out; with residual: s = x + residual, returns (norm(s), s).
     x, residual: [rows, n]; weight: [n]; out: [rows, n], may be a column slice of a wider buffer."""
     rows, n = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
     if out is None:
         out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else out
@@ -113,6 +117,9 @@ def embed_dual_norm(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor
                     w_hidden: torch.Tensor, eps: float) -> torch.Tensor:
     """[norm_e(table[ids]) | norm_h(hidden)]: ids [rows], table [vocab, n], hidden [rows, n] -> [rows, 2n]."""
     rows, n = hidden.shape
+    ids = ids.contiguous()
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
     out = torch.empty(rows, 2 * n, dtype=hidden.dtype, device=hidden.device)
     if rows:
         embed_dual_norm_kernel[(rows, 2)](ids, table, table.stride(0), hidden, hidden.stride(0), w_embed, w_hidden,
@@ -124,6 +131,8 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up]: [rows, 2n] -> [rows, n]."""
     rows, two_n = x.shape
     n = two_n // 2
+    if x.stride(1) != 1:
+        x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
         block = min(4096, triton.next_power_of_2(n))

@@ -92,16 +92,21 @@ def load_batch(buf, inp, num_tokens: int, num_reqs: int) -> None:
     """StaticBuffers.load(inp, num_tokens, num_reqs) for greedy calls (temperatures untouched);
     every tensor of `inp` must already be on the buffers' device."""
     n, b = inp.num_tokens, inp.batch_size
+    flat = [t.contiguous() if t is not None else None for t in (  # the kernel reads element i at ptr + i
+        inp.target_token_ids, inp.target_positions, inp.next_token_ids, inp.query_start_loc, inp.seq_lens,
+        inp.token_indices_to_sample, inp.num_rejected_tokens)]
+    ids, positions, next_ids, qsl, seq_lens, sample, rejected = flat
     block = 128
     grid = (triton.cdiv(max(num_tokens, num_reqs + 1), block),)
-    sample, rejected = inp.token_indices_to_sample, inp.num_rejected_tokens
     steps = int(num_reqs).bit_length() + 1  # a constant per engine: one compiled variant
     buf.hidden[:n].copy_(inp.target_hidden_states)
     for g, (table_in, slots_in) in enumerate(zip(inp.block_tables, inp.slot_mappings)):
-        table = buf.block_tables[g]
+        table, slots_in = buf.block_tables[g], slots_in.contiguous()
+        if table_in.stride(1) != 1:
+            table_in = table_in.contiguous()
         load_batch_kernel[grid](
-            inp.target_token_ids, inp.target_positions, inp.next_token_ids, inp.query_start_loc, inp.seq_lens,
-            sample if sample is not None else inp.seq_lens, rejected if rejected is not None else inp.seq_lens,
+            ids, positions, next_ids, qsl, seq_lens,
+            sample if sample is not None else seq_lens, rejected if rejected is not None else seq_lens,
             slots_in, table_in, table_in.stride(0), table_in.shape[1],
             buf.input_ids, buf.positions, buf.query_start_loc, buf.seq_lens, buf.sample_indices,
             buf.slot_mappings[g], table, table.stride(0), table.shape[1],

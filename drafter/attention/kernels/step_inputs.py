@@ -60,6 +60,7 @@ def decode_step_inputs(
     """(next position, fed position, one AttentionMetadata per KV group) for the next chain step."""
     batch = pos.shape[0]
     dev = pos.device
+    pos, real_seq_lens = pos.contiguous(), real_seq_lens.contiguous()
     next_pos = torch.empty(batch, dtype=torch.int64, device=dev)
     fed = torch.empty(batch, dtype=torch.int64, device=dev)
     seq_lens = torch.empty(batch, dtype=torch.int32, device=dev)
