@@ -108,12 +108,34 @@ def floors(w: dict[str, int], spec: ModelSpec, batch: int, ctx: int, k: int, bw:
             "kv_bytes_per_step": kv, "weight_bytes_per_step": step - kv - embed}
 
 
+def matmul_peak(device, n: int = 8192, iters: int = 10) -> float:
+    """bf16 tensor-core FLOP/s of an n^3 product on random data (median)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    times = time_events(lambda: a @ b, iters=iters, warmup=3)
+    return 2 * n ** 3 / (statistics.median(times) * 1e-6)
+
+
+def compute_floors(w: dict[str, int], spec: ModelSpec, batch: int, ctx: int, k: int, peak: float) -> dict:
+    """Microseconds the matrix work alone must take at `peak` FLOP/s (2 FLOP per weight per row,
+    plus q.k and p.v over the context); at large batch this, not memory, bounds the first pass."""
+    shape = spec.layer_shapes[0]
+    params = {key: v / 2 for key, v in w.items()}  # bf16
+    attn = 4 * ctx * shape.num_heads * shape.head_dim
+    tokens = batch * (k + 1)
+    first = 2 * (params["fc"] + params["layer"]) * tokens + attn * tokens
+    step = 2 * (params["layer"] + params["lm_head"] + (params["fc"] if spec.method == "eagle" else 0)) * batch \
+        + attn * batch
+    loop = 2 * params["lm_head"] * batch + (k - 1) * step
+    us = 1e6 / peak
+    return {"first_us": first * us, "loop_us": loop * us}
+
+
 def copy_bandwidth(device, nbytes: int = 2 << 30, iters: int = 20) -> float:
     """Device-to-device copy, bytes read + written per second (median of iters)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
     times = time_events(lambda: dst.copy_(src), iters=iters, warmup=3)
-    del src, dst
     return 2 * nbytes / (statistics.median(times) * 1e-6)
 
 
@@ -205,8 +227,8 @@ def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device):
     return engine
 
 
-def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts, bw: float, iters: int,
-                 eager: bool, log) -> list[dict]:
+def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts, bw: float, peak: float,
+                 iters: int, eager: bool, log) -> list[dict]:
     rows = []
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -241,6 +263,10 @@ def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts
             row["ratio_propose"] = row["propose_us"] / f["propose_us"]
             row["ratio_device"] = (row["first_us"] + row["loop_us"]) / f["propose_us"]
             row["ratio_first"] = row["first_us"] / f["first_us"]
+            c = compute_floors(wbytes, spec, b, ctx, k, peak)
+            # roofline: each phase bounded by the larger of its memory and its matrix-unit time
+            row["floor_roofline_us"] = max(f["first_us"], c["first_us"]) + max(f["loop_us"], c["loop_us"])
+            row["ratio_roofline"] = (row["first_us"] + row["loop_us"]) / row["floor_roofline_us"]
             if k > 1:
                 # one decode step: the loop graph minus its step-0 sampling, over k-1 steps
                 row["ratio_loop"] = row["loop_us"] / f["loop_us"]
@@ -255,7 +281,74 @@ def fmt_row(r: dict) -> str:
     return (f"{r['head']:10} k={r['k']} ctx={r['ctx']:5} b={r['batch']:3} | propose graph {r['propose_us']:8.0f} us"
             f" eager {eager} us | first {r['first_us']:7.0f} loop {r['loop_us']:7.0f} | floor {r['floor_propose_us']:7.0f}"
             f" | ratio propose {r['ratio_propose']:5.2f} device {r['ratio_device']:5.2f} loop {loop}"
+            f" roofline {r['ratio_roofline']:5.2f}"
             f" | host {r['host_us']:5.0f} us")
+
+
+# ---------------------------------------------------------------------- host time
+def host_breakdown(engine, call: dict, iters: int = 50) -> dict:
+    """Host microseconds of each part of a graph-replayed propose (median), and the top of a
+    cProfile of the whole call: where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    from drafter.graphs import on_device
+
+    runner = engine.graphs
+    inp = as_inputs(call, engine.device)
+    t_pad, b_pad = engine._padded_sizes(inp, None, None)
+    out = {}
+    with torch.inference_mode():
+        whole = lambda: engine._propose_validated(inp, False, False, None, None)  # noqa: E731
+        out["propose_us"] = statistics.median(time_host(whole, iters))
+        out["header_us"] = statistics.median(time_host(lambda: runner.header.write(on_device(inp, engine.device)),
+                                                        iters))
+        out["first_replay_us"] = statistics.median(time_host(runner.first_graphs[t_pad], iters))
+        out["loop_replay_us"] = statistics.median(time_host(runner.loop_graphs[b_pad], iters))
+        out["padded_sizes_us"] = statistics.median(time_host(lambda: engine._padded_sizes(inp, None, None), iters))
+        ids = runner.drafts[:b_pad]
+        out["clone_us"] = statistics.median(time_host(lambda: ids[: inp.batch_size].clone(), iters))
+        prof = cProfile.Profile()
+        for _ in range(200):
+            torch.cuda.synchronize()  # outside the profile: the host part of each call alone
+            prof.enable()
+            whole()
+            prof.disable()
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    out["cprofile_top"] = text.getvalue().splitlines()[-20:]
+    return out
+
+
+def attention_sweep(device, contexts, batches, bw: float, log) -> list[dict]:
+    """The decode attention kernel alone (32 query heads, 8 KV heads, head_dim 128, pages of 16)
+    at several launch sizes: achieved KV bandwidth per target program count."""
+    from drafter.attention.metadata import AttentionMetadata
+    from drafter.attention.triton_backend import TritonBackend
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            per_req = -(-(ctx + 8) // BLOCK_SIZE)
+            cache = torch.randn(2, b * per_req + 1, BLOCK_SIZE, 8, 128, device=device, dtype=torch.bfloat16)
+            table = torch.randperm(b * per_req, device=device).view(b, per_req).int()
+            meta = AttentionMetadata(torch.arange(b + 1, device=device, dtype=torch.int32),
+                                     torch.full((b,), ctx, device=device, dtype=torch.int32), table,
+                                     torch.full((b,), -1, device=device, dtype=torch.long), BLOCK_SIZE)
+            q = torch.randn(b, 32, 128, device=device, dtype=torch.bfloat16)
+            kv_bytes = b * ctx * 2 * 8 * 128 * 2
+            for mult in (1, 2, 4, 8):
+                backend = TritonBackend(target_programs=mult * sms)
+                us = statistics.median(time_events(lambda: backend.attend(q, cache, meta, None), 20, sync_each=False))
+                rows.append({"ctx": ctx, "batch": b, "programs_per_sm": mult, "us": us,
+                             "splits": backend._splits(q.device, b * 8, per_req * BLOCK_SIZE),
+                             "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bw})
+                log(f"  attention ctx={ctx} b={b} programs/SM={mult}: {us:7.1f} us, splits {rows[-1]['splits']},"
+                    f" {rows[-1]['fraction_of_copy_bw']:.2f} of copy bandwidth")
+    return rows
 
 
 # ---------------------------------------------------------------------- profile
@@ -351,6 +444,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-eager", action="store_true", help="skip the eager timings")
     p.add_argument("--profile", action="store_true", help="per-kernel device times for a few shapes")
+    p.add_argument("--attention-sweep", action="store_true", help="time the decode attention kernel alone")
     p.add_argument("--device", default="cuda")
 
 
@@ -379,7 +473,11 @@ def run(args) -> dict:
     }
     log(f"{meta['device']} ({meta['sms']} SMs), torch {meta['torch']}, triton {meta['triton']}: "
         f"device copy {bw / 1e9:.0f} GB/s (read + write)")
-    rows, profiles = [], {}
+    peak = matmul_peak(device)
+    meta["matmul_bf16_TFLOPs"] = peak / 1e12
+    log(f"bf16 matrix product {peak / 1e12:.0f} TFLOP/s")
+    rows, profiles, host = [], {}, {}
+    sweep = attention_sweep(device, args.contexts, [1, 16, 64, 256], bw, log) if args.attention_sweep else []
     for head_name in args.heads.split(","):
         spec = SPECS[head_name]
         head = random_head(spec, device, torch.bfloat16)
@@ -390,8 +488,17 @@ def run(args) -> dict:
             t0 = time.perf_counter()
             engine = build_engine(head, spec, k, args.batches, max(args.contexts), device)
             log(f" k={k}: engine built in {time.perf_counter() - t0:.1f}s")
-            rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, args.iters,
-                                 not args.no_eager, log)
+            rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, peak,
+                                 args.iters, not args.no_eager, log)
+            if k == 3 and head_name == "eagle3-8b":
+                for b in (1, 16, 64):
+                    if b in args.batches:
+                        hb = host_breakdown(engine, steady_state_call(engine, b, min(args.contexts), seed=3))
+                        host[f"{head_name} k={k} b={b}"] = hb
+                        log(f"  host {head_name} k={k} b={b}: " + ", ".join(
+                            f"{key} {v:.1f}" for key, v in hb.items() if key.endswith("_us")))
+                        if b == 16:
+                            log("\n".join("    " + line for line in hb["cprofile_top"]))
             if args.profile and k == 3:
                 for b in (1, 64):
                     if b in args.batches:
@@ -406,7 +513,7 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
         del head
         torch.cuda.empty_cache()
-    result = {"meta": meta, "rows": rows, "profiles": profiles}
+    result = {"meta": meta, "rows": rows, "profiles": profiles, "host": host, "attention_sweep": sweep}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     (out / "bench.log").write_text("\n".join(lines) + "\n")
     try:
@@ -427,8 +534,10 @@ def summary(rows: list[dict], log) -> None:
         worst = max(sel, key=lambda r: r["ratio_propose"])
         loop = max((r.get("ratio_loop", 0) for r in sel), default=0)
         faster = all(r.get("eager_propose_us", math.inf) > r["propose_us"] for r in sel)
+        roof = max(r["ratio_roofline"] for r in sel)
         log(f"  {head:10} k={k} ctx={ctx:5}: propose/floor max {worst['ratio_propose']:.2f} (b={worst['batch']}),"
-            f" loop/floor max {loop:.2f}, graphs faster than eager at every b<=64: {faster},"
+            f" loop/floor max {loop:.2f}, device/roofline max {roof:.2f},"
+            f" graphs faster than eager at every b<=64: {faster},"
             f" host max {max(r['host_us'] for r in sel):.0f} us")
 
 

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from drafter.attention.kernels.batch_inputs import load_batch
+from drafter.attention.kernels.batch_inputs import InputHeader, load_inputs
 from drafter.attention.metadata import PADDING_SLOT_ID
 from drafter.inputs import ProposeInputs
 
@@ -52,6 +52,8 @@ class GraphRunner:
         self.first_carry_h = torch.zeros(self.meta_batch, h, dtype=dtype, device=dev)  # [max_batch, hidden]
         self.first_pos = torch.zeros(self.meta_batch, dtype=torch.long, device=dev)  # [max_batch]
         self.drafts = torch.zeros(self.meta_batch, width, dtype=torch.long, device=dev)  # [max_batch, k | nodes]
+        # the call's sizes and tensor addresses, read by the loader captured in each first-pass graph
+        self.header = InputHeader(len(engine.buffers.block_tables), engine.buffers.input_ids.device)
         self.first_graphs: dict[int, Callable[[], None]] = {}
         self.loop_graphs: dict[int, Callable[[], None]] = {}
         self.pool = None
@@ -71,6 +73,7 @@ class GraphRunner:
         if not self.emulate:
             self.pool = torch.cuda.graph_pool_handle()
         neutralize(self.engine.buffers)  # warm-up runs must write no KV
+        self.header.device.zero_()  # a header of 0 tokens and 0 requests: the loader reads nothing
         for t in reversed(self.token_sizes):
             self.first_graphs[t] = self._capture(lambda t=t: self._first_pass(t))
         for b in reversed(self.batch_sizes):
@@ -94,6 +97,7 @@ class GraphRunner:
 
     def _first_pass(self, num_tokens: int) -> None:
         e = self.engine
+        load_inputs(self.header.device, e.buffers, num_tokens, self.meta_batch)
         batch = min(num_tokens, self.meta_batch)
         logit_h, carry_h, pos = e.proposer.first_pass(e.buffers, num_tokens, batch)
         self.first_logit_h[:batch].copy_(logit_h)
@@ -116,11 +120,12 @@ class GraphRunner:
                 and batch_padded in self.batch_sizes and tokens_padded in self.token_sizes)
 
     def run(self, inp: ProposeInputs, tokens_padded: int, batch_padded: int) -> torch.Tensor:
-        """Load the batch, replay both graphs; returns drafts [batch_padded, k | nodes] (a static view)."""
+        """Describe the batch to the loader, replay both graphs; returns drafts [batch_padded, k | nodes]
+        (a static view).  The caller's tensors must stay unchanged until the GPU has run the graphs
+        (tensors on the current stream are: later work on it comes after)."""
         if not self.captured:
             self.capture()
-        buf = self.engine.buffers
-        load_batch(buf, on_device(inp, buf.input_ids.device), tokens_padded, self.meta_batch)
+        self.header.write(on_device(inp, self.engine.buffers.input_ids.device))
         self.first_graphs[tokens_padded]()
         self.loop_graphs[batch_padded]()
         self.replays += 1

@@ -53,7 +53,10 @@ class Proposer:
         rows = buf.sample_indices[:batch]
         return logit_h[rows], carry_h[rows], buf.positions[rows]  # [batch, H], [batch, H], [batch]
 
-    def _sample(self, hidden, step, temps, generator, want_probs):
+    def _sample(self, hidden, step, temps, generator, want_probs, want_logits=True):
+        greedy = getattr(self.head, "greedy_draft", None)  # a fused head's one-launch argmax + d2t
+        if greedy is not None and temps is None and not want_probs and not want_logits:
+            return greedy(hidden, step), None, None
         logits = self.head.compute_logits(hidden, step)
         ids, probs = sample_drafts(logits, temps, generator, want_probs)
         return self.head.draft_to_target(ids), probs, logits
@@ -76,12 +79,12 @@ class Proposer:
         # padded rows carry seq_len 0 in the buffers; reading that (not num_real) keeps the loop
         # free of host values, so one captured graph serves every num_real
         real = buf.seq_lens[:batch] > 0
-        ids, probs, logits = self._sample(logit_h, 0, temps, generator, want_probs)
+        ids, probs, logits = self._sample(logit_h, 0, temps, generator, want_probs, want_logits)
         drafts, all_probs, all_logits = [ids], [probs], [logits]
         for step in range(1, self.k):
             pos, fed_pos, metas = self._next_step_inputs(buf, batch, pos, real)
             logit_h, carry_h = self.head(ids, fed_pos, carry_h, self.kv_caches, metas, self.backend, step=step)
-            ids, probs, logits = self._sample(logit_h, step, temps, generator, want_probs)
+            ids, probs, logits = self._sample(logit_h, step, temps, generator, want_probs, want_logits)
             drafts.append(ids)
             all_probs.append(probs)
             all_logits.append(logits)

@@ -85,11 +85,12 @@ class TritonBackend:
         # per-node positions can be) must become real rows first
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         if n:
-            rope_write_kernel[(n,)](
+            q_heads = min(8, _pow2(num_heads))  # several programs per token: a one-row step is latency-bound
+            rope_write_kernel[(n, triton.cdiv(num_heads, q_heads) + 1)](
                 qkv, qkv.stride(0), positions, inv_freq, q,
                 kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
                 slots, num_heads, num_kv_heads,
-                BLOCK_SIZE=meta.block_size, Q_HEADS_PAD=_pow2(num_heads), KV_HEADS_PAD=_pow2(num_kv_heads),
+                BLOCK_SIZE=meta.block_size, Q_HEADS=q_heads, KV_HEADS_PAD=_pow2(num_kv_heads),
                 HEAD_DIM=head_dim)
         return self.attend(q, kv_cache, meta, sliding_window)
 

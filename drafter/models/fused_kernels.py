@@ -135,7 +135,49 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
-        block = min(4096, triton.next_power_of_2(n))
+        # ~14 programs per row at Llama-8B's 14336: a one-row step should not wait on one SM
+        block = min(1024, triton.next_power_of_2(n))
         silu_mul_kernel[(rows, triton.cdiv(n, block))](x, x.stride(0), out, out.stride(0), n, BLOCK=block,
                                                        num_warps=4)
+    return out
+
+
+@triton.jit
+def greedy_ids_kernel(
+    logits_ptr, stride_l,  # [rows, vocab]
+    d2t_ptr,  # [vocab] int64 offsets to target ids (HAS_D2T)
+    out_ptr,  # [rows] int64: target-vocabulary ids
+    vocab,
+    BLOCK: tl.constexpr, HAS_D2T: tl.constexpr,
+):
+    """argmax over the row (first index on ties, as torch.argmax), mapped to the target vocabulary."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        x = tl.load(logits_ptr + row * stride_l + start + cols, mask=start + cols < vocab,
+                    other=float("-inf")).to(tl.float32)
+        m = tl.max(x, 0)
+        i = tl.argmax(x, 0, tie_break_left=True) + start
+        better = m > best  # strict: an earlier chunk keeps a tie
+        best_i = tl.where(better, i, best_i)
+        best = tl.where(better, m, best)
+    ids = best_i.to(tl.int64)
+    if HAS_D2T:
+        ids += tl.load(d2t_ptr + ids)
+    tl.store(out_ptr + row, ids)
+
+
+def greedy_ids(logits: torch.Tensor, d2t: torch.Tensor | None = None) -> torch.Tensor:
+    """Target ids of the argmax of each row: logits [rows, vocab] -> [rows] int64 (+ d2t[id] if given)."""
+    rows, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        # one load covers the 32000-token draft vocabularies; a 128k vocabulary takes 4 rounds
+        block = min(32768, triton.next_power_of_2(vocab))
+        greedy_ids_kernel[(rows,)](logits, logits.stride(0), d2t if d2t is not None else out, out, vocab,
+                                   BLOCK=block, HAS_D2T=d2t is not None, num_warps=16 if block >= 8192 else 4)
     return out

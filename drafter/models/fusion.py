@@ -58,6 +58,7 @@ def fuse_head(head: DraftHead) -> DraftHead:
             if isinstance(m, cls):
                 m.forward = types.MethodType(fn, m)
                 break
+    head.greedy_draft = types.MethodType(greedy_draft, head)
     return head
 
 
@@ -65,8 +66,16 @@ def unfuse_head(head: DraftHead) -> DraftHead:
     """Back to the modules' own torch forwards (the fused weights stay; they are the same numbers)."""
     for m in head.modules():
         m.__dict__.pop("forward", None)
+    head.__dict__.pop("greedy_draft", None)
     head.fused = False
     return head
+
+
+def greedy_draft(head: DraftHead, hidden: torch.Tensor, step: int) -> torch.Tensor:
+    """Greedy draft ids in the target vocabulary: the lm_head GEMM, then argmax and the d2t map in
+    one launch (torch needs three).  hidden [rows, hidden_size] -> [rows] int64."""
+    d2t = head.d2t if isinstance(head, Eagle3Head) else None
+    return K.greedy_ids(head.compute_logits(hidden, step), d2t)
 
 
 def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]

@@ -25,6 +25,7 @@ from drafter.models import fused_kernels as K  # noqa: E402
 from drafter.models.layers import RMSNorm, apply_rope  # noqa: E402
 from tests.support.engines import build_engine  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402
+from tests.support.triton_bounds import allowing  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -193,9 +194,11 @@ def test_step_inputs_match_the_torch_path():
 
 
 @pytest.mark.parametrize("rejection", ["none", "explicit-sample", "rejected-counts"])
-def test_load_batch_matches_buffers_load(tiny_root, rejection):
-    """The one-launch loader leaves the buffers as StaticBuffers.load does (up to the padded sizes)."""
-    from drafter.attention.kernels.batch_inputs import load_batch
+@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
+def test_header_loader_matches_buffers_load(tiny_root, rejection, wide):
+    """The graph-side loader (header of addresses + loader kernels) leaves the buffers as
+    StaticBuffers.load does, up to the padded sizes, for int32 and int64 inputs."""
+    from drafter.attention.kernels.batch_inputs import InputHeader, load_inputs
     from drafter.inputs import ProposeInputs
 
     engine = build_engine(tiny_root, "eagle-2groups", max_model_len=MAX_MODEL_LEN, max_num_seqs=6,
@@ -213,7 +216,12 @@ def test_load_batch_matches_buffers_load(tiny_root, rejection):
     want = engine.buffers
     want.load(inp, 16, 6)
     got = StaticBuffersLike(want, DEVICE)
-    load_batch(got, ProposeInputs(*[_dev(getattr(inp, f)) for f in ProposeInputs.__dataclass_fields__]), 16, 6)
+    dev_inp = ProposeInputs(*[_dev(getattr(inp, f), wide) for f in ProposeInputs.__dataclass_fields__])
+    header = InputHeader(2, DEVICE)
+    header.write(dev_inp)
+    tensors = [t for v in vars(dev_inp).values() if v is not None for t in (v if isinstance(v, list) else [v])]
+    with allowing(tensors):
+        load_inputs(header.device, got, 16, 6)
     n = inp.num_tokens
     for name in ("input_ids", "positions"):
         assert torch.equal(getattr(got, name)[:16].cpu(), getattr(want, name)[:16]), name
@@ -226,10 +234,14 @@ def test_load_batch_matches_buffers_load(tiny_root, rejection):
         assert torch.equal(got.block_tables[g][:6].cpu(), want.block_tables[g][:6])
 
 
-def _dev(value):
+def _dev(value, wide=False):
     if isinstance(value, list):
-        return [t.to(DEVICE) for t in value]
-    return None if value is None else value.to(DEVICE)
+        return [_dev(t, wide) for t in value]
+    if value is None:
+        return None
+    if not value.is_floating_point():
+        value = value.to(torch.int64 if wide else torch.int32)
+    return value.to(DEVICE)
 
 
 class StaticBuffersLike:
@@ -278,7 +290,8 @@ def _compare(ref, fast, plans, **kw):
         expected = ref.propose(**c_ref.kwargs).draft_token_ids
         kwargs = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE))
                   for k, v in c_fast.kwargs.items()}
-        got = fast.propose(**kwargs).draft_token_ids
+        with allowing([t for v in kwargs.values() for t in (v if isinstance(v, list) else [v])]):
+            got = fast.propose(**kwargs).draft_token_ids
         assert torch.equal(got.cpu(), expected), f"plan {plan}: {got.tolist()} != {expected.tolist()}"
     for a, b in zip(ref.kv_snapshot(), fast.kv_snapshot()):
         torch.testing.assert_close(b.cpu(), a, atol=1e-4, rtol=1e-4)

@@ -1,13 +1,16 @@
-"""Loading a propose call into the static buffers in one launch per KV group.
+"""Loading a propose call into the static buffers from inside the first-pass CUDA graph.
 
-It does what StaticBuffers.load does (shift the input ids by one, put next_token_ids at the
-sampled rows, derive the sampled rows from query_start_loc minus the rejected tokens when the
-caller names none, pad every per-token row to slot -1 and every per-request row to an empty
-request), but as one kernel instead of ~25 torch ops: what is left of a graph-replayed
-propose on the host is this launch, one copy of the hidden states and the two replays.
+The call's tensors live wherever the caller put them, so the graph cannot name them.  Instead
+the host writes a small header (sizes, dtypes and the tensors' device addresses) into pinned
+memory and copies it to a fixed device buffer; the captured loader kernels read the header and
+load through those addresses.  What is left on the host per call is that header, one copy and
+the replays: no per-input copies and no kernel launch from Python.
 
-Rows past the call's tokens keep stale hidden states (finite values from earlier calls or
-zeros): they belong to no request, write no KV and are never sampled.
+The loader does what StaticBuffers.load does: shift the input ids by one, put next_token_ids at
+the sampled rows, derive the sampled rows from query_start_loc minus the rejected tokens when
+the caller names none, pad every per-token row to slot -1 and every per-request row to an
+empty request.  Rows past the call's tokens keep stale hidden states (finite values from
+earlier calls, or zeros): they belong to no request, write no KV and are never sampled.
 """
 
 from __future__ import annotations
@@ -17,99 +20,190 @@ import triton
 import triton.language as tl
 
 from drafter.attention.metadata import PADDING_SLOT_ID
+from drafter.inputs import ProposeInputs
 
 PAD_SLOT = tl.constexpr(PADDING_SLOT_ID)  # globals a kernel reads must be constexpr
 
+# header layout, in int64 words (constexprs: the kernels read them as globals)
+N, B, FLAGS, WIDE, HIDDEN_KIND, HIDDEN_STRIDE = (tl.constexpr(i) for i in range(6))
+IDS, POS, NEXT, QSL, SEQ, SAMPLE, REJECTED, HIDDEN = (tl.constexpr(i) for i in range(6, 14))
+GROUP0, GROUP_WORDS = 16, 6  # per group: slots, table, table stride, table width, slots wide, table wide
+HAS_SAMPLE, HAS_REJECTED = tl.constexpr(1), tl.constexpr(2)  # FLAGS bits
+INT_FIELDS = (IDS, POS, NEXT, QSL, SEQ, SAMPLE, REJECTED)  # WIDE bit i: field i of these is int64
+HIDDEN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
-@triton.jit(do_not_specialize=["n", "b"])
-def load_batch_kernel(
-    ids_ptr, pos_in_ptr, next_ids_ptr,  # [n], [n], [b] int
-    qsl_in_ptr, seq_in_ptr,  # [b + 1], [b] int
-    sample_in_ptr, rejected_ptr,  # [b] int each, optional (HAS_SAMPLE / HAS_REJECTED)
-    slots_in_ptr,  # [n] int: this group's slot mapping
-    table_in_ptr, stride_tin, width_in,  # [b, width_in] int: this group's block table
+
+@triton.jit
+def _ints(hdr_ptr, word, wide, offs, mask, other):
+    """Load int elements through the address in header word `word`, as int64."""
+    addr = tl.load(hdr_ptr + word)
+    if wide:
+        v = tl.load(addr.to(tl.pointer_type(tl.int64)) + offs, mask=mask, other=other)
+    else:
+        v = tl.load(addr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=other).to(tl.int64)
+    return v
+
+
+@triton.jit
+def load_inputs_kernel(
+    hdr_ptr,  # [header words] int64
+    group_word,  # first header word of this KV group
     input_ids_ptr, positions_ptr, qsl_ptr, seq_lens_ptr, sample_ptr,  # static buffers (COMMON only)
-    slots_ptr,  # [max_tokens] int64
-    table_ptr, stride_t, width,  # [max_batch, width] int32
-    n, b, num_tokens, num_reqs,  # call sizes, padded sizes
-    COMMON: tl.constexpr, HAS_SAMPLE: tl.constexpr, HAS_REJECTED: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+    slots_ptr,  # [max_tokens] int64: this group's slot mapping
+    table_ptr, stride_t, width,  # [max_batch, width] int32: this group's block table
+    num_tokens, num_reqs,  # the padded sizes the graph was captured for
+    COMMON: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
+    n = tl.load(hdr_ptr + N).to(tl.int32)
+    b = tl.load(hdr_ptr + B).to(tl.int32)
+    flags = tl.load(hdr_ptr + FLAGS)
+    wide = tl.load(hdr_ptr + WIDE)
 
     # ---- per token row, up to the padded token count
     tok_ok = rows < num_tokens
     live = rows < n
-    slots = tl.load(slots_in_ptr + rows, mask=live, other=PAD_SLOT).to(tl.int64)
+    slots = _ints(hdr_ptr, group_word, tl.load(hdr_ptr + group_word + 4) != 0, rows, live, PAD_SLOT)
     tl.store(slots_ptr + rows, slots, mask=tok_ok)
     if COMMON:
-        tl.store(positions_ptr + rows, tl.load(pos_in_ptr + rows, mask=live, other=0).to(tl.int64), mask=tok_ok)
+        tl.store(positions_ptr + rows, _ints(hdr_ptr, POS, ((wide >> 1) & 1) != 0, rows, live, 0), mask=tok_ok)
         # each row's request: the last r with qsl[r] <= row (binary search, one lane per row)
         lo = tl.zeros([BLOCK], tl.int32)
         hi = tl.zeros([BLOCK], tl.int32) + b
         for _ in range(SEARCH_STEPS):
             active = lo < hi
             mid = (lo + hi + 1) // 2
-            start = tl.load(qsl_in_ptr + mid, mask=active, other=0)
+            start = _ints(hdr_ptr, QSL, ((wide >> 3) & 1) != 0, mid, active, 0)
             go_right = active & (start <= rows)
             lo = tl.where(go_right, mid, lo)
             hi = tl.where(active & ~go_right, mid - 1, hi)
         req = lo
-        if HAS_SAMPLE:
-            sampled = tl.load(sample_in_ptr + req, mask=live, other=-1)
+        if (flags & HAS_SAMPLE) != 0:
+            sampled = _ints(hdr_ptr, SAMPLE, ((wide >> 5) & 1) != 0, req, live, -1)
         else:
-            sampled = tl.load(qsl_in_ptr + req + 1, mask=live, other=0) - 1
-            if HAS_REJECTED:
-                sampled -= tl.load(rejected_ptr + req, mask=live, other=0)
-        shifted = tl.load(ids_ptr + rows + 1, mask=rows + 1 < n, other=0).to(tl.int64)
-        bonus = tl.load(next_ids_ptr + req, mask=live, other=0).to(tl.int64)
+            sampled = _ints(hdr_ptr, QSL, ((wide >> 3) & 1) != 0, req + 1, live, 0) - 1
+            if (flags & HAS_REJECTED) != 0:
+                sampled -= _ints(hdr_ptr, REJECTED, ((wide >> 6) & 1) != 0, req, live, 0)
+        shifted = _ints(hdr_ptr, IDS, (wide & 1) != 0, rows + 1, rows + 1 < n, 0)
+        bonus = _ints(hdr_ptr, NEXT, ((wide >> 2) & 1) != 0, req, live, 0)
         tl.store(input_ids_ptr + rows, tl.where(live & (rows == sampled), bonus, shifted), mask=tok_ok)
 
     # ---- per request row, up to the padded batch
     req_ok = rows < num_reqs
     real = rows < b
     if COMMON:
-        qsl = tl.load(qsl_in_ptr + rows, mask=rows <= b, other=n)
+        # qsl[0] is 0 by definition: no read, so a neutral header (b = 0, null addresses) reads nothing
+        qsl = _ints(hdr_ptr, QSL, ((wide >> 3) & 1) != 0, rows, (rows > 0) & (rows <= b), 0)
+        qsl = tl.where(rows <= b, qsl, n)
         tl.store(qsl_ptr + rows, qsl.to(tl.int32), mask=rows <= num_reqs)
-        tl.store(seq_lens_ptr + rows, tl.load(seq_in_ptr + rows, mask=real, other=0).to(tl.int32), mask=req_ok)
-        if HAS_SAMPLE:
-            sample = tl.load(sample_in_ptr + rows, mask=real, other=0)
+        seq = _ints(hdr_ptr, SEQ, ((wide >> 4) & 1) != 0, rows, real, 0)
+        tl.store(seq_lens_ptr + rows, seq.to(tl.int32), mask=req_ok)
+        if (flags & HAS_SAMPLE) != 0:
+            sample = _ints(hdr_ptr, SAMPLE, ((wide >> 5) & 1) != 0, rows, real, 0)
         else:
-            sample = tl.load(qsl_in_ptr + rows + 1, mask=real, other=1) - 1
-            if HAS_REJECTED:
-                sample -= tl.load(rejected_ptr + rows, mask=real, other=0)
-        tl.store(sample_ptr + rows, tl.where(real, sample, 0).to(tl.int64), mask=req_ok)
+            sample = _ints(hdr_ptr, QSL, ((wide >> 3) & 1) != 0, rows + 1, real, 1) - 1
+            if (flags & HAS_REJECTED) != 0:
+                sample -= _ints(hdr_ptr, REJECTED, ((wide >> 6) & 1) != 0, rows, real, 0)
+        tl.store(sample_ptr + rows, tl.where(real, sample, 0), mask=req_ok)
+    table_wide = tl.load(hdr_ptr + group_word + 5) != 0
+    stride_in = tl.load(hdr_ptr + group_word + 2)
+    width_in = tl.load(hdr_ptr + group_word + 3)
     for c in range(0, width, BLOCK_W):
         cols = c + tl.arange(0, BLOCK_W)
         src_ok = real[:, None] & (cols < width_in)[None, :]
-        entry = tl.load(table_in_ptr + rows[:, None] * stride_tin + cols[None, :], mask=src_ok, other=0)
+        entry = _ints(hdr_ptr, group_word + 1, table_wide, rows[:, None] * stride_in + cols[None, :], src_ok, 0)
         tl.store(table_ptr + rows[:, None] * stride_t + cols[None, :], entry.to(tl.int32),
                  mask=req_ok[:, None] & (cols < width)[None, :])
 
 
-def load_batch(buf, inp, num_tokens: int, num_reqs: int) -> None:
-    """StaticBuffers.load(inp, num_tokens, num_reqs) for greedy calls (temperatures untouched);
-    every tensor of `inp` must already be on the buffers' device."""
-    n, b = inp.num_tokens, inp.batch_size
-    flat = [t.contiguous() if t is not None else None for t in (  # the kernel reads element i at ptr + i
-        inp.target_token_ids, inp.target_positions, inp.next_token_ids, inp.query_start_loc, inp.seq_lens,
-        inp.token_indices_to_sample, inp.num_rejected_tokens)]
-    ids, positions, next_ids, qsl, seq_lens, sample, rejected = flat
+@triton.jit
+def load_hidden_kernel(
+    hdr_ptr,  # [header words] int64
+    hidden_ptr, stride_h,  # [max_tokens, width] static buffer
+    width,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if row < tl.load(hdr_ptr + N):
+        ok = cols < width
+        src = tl.load(hdr_ptr + HIDDEN)  # an address: cast to the caller's dtype below
+        kind = tl.load(hdr_ptr + HIDDEN_KIND)
+        off = row.to(tl.int64) * tl.load(hdr_ptr + HIDDEN_STRIDE) + cols
+        if kind == 0:
+            x = tl.load(src.to(tl.pointer_type(tl.bfloat16)) + off, mask=ok).to(tl.float32)
+        elif kind == 1:
+            x = tl.load(src.to(tl.pointer_type(tl.float16)) + off, mask=ok).to(tl.float32)
+        else:
+            x = tl.load(src.to(tl.pointer_type(tl.float32)) + off, mask=ok)
+        tl.store(hidden_ptr + row.to(tl.int64) * stride_h + cols, x.to(hidden_ptr.dtype.element_ty), mask=ok)
+
+
+def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> None:
+    """The graph-side loader: fill the static buffers from the call the header describes.
+    header: [header words] int64 on the buffers' device; sizes are the graph's padded sizes."""
     block = 128
     grid = (triton.cdiv(max(num_tokens, num_reqs + 1), block),)
-    steps = int(num_reqs).bit_length() + 1  # a constant per engine: one compiled variant
-    buf.hidden[:n].copy_(inp.target_hidden_states)
-    for g, (table_in, slots_in) in enumerate(zip(inp.block_tables, inp.slot_mappings)):
-        table, slots_in = buf.block_tables[g], slots_in.contiguous()
-        if table_in.stride(1) != 1:
-            table_in = table_in.contiguous()
-        load_batch_kernel[grid](
-            ids, positions, next_ids, qsl, seq_lens,
-            sample if sample is not None else seq_lens, rejected if rejected is not None else seq_lens,
-            slots_in, table_in, table_in.stride(0), table_in.shape[1],
+    steps = int(num_reqs).bit_length() + 1
+    for g, table in enumerate(buf.block_tables):
+        load_inputs_kernel[grid](
+            header, GROUP0 + GROUP_WORDS * g,
             buf.input_ids, buf.positions, buf.query_start_loc, buf.seq_lens, buf.sample_indices,
             buf.slot_mappings[g], table, table.stride(0), table.shape[1],
-            n, b, num_tokens, num_reqs,
-            COMMON=g == 0, HAS_SAMPLE=sample is not None, HAS_REJECTED=rejected is not None,
-            SEARCH_STEPS=steps, BLOCK=block, BLOCK_W=64, num_warps=4)
+            num_tokens, num_reqs,
+            COMMON=g == 0, SEARCH_STEPS=steps, BLOCK=block, BLOCK_W=64, num_warps=4)
+    width = buf.hidden.shape[1]
+    hb = min(2048, triton.next_power_of_2(width))
+    load_hidden_kernel[(num_tokens, triton.cdiv(width, hb))](header, buf.hidden, buf.hidden.stride(0), width,
+                                                             BLOCK=hb, num_warps=4)
+
+
+class InputHeader:
+    """The per-call header: pinned on the host, copied to a fixed device buffer before each replay."""
+
+    def __init__(self, num_groups: int, device):
+        words = GROUP0 + GROUP_WORDS * num_groups
+        pin = torch.device(device).type == "cuda"
+        self.host = torch.zeros(words, dtype=torch.int64, pin_memory=pin)
+        self.words = self.host.numpy()
+        self.device = torch.zeros(words, dtype=torch.int64, device=device)
+        self.copied = torch.cuda.Event() if pin else None
+        self.inputs: tuple = ()  # the call's tensors stay referenced until the next call
+
+    def write(self, inp: ProposeInputs) -> None:
+        """Describe `inp` (tensors on the buffers' device) and send the header to the device."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous call's copy has left the pinned buffer
+        ints = [_flat(t) for t in (inp.target_token_ids, inp.target_positions, inp.next_token_ids,
+                                   inp.query_start_loc, inp.seq_lens, inp.token_indices_to_sample,
+                                   inp.num_rejected_tokens)]
+        hidden = inp.target_hidden_states
+        if hidden.stride(1) != 1 or hidden.dtype not in HIDDEN_KINDS:
+            hidden = hidden.contiguous().float()
+        tables = [t if t.stride(1) == 1 else t.contiguous() for t in inp.block_tables]
+        slots = [_flat(t) for t in inp.slot_mappings]
+        w = self.words
+        w[N], w[B] = inp.num_tokens, inp.batch_size
+        w[FLAGS] = (int(HAS_SAMPLE) if ints[5] is not None else 0) | (int(HAS_REJECTED) if ints[6] is not None else 0)
+        w[WIDE] = sum(1 << i for i, t in enumerate(ints) if t is not None and t.dtype == torch.int64)
+        for field, t in zip(INT_FIELDS, ints):
+            w[field] = t.data_ptr() if t is not None else 0
+        w[HIDDEN], w[HIDDEN_KIND], w[HIDDEN_STRIDE] = hidden.data_ptr(), HIDDEN_KINDS[hidden.dtype], hidden.stride(0)
+        for g, (table, slot) in enumerate(zip(tables, slots)):
+            base = GROUP0 + GROUP_WORDS * g
+            w[base:base + GROUP_WORDS] = (slot.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1],
+                                          slot.dtype == torch.int64, table.dtype == torch.int64)
+        self.inputs = (ints, hidden, tables, slots)
+        self.device.copy_(self.host, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A 1-D int tensor the kernels can index as ptr + i."""
+    if t is None:
+        return None
+    if t.dtype not in (torch.int32, torch.int64):
+        t = t.long()
+    return t.contiguous()

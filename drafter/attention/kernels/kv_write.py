@@ -53,38 +53,41 @@ def rope_write_kernel(
     cache_ptr, stride_cb, stride_cs, stride_ch, v_offset,
     slot_ptr,  # [num_tokens] int64, -1 = write nothing
     num_heads, num_kv_heads,
-    BLOCK_SIZE: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
+    """Program (t, j): query heads [j * Q_HEADS, (j + 1) * Q_HEADS) of token t, or, for the last j,
+    its keys (rotated) and values, written into the cache."""
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0)
-    row = qkv_ptr + t * stride_t
+    j = tl.program_id(1)
+    row = qkv_ptr + t.to(tl.int64) * stride_t
     half = tl.arange(0, HALF)
     angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + half)
     cos = tl.cos(angle)[None, :]
     sin = tl.sin(angle)[None, :]
-
-    qh = tl.arange(0, Q_HEADS_PAD)
-    q_ok = (qh < num_heads)[:, None]
-    r1, r2 = _rotate(row + qh[:, None] * HEAD_DIM, qh, half, q_ok, cos, sin, HALF)
-    q_dst = q_out_ptr + t * num_heads * HEAD_DIM + qh[:, None] * HEAD_DIM + half[None, :]
-    tl.store(q_dst, r1.to(q_out_ptr.dtype.element_ty), mask=q_ok)
-    tl.store(q_dst + HALF, r2.to(q_out_ptr.dtype.element_ty), mask=q_ok)
-
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        kh = tl.arange(0, KV_HEADS_PAD)
-        k_ok = (kh < num_kv_heads)[:, None]
-        k_row = row + num_heads * HEAD_DIM
-        k1, k2 = _rotate(k_row + kh[:, None] * HEAD_DIM, kh, half, k_ok, cos, sin, HALF)
-        dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
-            + kh[:, None] * stride_ch + half[None, :]
-        ty = cache_ptr.dtype.element_ty
-        # the reference rounds rotated keys to the activation dtype before the cache stores them
-        tl.store(dst, k1.to(q_out_ptr.dtype.element_ty).to(ty), mask=k_ok)
-        tl.store(dst + HALF, k2.to(q_out_ptr.dtype.element_ty).to(ty), mask=k_ok)
-        v_row = k_row + num_kv_heads * HEAD_DIM
-        d = tl.arange(0, HEAD_DIM)
-        vdst = cache_ptr + v_offset + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
-            + kh[:, None] * stride_ch + d[None, :]
-        v = tl.load(v_row + kh[:, None] * HEAD_DIM + d[None, :], mask=k_ok)
-        tl.store(vdst, v.to(ty), mask=k_ok)
+    if j * Q_HEADS < num_heads:
+        qh = j * Q_HEADS + tl.arange(0, Q_HEADS)
+        q_ok = (qh < num_heads)[:, None]
+        r1, r2 = _rotate(row + qh[:, None] * HEAD_DIM, qh, half, q_ok, cos, sin, HALF)
+        q_dst = q_out_ptr + t.to(tl.int64) * num_heads * HEAD_DIM + qh[:, None] * HEAD_DIM + half[None, :]
+        tl.store(q_dst, r1.to(q_out_ptr.dtype.element_ty), mask=q_ok)
+        tl.store(q_dst + HALF, r2.to(q_out_ptr.dtype.element_ty), mask=q_ok)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            kh = tl.arange(0, KV_HEADS_PAD)
+            k_ok = (kh < num_kv_heads)[:, None]
+            k_row = row + num_heads * HEAD_DIM
+            k1, k2 = _rotate(k_row + kh[:, None] * HEAD_DIM, kh, half, k_ok, cos, sin, HALF)
+            dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
+                + kh[:, None] * stride_ch + half[None, :]
+            ty = cache_ptr.dtype.element_ty
+            # the reference rounds rotated keys to the activation dtype before the cache stores them
+            tl.store(dst, k1.to(q_out_ptr.dtype.element_ty).to(ty), mask=k_ok)
+            tl.store(dst + HALF, k2.to(q_out_ptr.dtype.element_ty).to(ty), mask=k_ok)
+            v_row = k_row + num_kv_heads * HEAD_DIM
+            d = tl.arange(0, HEAD_DIM)
+            vdst = cache_ptr + v_offset + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
+                + kh[:, None] * stride_ch + d[None, :]
+            v = tl.load(v_row + kh[:, None] * HEAD_DIM + d[None, :], mask=k_ok)
+            tl.store(vdst, v.to(ty), mask=k_ok)

@@ -171,7 +171,8 @@ def combine_splits_kernel(
     w = tl.exp2(m - m_safe[None, :])  # splits that saw nothing have m = -inf and weigh 0
     total = tl.sum(l * w, 0)  # [HEADS]
     offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_ptr + base[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=h_ok[None, :, None],
+    seen = h_ok[None, :] & (l > 0)  # splits past a short context saw no key: skip their reads
+    acc = tl.load(part_ptr + base[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=seen[:, :, None],
                   other=0.0)
     out = tl.sum(acc * w[:, :, None], 0) / tl.where(total > 0, total, 1.0)[:, None]  # [HEADS, HEAD_DIM]
     tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
