@@ -297,7 +297,7 @@ def host_breakdown(engine, call: dict, iters: int = 50) -> dict:
 
     runner = engine.graphs
     inp = as_inputs(call, engine.device)
-    t_pad, b_pad = engine._padded_sizes(inp, None, None)
+    b_pad, t_pad = engine._padded_sizes(inp, None, None)
     out = {}
     with torch.inference_mode():
         whole = lambda: engine._propose_validated(inp, False, False, None, None)  # noqa: E731

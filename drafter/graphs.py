@@ -99,10 +99,11 @@ class GraphRunner:
         e = self.engine
         load_inputs(self.header.device, e.buffers, num_tokens, self.meta_batch)
         batch = min(num_tokens, self.meta_batch)
-        logit_h, carry_h, pos = e.proposer.first_pass(e.buffers, num_tokens, batch)
-        self.first_logit_h[:batch].copy_(logit_h)
-        self.first_carry_h[:batch].copy_(carry_h)
-        self.first_pos[:batch].copy_(pos)
+        logit_h, carry_h = e.proposer.first_pass_all_rows(e.buffers, num_tokens, batch)
+        rows = e.buffers.sample_indices[:batch]  # gathered straight into the hand-off tensors
+        torch.index_select(logit_h, 0, rows, out=self.first_logit_h[:batch])
+        torch.index_select(carry_h, 0, rows, out=self.first_carry_h[:batch])
+        torch.index_select(e.buffers.positions, 0, rows, out=self.first_pos[:batch])
 
     def _loop(self, batch: int) -> None:
         e = self.engine

@@ -46,12 +46,15 @@ class Proposer:
 
     def first_pass(self, buf: StaticBuffers, num_tokens: int, batch: int):
         """Run the head over every query row; return the sampled rows' outputs."""
-        hidden = self.head.combine_hidden_states(buf.hidden[:num_tokens])
-        logit_h, carry_h = self.head(buf.input_ids[:num_tokens], buf.positions[:num_tokens], hidden,
-                                     self.kv_caches, buf.first_pass_metadata(num_tokens, batch), self.backend,
-                                     step=0)
+        logit_h, carry_h = self.first_pass_all_rows(buf, num_tokens, batch)
         rows = buf.sample_indices[:batch]
         return logit_h[rows], carry_h[rows], buf.positions[rows]  # [batch, H], [batch, H], [batch]
+
+    def first_pass_all_rows(self, buf: StaticBuffers, num_tokens: int, batch: int):
+        """The head over every query row: (logit hidden, carried hidden), each [num_tokens, H]."""
+        hidden = self.head.combine_hidden_states(buf.hidden[:num_tokens])
+        return self.head(buf.input_ids[:num_tokens], buf.positions[:num_tokens], hidden, self.kv_caches,
+                         buf.first_pass_metadata(num_tokens, batch), self.backend, step=0)
 
     def _sample(self, hidden, step, temps, generator, want_probs, want_logits=True):
         greedy = getattr(self.head, "greedy_draft", None)  # a fused head's one-launch argmax + d2t

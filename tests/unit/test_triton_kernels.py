@@ -166,6 +166,19 @@ def test_fused_norms_and_silu_match_torch(dtype):
         torch.testing.assert_close(K.silu_mul(dgu).cpu(), torch.nn.functional.silu(gate) * up, **tol)
 
 
+@pytest.mark.parametrize("vocab", [300, 70000])  # one chunk; several chunks with the best in a later one
+def test_greedy_ids_match_argmax_and_d2t(vocab):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, vocab, generator=g)
+    logits[0, 5] = logits[0, vocab - 2] = 50.0  # a tie: the first index wins, as torch.argmax
+    logits[2, vocab - 1] = 60.0
+    d2t = torch.randint(0, 1000, (vocab,), generator=g)
+    want = logits.argmax(-1)
+    got = K.greedy_ids(logits.to(DEVICE)).cpu()
+    assert torch.equal(got, want) and int(got[0]) == 5
+    assert torch.equal(K.greedy_ids(logits.to(DEVICE), d2t.to(DEVICE)).cpu(), want + d2t[want])
+
+
 def test_step_inputs_match_the_torch_path():
     """TritonBackend.decode_step_inputs against the proposer's own torch code."""
     from drafter.attention.kernels.step_inputs import decode_step_inputs

@@ -52,12 +52,27 @@ def load_inputs_kernel(
     slots_ptr,  # [max_tokens] int64: this group's slot mapping
     table_ptr, stride_t, width,  # [max_batch, width] int32: this group's block table
     num_tokens, num_reqs,  # the padded sizes the graph was captured for
-    COMMON: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+    COMMON: tl.constexpr, REQS_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
+    """Program (i, 0): token and request rows [i * BLOCK, (i + 1) * BLOCK); program (i, j > 0):
+    block-table columns [(j - 1) * BLOCK_W, j * BLOCK_W) of those request rows."""
     pid = tl.program_id(0)
+    col_block = tl.program_id(1)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
     n = tl.load(hdr_ptr + N).to(tl.int32)
     b = tl.load(hdr_ptr + B).to(tl.int32)
+    req_ok = rows < num_reqs
+    real = rows < b
+    if col_block > 0:
+        table_wide = tl.load(hdr_ptr + group_word + 5) != 0
+        stride_in = tl.load(hdr_ptr + group_word + 2)
+        width_in = tl.load(hdr_ptr + group_word + 3)
+        cols = (col_block - 1) * BLOCK_W + tl.arange(0, BLOCK_W)
+        src_ok = real[:, None] & (cols < width_in)[None, :]
+        entry = _ints(hdr_ptr, group_word + 1, table_wide, rows[:, None] * stride_in + cols[None, :], src_ok, 0)
+        tl.store(table_ptr + rows[:, None] * stride_t + cols[None, :], entry.to(tl.int32),
+                 mask=req_ok[:, None] & (cols < width)[None, :])
+        return
     flags = tl.load(hdr_ptr + FLAGS)
     wide = tl.load(hdr_ptr + WIDE)
 
@@ -66,35 +81,28 @@ def load_inputs_kernel(
     live = rows < n
     slots = _ints(hdr_ptr, group_word, tl.load(hdr_ptr + group_word + 4) != 0, rows, live, PAD_SLOT)
     tl.store(slots_ptr + rows, slots, mask=tok_ok)
+    qsl_wide = ((wide >> 3) & 1) != 0
     if COMMON:
         tl.store(positions_ptr + rows, _ints(hdr_ptr, POS, ((wide >> 1) & 1) != 0, rows, live, 0), mask=tok_ok)
-        # each row's request: the last r with qsl[r] <= row (binary search, one lane per row)
-        lo = tl.zeros([BLOCK], tl.int32)
-        hi = tl.zeros([BLOCK], tl.int32) + b
-        for _ in range(SEARCH_STEPS):
-            active = lo < hi
-            mid = (lo + hi + 1) // 2
-            start = _ints(hdr_ptr, QSL, ((wide >> 3) & 1) != 0, mid, active, 0)
-            go_right = active & (start <= rows)
-            lo = tl.where(go_right, mid, lo)
-            hi = tl.where(active & ~go_right, mid - 1, hi)
-        req = lo
+        # each row's request: how many of qsl[1..b] are <= row (independent loads, no search chain)
+        req = tl.zeros([BLOCK], tl.int32)
+        for c in range(0, REQS_PAD, 64):
+            idx = c + 1 + tl.arange(0, 64)
+            starts = _ints(hdr_ptr, QSL, qsl_wide, idx, idx <= b, 2147483647)
+            req += tl.sum((starts[None, :] <= rows[:, None]).to(tl.int32), 1)
         if (flags & HAS_SAMPLE) != 0:
             sampled = _ints(hdr_ptr, SAMPLE, ((wide >> 5) & 1) != 0, req, live, -1)
         else:
-            sampled = _ints(hdr_ptr, QSL, ((wide >> 3) & 1) != 0, req + 1, live, 0) - 1
+            sampled = _ints(hdr_ptr, QSL, qsl_wide, req + 1, live, 0) - 1
             if (flags & HAS_REJECTED) != 0:
                 sampled -= _ints(hdr_ptr, REJECTED, ((wide >> 6) & 1) != 0, req, live, 0)
         shifted = _ints(hdr_ptr, IDS, (wide & 1) != 0, rows + 1, rows + 1 < n, 0)
         bonus = _ints(hdr_ptr, NEXT, ((wide >> 2) & 1) != 0, req, live, 0)
         tl.store(input_ids_ptr + rows, tl.where(live & (rows == sampled), bonus, shifted), mask=tok_ok)
 
-    # ---- per request row, up to the padded batch
-    req_ok = rows < num_reqs
-    real = rows < b
-    if COMMON:
+        # ---- per request row, up to the padded batch
         # qsl[0] is 0 by definition: no read, so a neutral header (b = 0, null addresses) reads nothing
-        qsl = _ints(hdr_ptr, QSL, ((wide >> 3) & 1) != 0, rows, (rows > 0) & (rows <= b), 0)
+        qsl = _ints(hdr_ptr, QSL, qsl_wide, rows, (rows > 0) & (rows <= b), 0)
         qsl = tl.where(rows <= b, qsl, n)
         tl.store(qsl_ptr + rows, qsl.to(tl.int32), mask=rows <= num_reqs)
         seq = _ints(hdr_ptr, SEQ, ((wide >> 4) & 1) != 0, rows, real, 0)
@@ -102,19 +110,10 @@ def load_inputs_kernel(
         if (flags & HAS_SAMPLE) != 0:
             sample = _ints(hdr_ptr, SAMPLE, ((wide >> 5) & 1) != 0, rows, real, 0)
         else:
-            sample = _ints(hdr_ptr, QSL, ((wide >> 3) & 1) != 0, rows + 1, real, 1) - 1
+            sample = _ints(hdr_ptr, QSL, qsl_wide, rows + 1, real, 1) - 1
             if (flags & HAS_REJECTED) != 0:
                 sample -= _ints(hdr_ptr, REJECTED, ((wide >> 6) & 1) != 0, rows, real, 0)
         tl.store(sample_ptr + rows, tl.where(real, sample, 0), mask=req_ok)
-    table_wide = tl.load(hdr_ptr + group_word + 5) != 0
-    stride_in = tl.load(hdr_ptr + group_word + 2)
-    width_in = tl.load(hdr_ptr + group_word + 3)
-    for c in range(0, width, BLOCK_W):
-        cols = c + tl.arange(0, BLOCK_W)
-        src_ok = real[:, None] & (cols < width_in)[None, :]
-        entry = _ints(hdr_ptr, group_word + 1, table_wide, rows[:, None] * stride_in + cols[None, :], src_ok, 0)
-        tl.store(table_ptr + rows[:, None] * stride_t + cols[None, :], entry.to(tl.int32),
-                 mask=req_ok[:, None] & (cols < width)[None, :])
 
 
 @triton.jit
@@ -143,16 +142,16 @@ def load_hidden_kernel(
 def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> None:
     """The graph-side loader: fill the static buffers from the call the header describes.
     header: [header words] int64 on the buffers' device; sizes are the graph's padded sizes."""
-    block = 128
-    grid = (triton.cdiv(max(num_tokens, num_reqs + 1), block),)
-    steps = int(num_reqs).bit_length() + 1
+    block, block_w = 128, 128
+    rows = triton.cdiv(max(num_tokens, num_reqs + 1), block)
     for g, table in enumerate(buf.block_tables):
-        load_inputs_kernel[grid](
+        load_inputs_kernel[(rows, 1 + triton.cdiv(table.shape[1], block_w))](
             header, GROUP0 + GROUP_WORDS * g,
             buf.input_ids, buf.positions, buf.query_start_loc, buf.seq_lens, buf.sample_indices,
             buf.slot_mappings[g], table, table.stride(0), table.shape[1],
             num_tokens, num_reqs,
-            COMMON=g == 0, SEARCH_STEPS=steps, BLOCK=block, BLOCK_W=64, num_warps=4)
+            COMMON=g == 0, REQS_PAD=triton.next_power_of_2(num_reqs + 1), BLOCK=block, BLOCK_W=block_w,
+            num_warps=4)
     width = buf.hidden.shape[1]
     hb = min(2048, triton.next_power_of_2(width))
     load_hidden_kernel[(num_tokens, triton.cdiv(width, hb))](header, buf.hidden, buf.hidden.stride(0), width,
