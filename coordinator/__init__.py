@@ -1,0 +1,1 @@
+"""coordinator: the target side of the drafter (clients, TP/DP fan-out, routing, reference target)."""

@@ -1,0 +1,71 @@
+"""The gRPC and ZMQ drafter clients (coordinator.transport) behind the DraftTransport shape.
+
+One ServiceTransport is one connection holding at most one session.  gRPC keeps the per-step
+calls on one bidi stream (a timed-out or broken stream is replaced on the next call, so a late
+answer can never be taken for a later step's); ZMQ keeps them on one DEALER socket (late replies
+are dropped by call id).  The RemoteProposer throws a transport away after a failure and
+connects afresh after the breaker's backoff, which sidesteps gRPC's own reconnect backoff
+(up to minutes) after a drafter restart.
+"""
+
+from __future__ import annotations
+
+from coordinator.routing import Endpoint
+from coordinator.session import PROTOCOL_VERSION, SessionInfo, SessionSpec
+
+
+class ServiceTransport:
+    def __init__(self, endpoint: Endpoint, *, timeout_s: float = 1.0, stream: bool = True):
+        self.name = endpoint.scheme
+        self.endpoint = endpoint
+        if endpoint.scheme == "grpc":
+            from coordinator.transport.grpc_client import GrpcDrafterClient
+
+            self.client = GrpcDrafterClient(endpoint.address, timeout_s=timeout_s)
+        elif endpoint.scheme == "zmq":
+            from coordinator.transport.zmq_client import ZmqDrafterClient
+
+            self.client = ZmqDrafterClient(f"tcp://{endpoint.address}", timeout_s=timeout_s)
+        else:
+            raise ValueError(f"ServiceTransport speaks grpc or zmq, not {endpoint.scheme}")
+        self.use_stream = stream and endpoint.scheme == "grpc"
+        self._stream = None
+
+    def attach(self, spec: SessionSpec, timeout: float) -> SessionInfo:
+        from drafter.service import schema
+
+        req = schema.AttachRequest(
+            protocol_version=PROTOCOL_VERSION, method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
+            hidden_dtype=spec.dtype, hidden_size=spec.hidden_size, num_aux_layers=spec.num_aux_layers,
+            max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            kv_groups=[schema.KVGroup(block_size=g.block_size, num_blocks=g.num_blocks) for g in spec.kv_groups],
+            client_name=spec.client)
+        resp = self.client.attach(req, timeout=timeout)
+        limits = resp.limits
+        return SessionInfo(resp.session_id, str(resp.epoch), tuple(resp.capture_sizes),
+                           tuple(resp.token_capture_sizes),
+                           limits.max_num_seqs if limits else spec.max_num_seqs,
+                           limits.max_num_batched_tokens if limits else spec.max_num_batched_tokens)
+
+    def propose(self, session: SessionInfo, timeout: float, **kwargs):
+        """DraftOutput (draft_token_ids [batch, k], batch_padded, ...) on the given session."""
+        state = self.client.session
+        if state.session_id != session.session_id:
+            # a session belongs to the drafter, not to a socket: a reconnected client carries on
+            # with it (and learns from the drafter if it is gone)
+            state.session_id, state.epoch = session.session_id, int(session.epoch)
+        if self.use_stream:
+            if self._stream is None:
+                self._stream = self.client.stream()
+            return self._stream.propose(timeout=timeout, **kwargs)
+        return self.client.propose(timeout=timeout, **kwargs)
+
+    def detach(self, session: SessionInfo, timeout: float) -> None:
+        self.client.detach(timeout=timeout)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        self.client.close()

@@ -1,0 +1,19 @@
+"""Thin drafter clients, one per transport, with the same call shape as DraftEngine.
+
+    client = GrpcDrafterClient("127.0.0.1:50051")        # or ZmqDrafterClient("tcp://127.0.0.1:5555")
+    session = client.attach(layout)                     # drafter.service.schema.AttachRequest (or a dict)
+    out = client.propose(**engine_kwargs)               # drafter.engine.DraftOutput, drafts [batch, k]
+    client.detach(); client.close()
+
+Every failure raises drafter.service.errors.DrafterError(code, field, message) with the server's
+code and field; a client-side timeout is DEADLINE_EXCEEDED, an unreachable server UNAVAILABLE
+(gRPC) or DEADLINE_EXCEEDED (ZMQ cannot tell a dead server from a slow one).  No retries and no
+policy here: fail-closed, re-attach and routing belong to the coordinator built on top.
+"""
+
+from coordinator.transport.base import PROPOSE_OPTIONS, SessionState
+from coordinator.transport.grpc_client import GrpcDrafterClient, GrpcProposeStream, TlsConfig
+from coordinator.transport.zmq_client import CurveConfig, ZmqDrafterClient
+
+__all__ = ["GrpcDrafterClient", "GrpcProposeStream", "TlsConfig", "ZmqDrafterClient", "CurveConfig",
+           "SessionState", "PROPOSE_OPTIONS"]

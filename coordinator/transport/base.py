@@ -1,0 +1,65 @@
+"""What both transport clients share: session state, argument handling, the result type."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from drafter.engine import DraftOutput
+from drafter.service import schema
+from drafter.service.errors import Code, DrafterError
+from drafter.service.wire import LIST_FIELDS, TENSOR_FIELDS
+
+# DraftEngine.propose's keyword arguments that travel (everything but return_logits), plus the
+# service's own: the acceptance report, agreed padded sizes, a request id and a per-call timeout.
+ENGINE_TENSORS = tuple(n for n in TENSOR_FIELDS if n != "accepted_counts") + tuple(LIST_FIELDS)
+PROPOSE_OPTIONS = ("return_probs", "batch_padded", "tokens_padded", "accepted_counts", "request_id", "timeout")
+
+
+@dataclass
+class SessionState:
+    session_id: str = ""
+    epoch: int = 0
+    attach: schema.AttachResponse | None = None
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def require(self) -> None:
+        if not self.session_id:
+            raise DrafterError(Code.FAILED_PRECONDITION, "session_id", "attach first")
+
+    def set(self, resp: schema.AttachResponse) -> None:
+        self.session_id, self.epoch, self.attach = resp.session_id, resp.epoch, resp
+
+    def clear(self) -> None:
+        self.session_id, self.epoch, self.attach = "", 0, None
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+
+def as_attach_request(layout) -> schema.AttachRequest:
+    if isinstance(layout, schema.AttachRequest):
+        return layout
+    if isinstance(layout, dict):
+        try:
+            return msgspec.convert(layout, schema.AttachRequest)
+        except msgspec.ValidationError as exc:
+            raise DrafterError(Code.INVALID_ARGUMENT, "layout", str(exc)) from None
+    raise TypeError(f"layout must be a drafter.service.schema.AttachRequest or a dict, not {type(layout).__name__}")
+
+
+def split_kwargs(kwargs: dict) -> dict:
+    """The engine tensors of a propose call; unknown names fail here, not on the server."""
+    unknown = set(kwargs) - set(ENGINE_TENSORS)
+    if unknown:
+        raise TypeError(f"propose() got unexpected keyword arguments {sorted(unknown)}")
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+def draft_output(drafts: torch.Tensor, probs: torch.Tensor | None, batch_padded: int,
+                 tokens_padded: int) -> DraftOutput:
+    # The drafts are a view of the received buffer: a small copy makes them ordinary, writable tensors.
+    return DraftOutput(drafts.clone(), probs, batch_padded, tokens_padded)

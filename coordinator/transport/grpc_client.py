@@ -1,0 +1,249 @@
+"""gRPC client for the drafter: unary calls on a blocking channel, and a bidi stream per step.
+
+Exceptions: every method raises drafter.service.errors.DrafterError.  Its code is the server's
+status (with the offending field from the "drafter-field" trailer), DEADLINE_EXCEEDED when the
+per-call timeout passed, UNAVAILABLE when the server cannot be reached or is draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+import grpc
+
+from coordinator.transport.base import SessionState, as_attach_request, draft_output, split_kwargs
+from drafter._proto.drafter.v1 import drafter_pb2 as pb
+from drafter.service import schema
+from drafter.service.errors import FIELD_METADATA_KEY, Code, DrafterError
+from drafter.service.wire import call_to_proto, struct_from_proto, struct_to_proto, tensor_from_proto
+
+SERVICE = "/drafter.v1.Drafter/"
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """PEM files. root_ca verifies the server; cert + key are this client's identity (mTLS)."""
+
+    root_ca: str
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None  # when the certificate names another host than the address
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        read = lambda p: open(p, "rb").read() if p else None  # noqa: E731
+        return grpc.ssl_channel_credentials(read(self.root_ca), read(self.key), read(self.cert))
+
+
+def _channel_options(max_message_bytes: int, tls: TlsConfig | None) -> list:
+    opts = [("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_timeout_ms", 10_000),
+            # gRPC shares subchannels (and their reconnect backoff, which grows to minutes) between
+            # all channels of a process: a client that reconnects after a drafter restart would
+            # keep failing fast until that timer fires.  A channel of its own connects at once.
+            ("grpc.use_local_subchannel_pool", 1)]
+    if tls is not None and tls.server_name:
+        opts.append(("grpc.ssl_target_name_override", tls.server_name))
+    return opts
+
+
+def error_from_rpc(exc: grpc.RpcError) -> DrafterError:
+    code = Code.from_grpc(exc.code()) if hasattr(exc, "code") else Code.UNAVAILABLE
+    field = ""
+    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == FIELD_METADATA_KEY:
+            field = value
+    return DrafterError(code, field, exc.details() if hasattr(exc, "details") else str(exc))
+
+
+def _error_from_message(err) -> DrafterError:
+    try:
+        code = Code(err.code)
+    except ValueError:
+        code = Code.INTERNAL
+    return DrafterError(code, err.field, err.message)
+
+
+def _output(resp):
+    drafts = tensor_from_proto("draft_token_ids", resp.draft_token_ids)
+    probs = tensor_from_proto("draft_probs", resp.draft_probs) if resp.HasField("draft_probs") else None
+    return draft_output(drafts, probs, resp.batch_padded, resp.tokens_padded)
+
+
+class GrpcDrafterClient:
+    """One target worker's connection to one drafter. Not for concurrent use from several threads."""
+
+    def __init__(self, target: str, *, timeout_s: float = 1.0, tls: TlsConfig | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.target = target
+        self.timeout_s = timeout_s
+        self.tls = tls
+        self.max_message_bytes = max_message_bytes
+        opts = _channel_options(max_message_bytes, tls)
+        self.channel = (grpc.secure_channel(target, tls.credentials(), options=opts) if tls
+                        else grpc.insecure_channel(target, options=opts))
+        ser = lambda m: m.SerializeToString()  # noqa: E731
+        self._attach = self.channel.unary_unary(SERVICE + "Attach", ser, pb.AttachResponse.FromString)
+        self._propose = self.channel.unary_unary(SERVICE + "Propose", ser, pb.ProposeResponse.FromString)
+        self._detach = self.channel.unary_unary(SERVICE + "Detach", ser, pb.DetachResponse.FromString)
+        self._info = self.channel.unary_unary(SERVICE + "Info", ser, pb.InfoResponse.FromString)
+        self.session = SessionState()
+
+    def _call(self, method, request, timeout):
+        try:
+            return method(request, timeout=self.timeout_s if timeout is None else timeout)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    def attach(self, layout, *, timeout: float | None = None) -> schema.AttachResponse:
+        req = struct_to_proto(as_attach_request(layout), pb.AttachRequest())
+        resp = struct_from_proto(self._call(self._attach, req, timeout), schema.AttachResponse)
+        self.session.set(resp)
+        return resp
+
+    def propose(self, *, return_probs: bool = False, batch_padded: int | None = None,
+                tokens_padded: int | None = None, accepted_counts=None, request_id: int | None = None,
+                timeout: float | None = None, **engine_kwargs):
+        """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
+        self.session.require()
+        req = call_to_proto(pb.ProposeRequest, self.session.session_id, self.session.epoch,
+                            self.session.next_id() if request_id is None else request_id,
+                            split_kwargs(engine_kwargs), return_probs=return_probs, batch_padded=batch_padded,
+                            tokens_padded=tokens_padded, accepted_counts=accepted_counts)
+        return _output(self._call(self._propose, req, timeout))
+
+    def detach(self, *, timeout: float | None = None) -> int:
+        self.session.require()
+        req = pb.DetachRequest(session_id=self.session.session_id, epoch=self.session.epoch)
+        resp = self._call(self._detach, req, timeout)
+        self.session.clear()
+        return resp.blocks_released
+
+    def info(self, *, timeout: float | None = None) -> schema.InfoResponse:
+        return struct_from_proto(self._call(self._info, pb.InfoRequest(), timeout), schema.InfoResponse)
+
+    def stream(self) -> "GrpcProposeStream":
+        """A bidi stream for the per-step path, on this client's session."""
+        return GrpcProposeStream(self)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class GrpcProposeStream:
+    """ProposeStream with a blocking, per-call-timeout API (grpc.aio on a private event-loop thread).
+
+    Each propose() writes one request and waits for its response.  After a timeout or a broken
+    stream the next call opens a new stream, so a late answer can never be taken for a later step's.
+    While draining the server ends the stream: that propose raises UNAVAILABLE.
+    """
+
+    def __init__(self, client: GrpcDrafterClient):
+        self.client = client
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-stream", daemon=True)
+        self._thread.start()
+        self._channel = None
+        self._call = None
+        self._run(self._open_channel())
+
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _open_channel(self):
+        c = self.client
+        opts = _channel_options(c.max_message_bytes, c.tls)
+        self._channel = (grpc.aio.secure_channel(c.target, c.tls.credentials(), options=opts) if c.tls
+                         else grpc.aio.insecure_channel(c.target, options=opts))
+        self._method = self._channel.stream_stream(SERVICE + "ProposeStream", lambda m: m.SerializeToString(),
+                                                   pb.ProposeResponse.FromString)
+
+    async def _step(self, req):
+        if self._call is None:
+            self._call = self._method()
+        await self._call.write(req)
+        resp = await self._call.read()
+        if resp is grpc.aio.EOF:
+            raise DrafterError(Code.UNAVAILABLE, "", "the server ended the stream")
+        return resp
+
+    async def _reset(self):
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+    async def _step_with_timeout(self, req, timeout: float):
+        try:
+            return await asyncio.wait_for(self._step(req), timeout)
+        except asyncio.TimeoutError:
+            await self._reset()
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no answer within {timeout} s") from None
+        except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError, DrafterError) as exc:
+            err = await self._ended(exc)  # the stream is over: its status says why
+            await self._reset()
+            raise err from None
+
+    async def _ended(self, exc: Exception) -> DrafterError:
+        call = self._call
+        if call is not None and call.done():
+            try:
+                status, details, trailers = await call.code(), await call.details(), await call.trailing_metadata()
+            except Exception:  # noqa: BLE001
+                status = None
+            if status is not None and status != grpc.StatusCode.OK:
+                return DrafterError(Code.from_grpc(status), dict(trailers or ()).get(FIELD_METADATA_KEY, ""), details)
+        if isinstance(exc, DrafterError):
+            return exc
+        if isinstance(exc, grpc.RpcError):
+            return error_from_rpc(exc)
+        return DrafterError(Code.UNAVAILABLE, "", f"the stream ended: {exc}")
+
+    def propose(self, *, return_probs: bool = False, batch_padded: int | None = None,
+                tokens_padded: int | None = None, accepted_counts=None, request_id: int | None = None,
+                timeout: float | None = None, **engine_kwargs):
+        c = self.client
+        c.session.require()
+        rid = c.session.next_id() if request_id is None else request_id
+        req = call_to_proto(pb.ProposeRequest, c.session.session_id, c.session.epoch, rid,
+                            split_kwargs(engine_kwargs), return_probs=return_probs, batch_padded=batch_padded,
+                            tokens_padded=tokens_padded, accepted_counts=accepted_counts)
+        timeout = c.timeout_s if timeout is None else timeout
+        resp = self._run(self._step_with_timeout(req, timeout))
+        if resp.HasField("error"):
+            raise _error_from_message(resp.error)
+        return _output(resp)
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+
+        async def shutdown():
+            if self._call is not None:
+                try:
+                    await self._call.done_writing()
+                except Exception:  # noqa: BLE001 - the stream may already be over
+                    pass
+                self._call.cancel()
+            await self._channel.close()
+        try:
+            self._run(shutdown(), timeout=5)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+            self._loop.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

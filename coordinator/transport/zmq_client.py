@@ -1,0 +1,149 @@
+"""ZMQ client for the drafter: a DEALER socket, msgspec headers, tensors as zero-copy frames.
+
+Exceptions: every method raises drafter.service.errors.DrafterError with the server's code and
+field; DEADLINE_EXCEEDED when no reply came within the per-call timeout (ZMQ cannot tell a dead
+or unauthorised server from a slow one: with CURVE, a client without the server's key simply
+never connects).  Replies to calls that timed out are recognised by call_id and dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.auth
+
+from coordinator.transport.base import SessionState, as_attach_request, draft_output, split_kwargs
+from drafter.service import schema
+from drafter.service.errors import Code, DrafterError
+from drafter.service.wire import call_to_frames, tensor_from_frames
+
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
+_RESPONSES = {m: msgspec.msgpack.Decoder(resp) for m, (_, resp) in schema.METHODS.items()}
+
+
+@dataclass(frozen=True)
+class CurveConfig:
+    """server_public: the server's public certificate file (zmq.auth) or its z85 key.
+    client_secret: this client's secret certificate file; None = a fresh key pair (enough when
+    the server accepts any client key, refused when it keeps an allow list)."""
+
+    server_public: str | bytes
+    client_secret: str | None = None
+
+    def apply(self, sock: zmq.Socket) -> None:
+        server = self.server_public
+        if isinstance(server, str):
+            server, _ = zmq.auth.load_certificate(server)
+        if self.client_secret:
+            public, secret = zmq.auth.load_certificate(self.client_secret)
+        else:
+            public, secret = zmq.curve_keypair()
+        sock.curve_serverkey = server
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+
+
+class ZmqDrafterClient:
+    """One target worker's connection to one drafter. Not thread-safe (neither are ZMQ sockets)."""
+
+    def __init__(self, endpoint: str, *, timeout_s: float = 1.0, curve: CurveConfig | None = None,
+                 context: zmq.Context | None = None):
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.ctx = context or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        # Queue only on a finished connection (handshake included): a request never waits in a
+        # buffer for a server that is down and then arrives long after its deadline.
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        if curve is not None:
+            curve.apply(self.sock)
+        self.sock.connect(endpoint)
+        self._call_ids = itertools.count(1)
+        self.session = SessionState()
+
+    def _roundtrip(self, method: str, body: msgspec.Struct, frames: list, timeout: float | None):
+        timeout = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        call_id = next(self._call_ids)
+        env = schema.Envelope(call_id=call_id, method=method, timeout_ms=max(1, int(timeout * 1000)))
+        if not self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no connection to {self.endpoint} within {timeout} s")
+        self.sock.send_multipart([b"", _ENCODER.encode(env), _ENCODER.encode(body), *frames], copy=False)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no reply from {self.endpoint} within {timeout} s")
+            reply = self.sock.recv_multipart(copy=False)
+            if len(reply) < 3 or len(reply[0]) != 0:
+                continue  # not a reply of this protocol
+            try:
+                got = _ENVELOPE.decode(reply[1].buffer)
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                continue
+            if got.call_id != call_id:
+                continue  # the late reply of a call that already timed out
+            if got.error is not None:
+                try:
+                    code = Code(got.error.code)
+                except ValueError:
+                    code = Code.INTERNAL
+                raise DrafterError(code, got.error.field, got.error.message)
+            try:
+                return _RESPONSES[method].decode(reply[2].buffer), reply[3:]
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise DrafterError(Code.INTERNAL, "body", f"undecodable reply: {exc}") from None
+
+    def attach(self, layout, *, timeout: float | None = None) -> schema.AttachResponse:
+        resp, _ = self._roundtrip("Attach", as_attach_request(layout), [], timeout)
+        self.session.set(resp)
+        return resp
+
+    def propose(self, *, return_probs: bool = False, batch_padded: int | None = None,
+                tokens_padded: int | None = None, accepted_counts=None, request_id: int | None = None,
+                timeout: float | None = None, **engine_kwargs):
+        """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
+        self.session.require()
+        header, frames = call_to_frames(
+            self.session.session_id, self.session.epoch, self.session.next_id() if request_id is None else request_id,
+            split_kwargs(engine_kwargs), return_probs=return_probs, batch_padded=batch_padded,
+            tokens_padded=tokens_padded, accepted_counts=accepted_counts)
+        resp, tensors = self._roundtrip("Propose", header, frames, timeout)
+        drafts = tensor_from_frames("draft_token_ids", resp.draft_token_ids, tensors)
+        probs = tensor_from_frames("draft_probs", resp.draft_probs, tensors) if resp.draft_probs else None
+        return draft_output(drafts, probs, resp.batch_padded, resp.tokens_padded)
+
+    def detach(self, *, timeout: float | None = None) -> int:
+        self.session.require()
+        resp, _ = self._roundtrip("Detach", schema.DetachRequest(session_id=self.session.session_id,
+                                                                 epoch=self.session.epoch), [], timeout)
+        self.session.clear()
+        return resp.blocks_released
+
+    def info(self, *, timeout: float | None = None) -> schema.InfoResponse:
+        resp, _ = self._roundtrip("Info", schema.InfoRequest(), [], timeout)
+        return resp
+
+    def send_raw(self, frames: list, *, timeout: float | None = None) -> list:
+        """Send frames as they are and return the next reply's frames (tests and debugging)."""
+        timeout = self.timeout_s if timeout is None else timeout
+        if not self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", "no connection")
+        self.sock.send_multipart(frames, copy=False)
+        if not self.sock.poll(int(timeout * 1000), zmq.POLLIN):
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", "no reply")
+        return self.sock.recv_multipart()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

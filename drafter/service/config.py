@@ -1,0 +1,172 @@
+"""`drafter serve` settings: every one a flag and a DRAFTER_* environment variable.
+
+The container passes no arguments (Kubernetes sets the environment); a flag, when given,
+wins over the variable.  Port 0 means "pick a free port"; the ready line reports the choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field, fields
+
+MiB = 1024 * 1024
+
+
+def _bool(text: str) -> bool:
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in str(text).replace(" ", "").split(",") if x)
+
+
+def _tree(text: str):
+    return None if not text else tuple(tuple(int(i) for i in p) for p in json.loads(text))
+
+
+def _opt(kind, default, help, env=None, choices=None):
+    return field(default=default, metadata={"kind": kind, "help": help, "env": env, "choices": choices})
+
+
+@dataclass
+class ServerConfig:
+    # ---- what to serve
+    method: str = _opt(str, "", "draft head: eagle | eagle3 | mtp | extract_hidden_states",
+                       choices=("eagle", "eagle3", "mtp", "extract_hidden_states"))
+    model: str = _opt(str, "", "draft head checkpoint directory")
+    target_model: str = _opt(str, "", "target checkpoint directory (embeddings / lm_head the head shares)")
+    device: str = _opt(str, "auto", "cpu | cuda:N | auto (cuda:0 when available)")
+    dtype: str = _opt(str, "auto", "float32 | float16 | bfloat16 | auto (bfloat16 on a GPU, float32 on CPU)")
+    num_speculative_tokens: int = _opt(int, 3, "k: drafts per step (chain)")
+    speculative_token_tree: str = _opt(str, "", "tree drafting: JSON list of paths, e.g. [[0],[1],[0,0]]")
+    max_model_len: int = _opt(int, 2048, "the target's max_model_len (attaching targets must match)")
+    max_num_seqs: int = _opt(int, 64, "most requests in one engine call (over all fused sessions)")
+    max_num_batched_tokens: int = _opt(int, 2048, "most tokens in one engine call")
+    kv_blocks: str = _opt(str, "4096", "KV pool blocks per group (one value, or one per group: 4096,2048)")
+    block_sizes: str = _opt(str, "16", "KV block size per group (one value, or one per group)")
+    capture_sizes: str = _opt(str, "", "batch sizes to pad to / capture (default: powers of two)")
+    token_capture_sizes: str = _opt(str, "", "token counts to pad the first pass to")
+    padded_drafter_batch: bool = _opt(_bool, True, "keep rejected tokens in the batch (vLLM's default)")
+    attention_backend: str = _opt(str, "auto", "auto | reference | triton", choices=("auto", "reference", "triton"))
+    use_cuda_graphs: bool = _opt(_bool, True, "capture the draft loop in CUDA graphs on a GPU")
+    seed: int = _opt(int, 0, "seed of the sampling generator")
+    torch_threads: int = _opt(int, 0, "torch CPU threads (0 = torch's default); on a small CPU host 1 avoids "
+                                      "OpenMP threads spinning against the transports")
+    # ---- network
+    host: str = _opt(str, "127.0.0.1", "address every port binds to (loopback unless told otherwise)")
+    grpc_port: int = _opt(int, 50051, "gRPC port (0 = a free one)")
+    zmq_port: int = _opt(int, 5555, "ZMQ ROUTER port (0 = a free one)")
+    health_port: int = _opt(int, 50052, "plaintext grpc.health.v1-only port for probes (0 = a free one)")
+    metrics_port: int = _opt(int, 9400, "Prometheus /metrics port (0 = a free one)")
+    max_message_bytes: int = _opt(int, 256 * MiB, "largest request or reply on either transport")
+    keepalive_time_s: float = _opt(float, 30.0, "gRPC keepalive ping / ZMQ heartbeat interval")
+    keepalive_timeout_s: float = _opt(float, 10.0, "drop a peer whose ping is not answered within this")
+    # ---- service behaviour
+    max_sessions: int = _opt(int, 16, "most attached sessions")
+    batch_window_us: int = _opt(int, 100, "how long to collect requests of several sessions for one engine call")
+    session_idle_timeout_s: float = _opt(float, 900.0, "detach a session unused this long (0 = never)")
+    drain_timeout_s: float = _opt(float, 20.0, "on SIGTERM, how long in-flight calls may take before exit")
+    liveness_stall_s: float = _opt(float, 120.0, "health 'liveness' turns NOT_SERVING when one engine call "
+                                                 "runs longer than this")
+    # ---- security
+    tls_cert: str = _opt(str, "", "gRPC server certificate (PEM); enables TLS")
+    tls_key: str = _opt(str, "", "gRPC server key (PEM)")
+    tls_client_ca: str = _opt(str, "", "CA (PEM) that client certificates must chain to; enables mTLS")
+    curve_server_cert: str = _opt(str, "", "ZMQ CURVE secret certificate (zmq.auth .key_secret file); enables CURVE")
+    curve_clients_dir: str = _opt(str, "", "directory of authorised client public certificates (zmq.auth)")
+    # ---- logs
+    log_format: str = _opt(str, "json", "json | text", choices=("json", "text"))
+    log_level: str = _opt(str, "info", "debug | info | warning | error")
+    # hidden, for the integration tests: SIGUSR1 pauses and SIGUSR2 resumes the engine thread (to hold
+    # calls in flight); with test_hold_loading, loading waits for a first SIGUSR1
+    test_hooks: bool = _opt(_bool, False, argparse.SUPPRESS)
+    test_hold_loading: bool = _opt(_bool, False, argparse.SUPPRESS)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def tree(self):
+        return _tree(self.speculative_token_tree)
+
+    def kv_blocks_per_group(self, groups: int) -> tuple[int, ...]:
+        return _per_group("kv_blocks", _ints(self.kv_blocks), groups)
+
+    def block_sizes_per_group(self, groups: int) -> tuple[int, ...]:
+        return _per_group("block_sizes", _ints(self.block_sizes), groups)
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+    def check(self) -> None:
+        if not self.method:
+            raise ValueError("--method (DRAFTER_METHOD) is required")
+        if not self.model:
+            raise ValueError("--model (DRAFTER_MODEL) is required")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert/--tls-key")
+        if self.curve_clients_dir and not self.curve_server_cert:
+            raise ValueError("--curve-clients-dir needs --curve-server-cert")
+        _tree(self.speculative_token_tree)
+
+
+def _per_group(name: str, values: tuple[int, ...], groups: int) -> tuple[int, ...]:
+    if len(values) == 1:
+        return values * groups
+    if len(values) != groups:
+        raise ValueError(f"--{name.replace('_', '-')}: {len(values)} values for a head with {groups} KV groups")
+    return values
+
+
+def env_name(name: str) -> str:
+    return "DRAFTER_" + name.upper()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(ServerConfig):
+        meta = f.metadata
+        env = env_name(f.name)
+        help_text = meta["help"] if meta["help"] == argparse.SUPPRESS else f"{meta['help']} [env {env}; default {f.default!r}]"
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None, help=help_text,
+                            choices=meta["choices"], type=meta["kind"])
+
+
+def from_args(ns: argparse.Namespace, environ=None) -> ServerConfig:
+    """Flags win over DRAFTER_* variables, which win over the defaults."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for f in fields(ServerConfig):
+        given = getattr(ns, f.name, None)
+        if given is not None:
+            values[f.name] = given
+            continue
+        raw = environ.get(env_name(f.name))
+        if raw is None or raw == "":
+            continue
+        kind = f.metadata["kind"]
+        try:
+            value = kind(raw)
+        except ValueError as exc:
+            raise ValueError(f"{env_name(f.name)}={raw!r}: {exc}") from None
+        choices = f.metadata["choices"]
+        if choices and value not in choices:
+            raise ValueError(f"{env_name(f.name)}={raw!r}: choose from {choices}")
+        values[f.name] = value
+    cfg = ServerConfig(**values)
+    cfg.log_level = cfg.log_level.lower()
+    return cfg

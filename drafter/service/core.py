@@ -1,0 +1,295 @@
+"""The service core behind both transports: attach / propose / detach / info, states and draining.
+
+Order of checks for a propose call (nothing reaches the engine before all of them passed):
+wire decode (by the transport) -> epoch (FAILED_PRECONDITION) and session (NOT_FOUND) -> the
+session's limits (sessions.check_call) -> the engine's own validation, request by request, in
+the engine thread (batcher.EngineRunner).  A stale epoch is checked first because it tells the
+client the most: the drafter restarted, every session is gone, attach again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+import torch
+
+from drafter.service import schema
+from drafter.service.batcher import Batcher, EngineRunner
+from drafter.service.errors import Code, DrafterError, from_exception
+from drafter.service.metrics import Metrics, accepted_from_report
+from drafter.service.sessions import PROTOCOL_VERSION, EngineDescription, Session, SessionTable, check_call
+from drafter.service.wire import ProposeCall, ProposeResult
+
+log = logging.getLogger("drafter.service")
+VERSION = "0.1.0"
+
+LOADING, SERVING, DRAINING = "loading", "serving", "draining"
+
+
+def describe_engine(engine, max_message_bytes: int) -> EngineDescription:
+    cfg, spec = engine.config, engine.spec
+    aux = tuple(spec.aux_layer_ids) if cfg.method in ("eagle3", "extract_hidden_states") else ()
+    return EngineDescription(
+        method=cfg.method, num_speculative_tokens=cfg.num_speculative_tokens,
+        speculative_token_tree=cfg.speculative_token_tree, dtype=cfg.dtype, hidden_size=spec.target_width,
+        num_aux_layers=len(aux), aux_layer_ids=aux, hidden_width=spec.hidden_input_width,
+        vocab_size=spec.vocab_size, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, block_sizes=tuple(g.block_size for g in cfg.kv_groups),
+        pool_blocks=tuple(g.num_blocks for g in cfg.kv_groups), capture_sizes=tuple(cfg.capture_sizes),
+        token_capture_sizes=tuple(cfg.token_capture_sizes), max_message_bytes=max_message_bytes)
+
+
+def zero_session_blocks(engine, s: Session) -> None:
+    """Runs in the engine thread: wipe what a released session left in its blocks."""
+    for g, (base, n) in enumerate(zip(s.bases, s.num_blocks)):
+        ids = torch.arange(base, base + n)
+        if engine.kv is not None:
+            engine.kv.zero_blocks(g, ids)
+        elif engine.store is not None:
+            engine.store.states[ids.to(engine.store.states.device)] = 0
+
+
+class RefusalLog:
+    """One log line per refused call, but at most one per (code, field) every `period` seconds:
+    a client stuck on a bad request (or a fuzzer) must not flood the logs."""
+
+    def __init__(self, period: float = 10.0):
+        self.period = period
+        self.last: dict[tuple, tuple[float, int]] = {}
+
+    def log(self, transport: str, rpc: str, err: DrafterError) -> None:
+        key = (err.code, err.field[:64])
+        if len(self.last) > 1024:  # fields can be client-chosen names (unknown ZMQ header keys)
+            self.last.clear()
+        now = time.monotonic()
+        since, suppressed = self.last.get(key, (-1e18, 0))
+        if now - since < self.period:
+            self.last[key] = (since, suppressed + 1)
+            return
+        self.last[key] = (now, 0)
+        log.warning("call refused", extra={"event": "refused", "transport": transport, "rpc": rpc,
+                                           "code": err.code.name, "field": err.field, "reason": err.message[:300],
+                                           "suppressed_since_last": suppressed})
+
+
+class ServiceCore:
+    def __init__(self, *, metrics: Metrics, max_sessions: int, batch_window_s: float, max_message_bytes: int,
+                 session_idle_timeout_s: float = 0.0):
+        self.metrics = metrics
+        self.max_sessions = max_sessions
+        self.batch_window_s = batch_window_s
+        self.max_message_bytes = max_message_bytes
+        self.session_idle_timeout_s = session_idle_timeout_s
+        self.epoch = secrets.randbits(64)  # a new one per process: clients notice restarts
+        self.state = LOADING
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.engine = None
+        self.desc: EngineDescription | None = None
+        self.sessions: SessionTable | None = None
+        self.runner: EngineRunner | None = None
+        self.batcher: Batcher | None = None
+        self.inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._janitor: asyncio.Task | None = None
+        self._graph_replays = 0
+        self._refusals = RefusalLog()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def load(self, loader) -> None:
+        """Build the engine in the engine thread (CUDA state belongs to that thread), then serve."""
+        engine = await asyncio.get_running_loop().run_in_executor(self.executor, loader)
+        self.set_engine(engine)
+
+    def set_engine(self, engine) -> None:
+        self.engine = engine
+        self.desc = describe_engine(engine, self.max_message_bytes)
+        self.sessions = SessionTable(self.desc, self.max_sessions)
+        self.runner = EngineRunner(engine, self._on_engine_call)
+        self.batcher = Batcher(self.runner, self.executor, self.batch_window_s)
+        self.batcher.start()
+        if self.session_idle_timeout_s > 0:
+            self._janitor = asyncio.get_running_loop().create_task(self._expire_idle(), name="session-janitor")
+        self.metrics.method = self.desc.method
+        self.metrics.info.info({"method": self.desc.method, "epoch": str(self.epoch), "version": VERSION,
+                                "dtype": self.desc.dtype})
+        self._update_gauges()
+        self.state = SERVING
+        self.metrics.state.set(1)
+
+    def start_draining(self) -> None:
+        if self.state != DRAINING:
+            self.state = DRAINING
+            self.metrics.state.set(0)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True when no call is in flight any more (within timeout)."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        if self._janitor is not None:
+            self._janitor.cancel()
+        if self.batcher is not None:
+            await self.batcher.stop()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def engine_stalled(self, stall_s: float) -> bool:
+        since = self.runner.busy_since if self.runner is not None else None
+        return since is not None and time.monotonic() - since > stall_s
+
+    # ------------------------------------------------------------------ accounting
+    @asynccontextmanager
+    async def serving(self, transport: str, rpc: str):
+        """Wrap one call: refuse unless serving, count it in flight, record its outcome.
+
+        Raises DrafterError (UNAVAILABLE while loading or draining); any other failure inside
+        comes out as a DrafterError too, so transports only ever see DrafterError.
+        """
+        if self.state != SERVING:
+            self._count(transport, rpc, Code.UNAVAILABLE)
+            raise DrafterError(Code.UNAVAILABLE, "", f"the drafter is {self.state}")
+        self.inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.labels(transport).inc()
+        t0 = time.perf_counter()
+        try:
+            yield
+        except BaseException as exc:
+            err = from_exception(exc) if not isinstance(exc, asyncio.CancelledError) else None
+            if err is not None:
+                self._count(transport, rpc, err.code)
+                if err.code == Code.INTERNAL:
+                    log.error("internal error", exc_info=exc, extra={"event": "internal_error", "transport": transport,
+                                                                      "rpc": rpc})
+                elif err.code != Code.UNAVAILABLE:  # UNAVAILABLE: the state change was logged once
+                    self._refusals.log(transport, rpc, err)
+                raise err from (None if err is exc else exc)
+            self._count(transport, rpc, Code.DEADLINE_EXCEEDED)
+            raise
+        else:
+            self._count(transport, rpc, Code.OK)
+            if rpc in ("Propose", "ProposeStream"):
+                self.metrics.latency.labels(transport, rpc).observe(time.perf_counter() - t0)
+        finally:
+            self.metrics.inflight.labels(transport).dec()
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+
+    def _count(self, transport: str, rpc: str, code: Code) -> None:
+        self.metrics.requests.labels(transport, rpc, code.name).inc()
+        if code != Code.OK:
+            self.metrics.errors.labels(transport, code.name).inc()
+
+    def _on_engine_call(self, ec) -> None:  # engine thread
+        self.metrics.record_engine_call(ec)
+        replays = getattr(self.engine, "graph_replays", None)
+        if isinstance(replays, int) and replays > self._graph_replays:
+            self.metrics.graph_replays.labels(self.desc.method).inc(replays - self._graph_replays)
+            self._graph_replays = replays
+
+    def _update_gauges(self) -> None:
+        self.metrics.sessions.set(len(self.sessions))
+        for g, free in enumerate(self.sessions.free_blocks()):
+            self.metrics.free_blocks.labels(str(g)).set(free)
+
+    # ------------------------------------------------------------------ the four calls
+    def _check_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            raise DrafterError(Code.FAILED_PRECONDITION, "epoch",
+                               f"stale epoch {epoch}: the drafter restarted (epoch {self.epoch}); attach again")
+
+    def _limits(self) -> schema.Limits:
+        d = self.desc
+        return schema.Limits(max_model_len=d.max_model_len, max_num_seqs=d.max_num_seqs,
+                             max_num_batched_tokens=d.max_num_batched_tokens, max_message_bytes=d.max_message_bytes,
+                             vocab_size=d.vocab_size, hidden_width=d.hidden_width,
+                             kv_groups=[schema.KVGroup(block_size=bs, num_blocks=n)
+                                        for bs, n in zip(d.block_sizes, d.pool_blocks)])
+
+    def _tree(self) -> list[schema.TreePath]:
+        return [schema.TreePath(ranks=list(p)) for p in (self.desc.speculative_token_tree or ())]
+
+    async def attach(self, req: schema.AttachRequest) -> schema.AttachResponse:
+        try:
+            s = self.sessions.attach(req)
+        except DrafterError as e:
+            log.warning("attach refused", extra={"event": "attach_refused", "code": e.code.name, "field": e.field,
+                                                  "client": req.client_name[:128], "reason": e.message})
+            raise
+        self._update_gauges()
+        log.info("session attached", extra={"event": "attach", "session": s.id, "client": s.client_name,
+                                            "num_blocks": list(s.num_blocks), "bases": list(s.bases)})
+        d = self.desc
+        limits = self._limits()
+        limits.max_num_seqs, limits.max_num_batched_tokens = s.max_num_seqs, s.max_num_batched_tokens
+        limits.kv_groups = [schema.KVGroup(block_size=bs, num_blocks=n) for bs, n in zip(s.block_sizes, s.num_blocks)]
+        return schema.AttachResponse(
+            session_id=s.id, epoch=self.epoch, capture_sizes=list(d.capture_sizes),
+            token_capture_sizes=list(d.token_capture_sizes), limits=limits, aux_layer_ids=list(d.aux_layer_ids),
+            num_speculative_tokens=d.num_speculative_tokens, speculative_token_tree=self._tree(),
+            protocol_version=PROTOCOL_VERSION)
+
+    def check(self, call: ProposeCall) -> Session:
+        """Everything that can be decided in the event loop, cheaply, before queueing."""
+        self._check_epoch(call.epoch)
+        s = self.sessions.get(call.session_id)
+        check_call(s, call, self.desc)
+        return s
+
+    async def propose(self, call: ProposeCall) -> ProposeResult:
+        s = self.check(call)
+        s.last_used = time.monotonic()
+        s.calls += 1
+        result = await self.batcher.submit(s, call)
+        report = accepted_from_report(call.accepted_counts, call.kwargs.get("num_rejected_tokens"),
+                                      call.kwargs["query_start_loc"], self.desc.num_speculative_tokens)
+        if report is not None:
+            self.metrics.record_acceptance(report, self.desc.num_speculative_tokens)
+        return result
+
+    async def detach(self, req: schema.DetachRequest, reason: str = "client") -> schema.DetachResponse:
+        self._check_epoch(req.epoch)
+        s = self.sessions.detach(req.session_id)
+        await self._release(s, reason)
+        return schema.DetachResponse(blocks_released=sum(s.num_blocks))
+
+    async def _release(self, s: Session, reason: str) -> None:
+        try:
+            # Behind any batch of this session already in the engine thread (it is FIFO).
+            await asyncio.get_running_loop().run_in_executor(self.executor, zero_session_blocks, self.engine, s)
+        finally:
+            self.sessions.release(s)
+            self._update_gauges()
+        log.info("session detached", extra={"event": "detach", "session": s.id, "client": s.client_name,
+                                            "reason": reason, "calls": s.calls})
+
+    async def _expire_idle(self) -> None:
+        period = max(0.05, min(30.0, self.session_idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)  # a periodic sweep, not synchronisation
+            for s in self.sessions.idle(time.monotonic(), self.session_idle_timeout_s):
+                if s.alive and s.id in self.sessions.sessions:
+                    self.sessions.detach(s.id)
+                    await self._release(s, "idle")
+
+    def info(self) -> schema.InfoResponse:
+        d = self.desc
+        return schema.InfoResponse(
+            protocol_version=PROTOCOL_VERSION, epoch=self.epoch, state=self.state, method=d.method,
+            num_speculative_tokens=d.num_speculative_tokens, speculative_token_tree=self._tree(), dtype=d.dtype,
+            hidden_size=d.hidden_size, num_aux_layers=d.num_aux_layers, aux_layer_ids=list(d.aux_layer_ids),
+            limits=self._limits(), capture_sizes=list(d.capture_sizes),
+            token_capture_sizes=list(d.token_capture_sizes), num_sessions=len(self.sessions),
+            max_sessions=self.max_sessions, free_blocks=self.sessions.free_blocks(), version=VERSION)

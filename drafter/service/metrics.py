@@ -1,0 +1,114 @@
+"""Prometheus metrics (DESIGN section 8): base units, `_total` counters, one registry per server.
+
+Acceptance per draft position: each step the target reports, per request, how many of the
+previous step's drafts it accepted; draft position i (1-based) counts as verified for every
+report and as accepted when at least i drafts were accepted.  The acceptance gauge is
+accepted / verified since start.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class Metrics:
+    def __init__(self, method: str = "", registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.method = method
+        r = self.registry
+        self.latency = Histogram(
+            "drafter_propose_latency_seconds", "Propose latency inside the server, from decode to reply",
+            ["transport", "method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.engine_latency = Histogram(
+            "drafter_engine_step_seconds", "One fused engine call (all draft steps)", ["method"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram(
+            "drafter_queue_wait_seconds", "Time a request waited for the batcher and the engine", ["method"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("drafter_batch_size", "Requests (rows) per engine call", ["method"],
+                                    buckets=SIZE_BUCKETS, registry=r)
+        self.padded_batch_size = Histogram("drafter_padded_batch_size", "Rows the draft loop ran per engine call",
+                                           ["method"], buckets=SIZE_BUCKETS, registry=r)
+        self.tokens = Histogram("drafter_batch_tokens", "Tokens per engine call (first pass)", ["method"],
+                                buckets=SIZE_BUCKETS, registry=r)
+        self.padded_tokens = Histogram("drafter_padded_batch_tokens", "Tokens the first pass ran per engine call",
+                                       ["method"], buckets=SIZE_BUCKETS, registry=r)
+        self.fused_sessions = Histogram("drafter_fused_sessions", "Sessions fused into one engine call", ["method"],
+                                        buckets=SIZE_BUCKETS, registry=r)
+        self.sessions = Gauge("drafter_sessions", "Attached sessions", registry=r)
+        self.inflight = Gauge("drafter_inflight_requests", "Calls being served", ["transport"], registry=r)
+        self.requests = Counter("drafter_requests_total", "Calls answered, by outcome", ["transport", "rpc", "code"],
+                                registry=r)
+        self.errors = Counter("drafter_errors_total", "Refused calls by code", ["transport", "code"], registry=r)
+        self.graph_replays = Counter("drafter_graph_replays_total", "CUDA graph replays", ["method"], registry=r)
+        self.verified = Counter("drafter_draft_tokens_verified_total",
+                                "Drafts the target verified, by draft position (1-based)", ["method", "position"],
+                                registry=r)
+        self.accepted = Counter("drafter_accepted_tokens_total", "Drafts the target accepted, by draft position",
+                                ["method", "position"], registry=r)
+        self.acceptance = Gauge("drafter_draft_position_acceptance",
+                                "Accepted / verified drafts per draft position since start", ["method", "position"],
+                                registry=r)
+        self.free_blocks = Gauge("drafter_kv_free_blocks", "Free blocks in the KV pool", ["group"], registry=r)
+        self.state = Gauge("drafter_serving", "1 while serving, 0 while loading or draining", registry=r)
+        self.info = Info("drafter", "What this drafter serves", registry=r)
+        self._lock = threading.Lock()
+        self._verified: dict[int, int] = {}
+        self._accepted: dict[int, int] = {}
+
+    def record_engine_call(self, ec) -> None:
+        m = self.method
+        self.engine_latency.labels(m).observe(ec.seconds)
+        self.batch_size.labels(m).observe(ec.batch)
+        self.padded_batch_size.labels(m).observe(ec.batch_padded)
+        self.tokens.labels(m).observe(ec.tokens)
+        self.padded_tokens.labels(m).observe(ec.tokens_padded)
+        self.fused_sessions.labels(m).observe(ec.sessions)
+
+    def record_acceptance(self, accepted: torch.Tensor, num_drafts: int) -> None:
+        """accepted: [rows] int, drafts accepted per reported request (-1 = no report)."""
+        counts = [min(int(a), num_drafts) for a in accepted.tolist() if a >= 0]
+        if not counts:
+            return
+        with self._lock:
+            for pos in range(1, num_drafts + 1):
+                ok = sum(1 for a in counts if a >= pos)
+                self._verified[pos] = self._verified.get(pos, 0) + len(counts)
+                self._accepted[pos] = self._accepted.get(pos, 0) + ok
+                label = (self.method, str(pos))
+                self.verified.labels(*label).inc(len(counts))
+                self.accepted.labels(*label).inc(ok)
+                self.acceptance.labels(*label).set(self._accepted[pos] / self._verified[pos])
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Start /metrics in a thread; return the port (0 = a free one)."""
+        httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._httpd = httpd
+        return httpd.server_address[1]
+
+    def shutdown_http(self) -> None:
+        httpd = getattr(self, "_httpd", None)
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+
+
+def accepted_from_report(accepted_counts, num_rejected, query_start_loc, k: int):
+    """Per-request accepted counts for the previous step, or None if the call carries no report.
+
+    Explicit accepted_counts win; otherwise num_rejected_tokens of rows whose query is a decode
+    step (the bonus token plus k drafts) says k - rejected drafts were accepted.
+    """
+    if accepted_counts is not None:
+        return accepted_counts
+    if num_rejected is None:
+        return None
+    qlen = query_start_loc[1:].long() - query_start_loc[:-1].long()
+    acc = torch.where(qlen == k + 1, k - num_rejected.long(), torch.full_like(qlen, -1))
+    return acc

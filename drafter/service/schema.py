@@ -1,0 +1,180 @@
+"""The ZMQ transport's messages: msgspec Structs mirroring proto/drafter/v1/drafter.proto.
+
+Field names, order and value ranges equal the proto's (tests/unit/test_service_schema.py checks
+them field by field).  The one difference: a Tensor's bytes never sit inside the msgpack header;
+`Tensor.frame` is the index of the zero-copy frame that holds them (0 = the first frame after
+the body).  A ZMQ message is
+
+    request:  [identity (added by ROUTER), b"", Envelope, body, tensor frame 0, tensor frame 1, ...]
+    reply:    [identity (consumed by ROUTER), b"", Envelope, body, tensor frames...]
+
+where body is the msgpack of the method's request/response Struct (b"" when Envelope.error is set).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack integers stop at 2**64 - 1 by themselves
+I64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# Never unbounded: a hostile header must not make the server allocate a huge list.
+MAX_LIST = 4096
+
+
+class _Msg(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class Error(_Msg):
+    code: U32 = 0  # drafter.v1.ErrorCode (= gRPC status code)
+    field: str = ""
+    message: str = ""
+
+
+class Tensor(_Msg):
+    dtype: str = ""
+    shape: Annotated[list[I64], msgspec.Meta(max_length=8)] = []
+    frame: U32 = 0  # proto: bytes data
+
+
+class KVGroup(_Msg):
+    block_size: U32 = 0
+    num_blocks: U32 = 0
+
+
+class TreePath(_Msg):
+    ranks: Annotated[list[U32], msgspec.Meta(max_length=64)] = []
+
+
+Trees = Annotated[list[TreePath], msgspec.Meta(max_length=MAX_LIST)]
+Groups = Annotated[list[KVGroup], msgspec.Meta(max_length=64)]
+Sizes = Annotated[list[U32], msgspec.Meta(max_length=MAX_LIST)]
+
+
+class AttachRequest(_Msg):
+    protocol_version: U32 = 0
+    method: str = ""
+    num_speculative_tokens: U32 = 0
+    speculative_token_tree: Trees = []
+    hidden_dtype: str = ""
+    hidden_size: U32 = 0
+    num_aux_layers: U32 = 0
+    max_model_len: U32 = 0
+    max_num_seqs: U32 = 0
+    max_num_batched_tokens: U32 = 0
+    kv_groups: Groups = []
+    client_name: str = ""
+
+
+class Limits(_Msg):
+    max_model_len: U32 = 0
+    max_num_seqs: U32 = 0
+    max_num_batched_tokens: U32 = 0
+    max_message_bytes: U64 = 0
+    vocab_size: U32 = 0
+    hidden_width: U32 = 0
+    kv_groups: Groups = []
+
+
+class AttachResponse(_Msg):
+    session_id: str = ""
+    epoch: U64 = 0
+    capture_sizes: Sizes = []
+    token_capture_sizes: Sizes = []
+    limits: Limits | None = None
+    aux_layer_ids: Sizes = []
+    num_speculative_tokens: U32 = 0
+    speculative_token_tree: Trees = []
+    protocol_version: U32 = 0
+
+
+Tensors = Annotated[list[Tensor], msgspec.Meta(max_length=64)]
+
+
+class ProposeRequest(_Msg):
+    session_id: str = ""
+    epoch: U64 = 0
+    request_id: U64 = 0
+    target_token_ids: Tensor | None = None
+    target_positions: Tensor | None = None
+    target_hidden_states: Tensor | None = None
+    next_token_ids: Tensor | None = None
+    query_start_loc: Tensor | None = None
+    seq_lens: Tensor | None = None
+    block_tables: Tensors = []
+    slot_mappings: Tensors = []
+    token_indices_to_sample: Tensor | None = None
+    num_rejected_tokens: Tensor | None = None
+    temperatures: Tensor | None = None
+    accepted_counts: Tensor | None = None
+    return_probs: bool = False
+    batch_padded: U32 = 0
+    tokens_padded: U32 = 0
+
+
+class ProposeResponse(_Msg):
+    request_id: U64 = 0
+    draft_token_ids: Tensor | None = None
+    draft_probs: Tensor | None = None
+    batch_padded: U32 = 0
+    tokens_padded: U32 = 0
+    error: Error | None = None
+
+
+class DetachRequest(_Msg):
+    session_id: str = ""
+    epoch: U64 = 0
+
+
+class DetachResponse(_Msg):
+    blocks_released: U32 = 0
+
+
+class InfoRequest(_Msg):
+    pass
+
+
+class InfoResponse(_Msg):
+    protocol_version: U32 = 0
+    epoch: U64 = 0
+    state: str = ""
+    method: str = ""
+    num_speculative_tokens: U32 = 0
+    speculative_token_tree: Trees = []
+    dtype: str = ""
+    hidden_size: U32 = 0
+    num_aux_layers: U32 = 0
+    aux_layer_ids: Sizes = []
+    limits: Limits | None = None
+    capture_sizes: Sizes = []
+    token_capture_sizes: Sizes = []
+    num_sessions: U32 = 0
+    max_sessions: U32 = 0
+    free_blocks: Sizes = []
+    version: str = ""
+
+
+# ---------------------------------------------------------------- ZMQ only
+class Envelope(_Msg):
+    """What gRPC keeps in HTTP/2 (method path, deadline, status); ZMQ carries it in its own frame."""
+
+    call_id: U64 = 0  # chosen by the client, echoed in the reply (several calls may be in flight)
+    method: str = ""  # Attach | Propose | Detach | Info
+    timeout_ms: U32 = 0  # 0 = no deadline
+    error: Error | None = None  # replies only
+
+
+# method -> (request Struct, response Struct); the gRPC service has the same methods (+ ProposeStream)
+METHODS = {
+    "Attach": (AttachRequest, AttachResponse),
+    "Propose": (ProposeRequest, ProposeResponse),
+    "Detach": (DetachRequest, DetachResponse),
+    "Info": (InfoRequest, InfoResponse),
+}
+# proto message name -> Struct, for the schema-equality test and the generic proto conversion
+MESSAGES = {cls.__name__: cls for cls in (
+    Error, Tensor, KVGroup, TreePath, AttachRequest, AttachResponse, Limits, ProposeRequest, ProposeResponse,
+    DetachRequest, DetachResponse, InfoRequest, InfoResponse)}

@@ -1,0 +1,45 @@
+"""The `drafter serve` subcommand: flags (and DRAFTER_* variables) -> ServerConfig -> server.serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from drafter.service.config import add_arguments, from_args
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="run the drafter service (gRPC + ZMQ + health + /metrics)",
+        description="Serve a draft head over gRPC and ZMQ. Every flag has a DRAFTER_* environment "
+                    "variable (the container passes no arguments); a flag wins over its variable.")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    try:
+        cfg = from_args(ns)
+        cfg.check()
+    except ValueError as exc:
+        print(f"drafter serve: {exc}", file=sys.stderr)
+        return 2
+    import logging
+
+    from drafter.service.logs import event, setup_logging
+    from drafter.service.server import serve
+
+    setup_logging(cfg.log_format, cfg.log_level)
+    try:
+        code = asyncio.run(serve(cfg))
+    except (OSError, ValueError) as exc:  # a port in use, an unreadable certificate, a bad checkpoint
+        logging.getLogger("drafter.service.server").error("cannot start", exc_info=exc,
+                                                          extra={"event": "start_failed"})
+        event("failed", reason=str(exc))
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # A stuck engine thread (drain timeout) must not keep PID 1 alive past the grace period.
+    os._exit(code)

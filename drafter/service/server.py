@@ -1,0 +1,181 @@
+"""`drafter serve`: load the engine, serve gRPC + ZMQ + health + /metrics, drain on SIGTERM.
+
+Lifecycle (each step is a JSON line on stdout):
+  listening  every port is bound (health says NOT_SERVING, calls get UNAVAILABLE: loading)
+  ready      the engine is loaded; health SERVING
+  draining   SIGTERM/SIGINT: health NOT_SERVING, new calls UNAVAILABLE on both transports, open
+             streams end with UNAVAILABLE after their current message, in-flight calls finish
+  stopped    everything closed; exit 0 (within drain_timeout_s)
+The process is PID 1 in its container, so it installs its own signal handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+
+from drafter.config import EngineConfig, KVGroupSpec
+from drafter.service.config import ServerConfig
+from drafter.service.core import ServiceCore
+from drafter.service.grpc_server import DrafterGrpcService, HealthState, build_health_server, build_main_server
+from drafter.service.logs import event
+from drafter.service.metrics import Metrics
+from drafter.service.zmq_server import ZmqServer
+
+log = logging.getLogger("drafter.service.server")
+
+
+def engine_config(cfg: ServerConfig) -> EngineConfig:
+    from drafter.models.spec import parse_head, read_config
+
+    groups = max(1, parse_head(read_config(cfg.model), cfg.method).num_kv_groups)
+    return EngineConfig(
+        method=cfg.method,
+        num_speculative_tokens=1 if cfg.method == "extract_hidden_states" else cfg.num_speculative_tokens,
+        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        kv_groups=tuple(KVGroupSpec(bs, n) for bs, n in zip(cfg.block_sizes_per_group(groups),
+                                                             cfg.kv_blocks_per_group(groups))),
+        speculative_token_tree=cfg.tree,
+        capture_sizes=tuple(int(x) for x in cfg.capture_sizes.split(",") if x),
+        token_capture_sizes=tuple(int(x) for x in cfg.token_capture_sizes.split(",") if x),
+        padded_drafter_batch=cfg.padded_drafter_batch, device=cfg.resolved_device(), dtype=cfg.resolved_dtype(),
+        use_cuda_graphs=cfg.use_cuda_graphs, attention_backend=cfg.attention_backend, seed=cfg.seed)
+
+
+def load_engine(cfg: ServerConfig, engine_cfg: EngineConfig, hold: threading.Event | None = None):
+    import torch
+
+    from drafter.engine import DraftEngine
+
+    if hold is not None:
+        hold.wait()
+    if cfg.torch_threads > 0:
+        torch.set_num_threads(cfg.torch_threads)
+    t0 = time.monotonic()
+    engine = DraftEngine.from_dirs(cfg.model, cfg.target_model or None, engine_cfg)
+    log.info("engine loaded", extra={"event": "engine_loaded", "seconds": round(time.monotonic() - t0, 3),
+                                     "method": engine_cfg.method, "device": engine_cfg.device,
+                                     "dtype": engine_cfg.dtype, "kv_groups": [vars(g) for g in engine_cfg.kv_groups]})
+    return engine
+
+
+class _PauseGate:
+    """Test hook (--test-hooks): SIGUSR1 pauses the engine thread before its next engine call, SIGUSR2
+    resumes it; calls meanwhile stay in flight, which lets tests hold them without timing."""
+
+    def __init__(self, core: ServiceCore):
+        self.open = threading.Event()
+        self.open.set()
+        run = core.runner.run
+
+        def gated(items):
+            self.open.wait()
+            return run(items)
+        core.runner.run = gated
+
+    def pause(self) -> None:
+        self.open.clear()
+        event("paused")
+
+    def resume(self) -> None:
+        self.open.set()
+        event("resumed")
+
+
+async def serve(cfg: ServerConfig) -> int:
+    cfg.check()
+    engine_cfg = engine_config(cfg)
+    loop = asyncio.get_running_loop()
+    metrics = Metrics(method=cfg.method)
+    core = ServiceCore(metrics=metrics, max_sessions=cfg.max_sessions, batch_window_s=cfg.batch_window_us / 1e6,
+                       max_message_bytes=cfg.max_message_bytes, session_idle_timeout_s=cfg.session_idle_timeout_s)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    drain_event = asyncio.Event()
+    health_state = HealthState()
+    await health_state.set_serving(False)
+    await health_state.set_live(True)
+    metrics_port = metrics.serve_http(cfg.host, cfg.metrics_port)
+    health_server, health_port = build_health_server(health_state, host=cfg.host, port=cfg.health_port)
+    grpc_server, grpc_port = build_main_server(
+        DrafterGrpcService(core, drain_event), health_state, host=cfg.host, port=cfg.grpc_port,
+        max_message_bytes=cfg.max_message_bytes, keepalive_time_s=cfg.keepalive_time_s,
+        keepalive_timeout_s=cfg.keepalive_timeout_s, tls_cert=cfg.tls_cert or None, tls_key=cfg.tls_key or None,
+        tls_client_ca=cfg.tls_client_ca or None)
+    await health_server.start()
+    await grpc_server.start()
+    zmq_server = ZmqServer(core, host=cfg.host, port=cfg.zmq_port, max_message_bytes=cfg.max_message_bytes,
+                           heartbeat_s=cfg.keepalive_time_s, heartbeat_timeout_s=cfg.keepalive_timeout_s,
+                           curve_server_cert=cfg.curve_server_cert or None,
+                           curve_clients_dir=cfg.curve_clients_dir or None)
+    zmq_port = zmq_server.start()
+    ports = {"grpc_port": grpc_port, "zmq_port": zmq_port, "health_port": health_port, "metrics_port": metrics_port}
+    event("listening", host=cfg.host, **ports)
+    log.info("listening", extra={"event": "listening", "host": cfg.host, **ports,
+                                 "grpc_tls": bool(cfg.tls_cert), "grpc_mtls": bool(cfg.tls_client_ca),
+                                 "zmq_curve": bool(cfg.curve_server_cert)})
+
+    code = 0
+    watchdog = None
+    hold = None
+    if cfg.test_hold_loading:
+        hold = threading.Event()
+        loop.add_signal_handler(signal.SIGUSR1, lambda: (hold.set(), loop.remove_signal_handler(signal.SIGUSR1)))
+    loading = loop.create_task(core.load(lambda: load_engine(cfg, engine_cfg, hold)))
+    stopping = loop.create_task(stop.wait())
+    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if loading.done() and loading.exception() is not None:
+        log.error("engine failed to load", exc_info=loading.exception(), extra={"event": "load_failed"})
+        event("failed", reason=str(loading.exception()))
+        code = 1
+    elif loading.done():
+        if cfg.test_hooks:
+            gate = _PauseGate(core)
+            loop.add_signal_handler(signal.SIGUSR1, gate.pause)
+            loop.add_signal_handler(signal.SIGUSR2, gate.resume)
+        await health_state.set_serving(True)
+        watchdog = loop.create_task(_liveness(core, health_state, cfg.liveness_stall_s))
+        event("ready", host=cfg.host, epoch=core.epoch, method=cfg.method, **ports)
+        log.info("ready", extra={"event": "ready", "epoch": core.epoch})
+        await stopping
+    # ------------------------------------------------------------------ drain
+    t0 = time.monotonic()
+    deadline = t0 + cfg.drain_timeout_s
+    core.start_draining()
+    drain_event.set()
+    await health_state.set_serving(False)
+    event("draining", inflight=core.inflight)
+    log.info("draining", extra={"event": "draining", "inflight": core.inflight})
+    clean = await core.wait_idle(max(0.0, deadline - time.monotonic()))
+    await grpc_server.stop(max(0.0, deadline - time.monotonic()))
+    await zmq_server.close(timeout=max(0.1, deadline - time.monotonic()))
+    await health_server.stop(0)
+    if watchdog is not None:
+        watchdog.cancel()
+    if not loading.done():
+        loading.cancel()
+    await core.close()
+    metrics.shutdown_http()
+    seconds = round(time.monotonic() - t0, 3)
+    if not clean:
+        log.error("drain timed out with calls in flight", extra={"event": "drain_timeout", "inflight": core.inflight})
+    event("stopped", clean=clean, seconds=seconds)
+    log.info("stopped", extra={"event": "stopped", "clean": clean, "seconds": seconds})
+    return code
+
+
+async def _liveness(core: ServiceCore, health_state: HealthState, stall_s: float) -> None:
+    live = True
+    while True:
+        await asyncio.sleep(min(5.0, stall_s / 4))  # a periodic check, not synchronisation
+        now_live = not core.engine_stalled(stall_s)
+        if now_live != live:
+            live = now_live
+            await health_state.set_live(live)
+            log.log(logging.INFO if live else logging.ERROR, "liveness changed",
+                    extra={"event": "liveness", "live": live})

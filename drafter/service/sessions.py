@@ -1,0 +1,254 @@
+"""Sessions: one per attached target worker, each with its own slice of the engine's KV pool.
+
+The engine owns one pool per KV group, sized by the server config.  A session gets a contiguous
+block range [base, base + num_blocks) in every group; the target addresses it with its own
+block ids 0..num_blocks-1, which are checked against the session's num_blocks and then shifted
+by base before they reach the engine.  That shift is the isolation: a session can name no block
+outside its range, so it can neither read nor overwrite another session's KV.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from drafter.service import schema
+from drafter.service.errors import Code, DrafterError, invalid
+from drafter.service.wire import DTYPES, ProposeCall
+
+PROTOCOL_VERSION = 1
+PROBS_HEADROOM = 64 * 1024  # bytes a response needs besides the probabilities
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    """What the loaded engine serves, in plain values (sessions are checked against it)."""
+
+    method: str
+    num_speculative_tokens: int
+    speculative_token_tree: tuple[tuple[int, ...], ...] | None
+    dtype: str
+    hidden_size: int  # the target's hidden size
+    num_aux_layers: int  # 0: the target's final hidden state
+    aux_layer_ids: tuple[int, ...]
+    hidden_width: int  # columns of target_hidden_states
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_sizes: tuple[int, ...]
+    pool_blocks: tuple[int, ...]  # per KV group, the whole pool
+    capture_sizes: tuple[int, ...]
+    token_capture_sizes: tuple[int, ...]
+    max_message_bytes: int
+
+    @property
+    def num_drafts(self) -> int:  # columns of draft_token_ids
+        return len(self.speculative_token_tree) if self.speculative_token_tree else self.num_speculative_tokens
+
+
+@dataclass
+class Session:
+    id: str
+    client_name: str
+    bases: tuple[int, ...]  # per KV group: first block of this session in the engine pool
+    num_blocks: tuple[int, ...]  # per KV group
+    block_sizes: tuple[int, ...]
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    hidden_dtype: torch.dtype
+    created: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    alive: bool = True
+    calls: int = 0
+
+
+class BlockAllocator:
+    """First-fit over free ranges of one group's pool; a session's range stays contiguous."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.free: list[tuple[int, int]] = [(0, total)]  # (start, length), sorted, coalesced
+
+    def allocate(self, n: int) -> int | None:
+        for i, (start, length) in enumerate(self.free):
+            if length >= n:
+                self.free[i:i + 1] = [(start + n, length - n)] if length > n else []
+                return start
+        return None
+
+    def release(self, start: int, n: int) -> None:
+        ranges = sorted(self.free + [(start, n)])
+        merged: list[tuple[int, int]] = []
+        for s, l in ranges:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + l)
+            else:
+                merged.append((s, l))
+        self.free = merged
+
+    @property
+    def free_blocks(self) -> int:
+        return sum(l for _, l in self.free)
+
+
+def _mismatch(name: str, got, want) -> DrafterError:
+    return DrafterError(Code.FAILED_PRECONDITION, name, f"the target says {got}, this drafter serves {want}")
+
+
+def check_layout(req: schema.AttachRequest, eng: EngineDescription) -> None:
+    """Refuse a target whose layout this drafter cannot serve (before any block is reserved)."""
+    if req.protocol_version != PROTOCOL_VERSION:
+        raise _mismatch("protocol_version", req.protocol_version, PROTOCOL_VERSION)
+    if req.method != eng.method:
+        raise _mismatch("method", repr(req.method), repr(eng.method))
+    tree = tuple(tuple(p.ranks) for p in req.speculative_token_tree) or None
+    if tree != eng.speculative_token_tree:
+        raise _mismatch("speculative_token_tree", tree, eng.speculative_token_tree)
+    # A smaller k would still make the engine write k - 1 lookahead slots the target never allocated.
+    if tree is None and req.num_speculative_tokens != eng.num_speculative_tokens:
+        raise _mismatch("num_speculative_tokens", req.num_speculative_tokens, eng.num_speculative_tokens)
+    if req.hidden_dtype not in DTYPES or not DTYPES[req.hidden_dtype].is_floating_point:
+        raise invalid("hidden_dtype", f"{req.hidden_dtype!r} is not one of float32, float16, bfloat16")
+    if req.hidden_size != eng.hidden_size:
+        raise _mismatch("hidden_size", req.hidden_size, eng.hidden_size)
+    if req.num_aux_layers != eng.num_aux_layers:
+        raise _mismatch("num_aux_layers", req.num_aux_layers, eng.num_aux_layers)
+    # Draft steps past max_model_len are clamped by the engine's limit: the target's must be the same.
+    if req.max_model_len != eng.max_model_len:
+        raise _mismatch("max_model_len", req.max_model_len, eng.max_model_len)
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        got, most = getattr(req, name), getattr(eng, name)
+        if got == 0:
+            raise invalid(name, "must be positive")
+        if got > most:
+            raise DrafterError(Code.FAILED_PRECONDITION, name, f"{got} exceeds this drafter's {most}")
+    if len(req.kv_groups) != len(eng.block_sizes):
+        raise _mismatch("kv_groups", f"{len(req.kv_groups)} KV groups", len(eng.block_sizes))
+    for g, (group, bs) in enumerate(zip(req.kv_groups, eng.block_sizes)):
+        if group.block_size != bs:
+            raise _mismatch(f"kv_groups[{g}].block_size", group.block_size, bs)
+        if group.num_blocks == 0:
+            raise invalid(f"kv_groups[{g}].num_blocks", "must be positive")
+
+
+class SessionTable:
+    def __init__(self, eng: EngineDescription, max_sessions: int):
+        self.eng = eng
+        self.max_sessions = max_sessions
+        self.allocators = [BlockAllocator(n) for n in eng.pool_blocks]
+        self.sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def attach(self, req: schema.AttachRequest) -> Session:
+        check_layout(req, self.eng)
+        if len(self.sessions) >= self.max_sessions:
+            raise DrafterError(Code.RESOURCE_EXHAUSTED, "session", f"{self.max_sessions} sessions already attached")
+        bases: list[int] = []
+        for g, group in enumerate(req.kv_groups):
+            base = self.allocators[g].allocate(group.num_blocks)
+            if base is None:
+                for done, b in enumerate(bases):
+                    self.allocators[done].release(b, req.kv_groups[done].num_blocks)
+                raise DrafterError(
+                    Code.RESOURCE_EXHAUSTED, f"kv_groups[{g}].num_blocks",
+                    f"{group.num_blocks} blocks do not fit: {self.allocators[g].free_blocks} of "
+                    f"{self.allocators[g].total} free, largest range {max((l for _, l in self.allocators[g].free), default=0)}")
+            bases.append(base)
+        s = Session(
+            id=secrets.token_hex(16), client_name=req.client_name[:128], bases=tuple(bases),
+            num_blocks=tuple(g.num_blocks for g in req.kv_groups), block_sizes=self.eng.block_sizes,
+            max_model_len=req.max_model_len, max_num_seqs=req.max_num_seqs,
+            max_num_batched_tokens=req.max_num_batched_tokens, hidden_dtype=DTYPES[req.hidden_dtype])
+        self.sessions[s.id] = s
+        return s
+
+    def get(self, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None:
+            raise DrafterError(Code.NOT_FOUND, "session_id", "unknown session: attach first (or again)")
+        return s
+
+    def detach(self, session_id: str) -> Session:
+        """Forget the session; its blocks stay reserved until release() (after they were zeroed)."""
+        s = self.get(session_id)
+        del self.sessions[session_id]
+        s.alive = False
+        return s
+
+    def release(self, s: Session) -> None:
+        for g, (base, n) in enumerate(zip(s.bases, s.num_blocks)):
+            self.allocators[g].release(base, n)
+
+    def idle(self, now: float, idle_s: float) -> list[Session]:
+        return [s for s in self.sessions.values() if now - s.last_used > idle_s]
+
+    def free_blocks(self) -> list[int]:
+        return [a.free_blocks for a in self.allocators]
+
+
+def _range(name: str, t: torch.Tensor, low: int, high: int) -> None:
+    if t.numel() and (int(t.min()) < low or int(t.max()) >= high):
+        raise invalid(name, f"values must lie in [{low}, {high}), got [{int(t.min())}, {int(t.max())}]")
+
+
+def check_call(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
+    """The session's own limits; the engine's full validation follows (drafter.inputs.validate)."""
+    kw = call.kwargs
+    b, n = call.batch_size, call.num_tokens
+    if b == 0:
+        raise invalid("next_token_ids", "batch is empty")
+    if b > s.max_num_seqs:
+        raise invalid("next_token_ids", f"batch of {b} exceeds the session's max_num_seqs {s.max_num_seqs}")
+    if n > s.max_num_batched_tokens:
+        raise invalid("target_token_ids",
+                      f"{n} tokens exceed the session's max_num_batched_tokens {s.max_num_batched_tokens}")
+    if kw["target_hidden_states"].dtype != s.hidden_dtype:
+        raise invalid("target_hidden_states", f"dtype {kw['target_hidden_states'].dtype}, the session attached "
+                                              f"with {s.hidden_dtype}")
+    _range("target_positions", kw["target_positions"], 0, s.max_model_len)
+    _range("seq_lens", kw["seq_lens"], 1, s.max_model_len + 1)
+    groups = len(s.num_blocks)
+    for name in ("block_tables", "slot_mappings"):
+        if len(kw[name]) != groups:
+            raise invalid(name, f"expected one entry per KV group ({groups}), got {len(kw[name])}")
+    for g in range(groups):
+        _range(f"block_tables[{g}]", kw["block_tables"][g], 0, s.num_blocks[g])
+        _range(f"slot_mappings[{g}]", kw["slot_mappings"][g], -1, s.num_blocks[g] * s.block_sizes[g])
+    if call.accepted_counts is not None:
+        if call.accepted_counts.shape[0] != b:
+            raise invalid("accepted_counts", f"has {call.accepted_counts.shape[0]} rows, expected batch {b}")
+        _range("accepted_counts", call.accepted_counts, -1, eng.num_drafts + 1)
+    if call.batch_padded and not b <= call.batch_padded <= eng.capture_sizes[-1]:
+        raise invalid("batch_padded", f"{call.batch_padded} must lie in [batch={b}, {eng.capture_sizes[-1]}]")
+    if call.tokens_padded and not n <= call.tokens_padded <= eng.token_capture_sizes[-1]:
+        raise invalid("tokens_padded",
+                      f"{call.tokens_padded} must lie in [num_tokens={n}, {eng.token_capture_sizes[-1]}]")
+    if call.return_probs:
+        if eng.speculative_token_tree:
+            raise invalid("return_probs", "tree drafting returns no probabilities")
+        if eng.method == "extract_hidden_states":
+            raise invalid("return_probs", "extract_hidden_states returns no probabilities")
+        size = b * eng.num_speculative_tokens * eng.vocab_size * 4 + PROBS_HEADROOM
+        if size > eng.max_message_bytes:
+            raise invalid("return_probs", f"probabilities of {b} x {eng.num_speculative_tokens} x "
+                                          f"{eng.vocab_size} float32 exceed max_message_bytes "
+                                          f"{eng.max_message_bytes}")
+
+
+def offset_kwargs(s: Session, kwargs: dict) -> dict:
+    """The session's block ids and slots moved into its range of the engine pool (-1 stays -1)."""
+    out = dict(kwargs)
+    out["block_tables"] = [t.to(torch.int64) + base for t, base in zip(kwargs["block_tables"], s.bases)]
+    slots = []
+    for t, base, bs in zip(kwargs["slot_mappings"], s.bases, s.block_sizes):
+        t = t.to(torch.int64)
+        slots.append(torch.where(t >= 0, t + base * bs, t))
+    out["slot_mappings"] = slots
+    return out

@@ -1,0 +1,328 @@
+"""Tensors and messages on the wire: {dtype, shape, raw bytes} <-> torch, proto <-> msgspec.
+
+Every tensor is checked before torch sees its bytes: dtype on an allow-list and of the kind
+the field needs (integer ids, float states), the field's number of dimensions, non-negative
+bounded sizes, and product(shape) * itemsize == len(bytes) exactly.  Decoding never copies
+what it does not have to: torch.frombuffer views the protobuf bytes or the ZMQ frame.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from drafter.service import schema
+from drafter.service.errors import invalid
+
+# Request buffers are read-only (protobuf bytes, received frames) and nothing downstream writes into
+# request tensors. torch warns about that once per process: spend the warning here, silenced.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
+
+DTYPES = {
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+INT, FLOAT = "int", "float"
+MAX_DIM = 2**31 - 1
+
+# field -> (ndim, kind); the engine's names, so errors name what vLLM's proposer calls them
+TENSOR_FIELDS = {
+    "target_token_ids": (1, INT),  # [num_tokens]
+    "target_positions": (1, INT),  # [num_tokens]
+    "target_hidden_states": (2, FLOAT),  # [num_tokens, hidden_width]
+    "next_token_ids": (1, INT),  # [batch]
+    "query_start_loc": (1, INT),  # [batch + 1]
+    "seq_lens": (1, INT),  # [batch]
+    "token_indices_to_sample": (1, INT),  # [batch]
+    "num_rejected_tokens": (1, INT),  # [batch]
+    "temperatures": (1, FLOAT),  # [batch]
+    "accepted_counts": (1, INT),  # [batch]
+}
+REQUIRED_FIELDS = ("target_token_ids", "target_positions", "target_hidden_states", "next_token_ids",
+                   "query_start_loc", "seq_lens")
+LIST_FIELDS = {"block_tables": (2, INT), "slot_mappings": (1, INT)}  # per KV group
+MAX_GROUPS = 16
+
+
+def decode_tensor(name: str, dtype: str, shape, buf, ndim: int, kind: str) -> torch.Tensor:
+    td = DTYPES.get(dtype)
+    if td is None:
+        raise invalid(name, f"dtype {dtype!r} not allowed; expected one of {sorted(DTYPES)}")
+    if (kind == INT) == td.is_floating_point:
+        raise invalid(name, f"dtype {dtype} is not an {'integer' if kind == INT else 'float'} type")
+    shape = list(shape)
+    if len(shape) != ndim:
+        raise invalid(name, f"expected {ndim} dimensions, got shape {shape}")
+    if any(not 0 <= d <= MAX_DIM for d in shape):
+        raise invalid(name, f"sizes must lie in [0, {MAX_DIM}], got shape {shape}")
+    itemsize = td.itemsize
+    nbytes = math.prod(shape) * itemsize
+    if nbytes != len(buf):
+        raise invalid(name, f"shape {shape} x {dtype} needs {nbytes} bytes, got {len(buf)}")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=td)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    if raw.data_ptr() % itemsize:  # small ZMQ frames may sit unaligned inside the message struct
+        raw = raw.clone()
+    return raw.view(td).view(shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy where it already is contiguous on the CPU."""
+    t = t.detach().cpu().contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    name = DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise invalid("tensor", f"dtype {t.dtype} cannot travel on the wire")
+    return name
+
+
+# ------------------------------------------------------------------ decoded calls
+@dataclass
+class ProposeCall:
+    """One decoded propose request, independent of the transport it came on."""
+
+    session_id: str
+    epoch: int
+    request_id: int
+    kwargs: dict  # exactly DraftEngine.propose's tensor kwargs (block_tables / slot_mappings: lists)
+    return_probs: bool = False
+    batch_padded: int = 0  # 0 = the server chooses
+    tokens_padded: int = 0
+    accepted_counts: torch.Tensor | None = None  # [batch] int, -1 = no report for that row
+    deadline: float | None = None  # time.monotonic() after which the result is useless
+
+    @property
+    def batch_size(self) -> int:
+        return self.kwargs["next_token_ids"].shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kwargs["target_token_ids"].shape[0]
+
+
+@dataclass
+class ProposeResult:
+    request_id: int
+    draft_token_ids: torch.Tensor  # [batch, k] int64
+    draft_probs: torch.Tensor | None  # [batch, k, vocab] float32
+    batch_padded: int
+    tokens_padded: int
+    timings: dict = field(default_factory=dict)
+
+
+def _build_call(session_id, epoch, request_id, return_probs, batch_padded, tokens_padded, get_tensor,
+                get_list) -> ProposeCall:
+    kwargs = {}
+    accepted = None
+    for name, (ndim, kind) in TENSOR_FIELDS.items():
+        t = get_tensor(name, ndim, kind)
+        if t is None:
+            if name in REQUIRED_FIELDS:
+                raise invalid(name, "missing")
+            continue
+        if name == "accepted_counts":
+            accepted = t
+        else:
+            kwargs[name] = t
+    for name, (ndim, kind) in LIST_FIELDS.items():
+        kwargs[name] = get_list(name, ndim, kind)
+    return ProposeCall(session_id, epoch, request_id, kwargs, bool(return_probs), batch_padded, tokens_padded,
+                       accepted)
+
+
+def _check_list(name: str, items) -> None:
+    if not items:
+        raise invalid(name, "missing: one tensor per KV group")
+    if len(items) > MAX_GROUPS:
+        raise invalid(name, f"{len(items)} entries; at most {MAX_GROUPS} KV groups")
+
+
+# ------------------------------------------------------------------ protobuf (gRPC)
+def call_from_proto(req) -> ProposeCall:
+    def get_tensor(name, ndim, kind):
+        if not req.HasField(name):
+            return None
+        m = getattr(req, name)
+        return decode_tensor(name, m.dtype, m.shape, m.data, ndim, kind)
+
+    def get_list(name, ndim, kind):
+        items = getattr(req, name)
+        _check_list(name, items)
+        return [decode_tensor(f"{name}[{i}]", m.dtype, m.shape, m.data, ndim, kind) for i, m in enumerate(items)]
+
+    return _build_call(req.session_id, req.epoch, req.request_id, req.return_probs, req.batch_padded,
+                       req.tokens_padded, get_tensor, get_list)
+
+
+def tensor_to_proto(t: torch.Tensor, pb_tensor) -> None:
+    pb_tensor.dtype = dtype_name(t)
+    pb_tensor.shape[:] = list(t.shape)
+    pb_tensor.data = tensor_bytes(t).tobytes()
+
+
+def tensor_from_proto(name: str, m) -> torch.Tensor:
+    """Decode a tensor the server sent back (client side), with the same checks."""
+    dt = DTYPES.get(m.dtype)
+    kind = FLOAT if dt is not None and dt.is_floating_point else INT
+    return decode_tensor(name, m.dtype, m.shape, m.data, len(m.shape), kind)
+
+
+def result_to_proto(result: ProposeResult, pb_cls):
+    resp = pb_cls(request_id=result.request_id, batch_padded=result.batch_padded,
+                  tokens_padded=result.tokens_padded)
+    tensor_to_proto(result.draft_token_ids, resp.draft_token_ids)
+    if result.draft_probs is not None:
+        tensor_to_proto(result.draft_probs, resp.draft_probs)
+    return resp
+
+
+def call_to_proto(pb_cls, session_id: str, epoch: int, request_id: int, kwargs: dict, *, return_probs=False,
+                  batch_padded=0, tokens_padded=0, accepted_counts=None):
+    """Client side: engine-style kwargs -> ProposeRequest."""
+    req = pb_cls(session_id=session_id, epoch=epoch, request_id=request_id, return_probs=bool(return_probs),
+                 batch_padded=batch_padded or 0, tokens_padded=tokens_padded or 0)
+    for name, value in _flat_fields(kwargs, accepted_counts):
+        if isinstance(value, list):
+            for t in value:
+                tensor_to_proto(t, getattr(req, name).add())
+        else:
+            tensor_to_proto(value, getattr(req, name))
+    return req
+
+
+def _flat_fields(kwargs: dict, accepted_counts):
+    for name in TENSOR_FIELDS:
+        value = accepted_counts if name == "accepted_counts" else kwargs.get(name)
+        if value is not None:
+            yield name, value
+    for name in LIST_FIELDS:
+        value = kwargs.get(name)
+        if value is None:
+            continue
+        yield name, [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+# ------------------------------------------------------------------ msgspec + frames (ZMQ)
+def call_from_frames(header: schema.ProposeRequest, frames: list) -> ProposeCall:
+    """frames: the tensor frames (zmq.Frame or bytes-like), indexed by Tensor.frame."""
+
+    def buffer(name: str, ref: schema.Tensor):
+        if ref.frame >= len(frames):
+            raise invalid(name, f"frame {ref.frame} does not exist ({len(frames)} tensor frames)")
+        f = frames[ref.frame]
+        return f.buffer if hasattr(f, "buffer") else f
+
+    def get_tensor(name, ndim, kind):
+        ref = getattr(header, name)
+        if ref is None:
+            return None
+        return decode_tensor(name, ref.dtype, ref.shape, buffer(name, ref), ndim, kind)
+
+    def get_list(name, ndim, kind):
+        items = getattr(header, name)
+        _check_list(name, items)
+        return [decode_tensor(f"{name}[{i}]", r.dtype, r.shape, buffer(f"{name}[{i}]", r), ndim, kind)
+                for i, r in enumerate(items)]
+
+    return _build_call(header.session_id, header.epoch, header.request_id, header.return_probs,
+                       header.batch_padded, header.tokens_padded, get_tensor, get_list)
+
+
+def tensor_to_frames(t: torch.Tensor, frames: list) -> schema.Tensor:
+    frames.append(tensor_bytes(t))
+    return schema.Tensor(dtype=dtype_name(t), shape=list(t.shape), frame=len(frames) - 1)
+
+
+def tensor_from_frames(name: str, ref: schema.Tensor, frames: list) -> torch.Tensor:
+    if ref.frame >= len(frames):
+        raise invalid(name, f"frame {ref.frame} does not exist")
+    f = frames[ref.frame]
+    dt = DTYPES.get(ref.dtype)
+    kind = FLOAT if dt is not None and dt.is_floating_point else INT
+    return decode_tensor(name, ref.dtype, ref.shape, f.buffer if hasattr(f, "buffer") else f, len(ref.shape), kind)
+
+
+def result_to_frames(result: ProposeResult) -> tuple[schema.ProposeResponse, list]:
+    frames: list = []
+    header = schema.ProposeResponse(
+        request_id=result.request_id, batch_padded=result.batch_padded, tokens_padded=result.tokens_padded,
+        draft_token_ids=tensor_to_frames(result.draft_token_ids, frames),
+        draft_probs=None if result.draft_probs is None else tensor_to_frames(result.draft_probs, frames))
+    return header, frames
+
+
+def call_to_frames(session_id: str, epoch: int, request_id: int, kwargs: dict, *, return_probs=False,
+                   batch_padded=0, tokens_padded=0, accepted_counts=None) -> tuple[schema.ProposeRequest, list]:
+    """Client side: engine-style kwargs -> (header Struct, tensor frames)."""
+    frames: list = []
+    values = {}
+    for name, value in _flat_fields(kwargs, accepted_counts):
+        if isinstance(value, list):
+            values[name] = [tensor_to_frames(t, frames) for t in value]
+        else:
+            values[name] = tensor_to_frames(value, frames)
+    header = schema.ProposeRequest(session_id=session_id, epoch=epoch, request_id=request_id,
+                                   return_probs=bool(return_probs), batch_padded=batch_padded or 0,
+                                   tokens_padded=tokens_padded or 0, **values)
+    return header, frames
+
+
+# ------------------------------------------------------------------ proto <-> Struct (no tensors)
+def struct_to_proto(obj: msgspec.Struct, pb):
+    """Fill protobuf message `pb` from a schema Struct with the same fields; return pb."""
+    for name in obj.__struct_fields__:
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        target = getattr(pb, name)
+        if isinstance(value, msgspec.Struct):
+            struct_to_proto(value, target)
+        elif isinstance(value, list):
+            del target[:]
+            for item in value:
+                if isinstance(item, msgspec.Struct):
+                    struct_to_proto(item, target.add())
+                else:
+                    target.append(item)
+        else:
+            setattr(pb, name, value)
+    return pb
+
+
+def struct_from_proto(pb, cls):
+    """The schema Struct `cls` holding the same values as protobuf message `pb`."""
+    values = {}
+    hints = {f.name: f for f in msgspec.structs.fields(cls)}
+    for name, info in hints.items():
+        fd = pb.DESCRIPTOR.fields_by_name[name]
+        if fd.message_type is not None and not _is_repeated(fd):
+            if pb.HasField(name):
+                values[name] = struct_from_proto(getattr(pb, name), schema.MESSAGES[fd.message_type.name])
+        elif fd.message_type is not None:
+            sub = schema.MESSAGES[fd.message_type.name]
+            values[name] = [struct_from_proto(m, sub) for m in getattr(pb, name)]
+        elif _is_repeated(fd):
+            values[name] = list(getattr(pb, name))
+        else:
+            values[name] = getattr(pb, name)
+    return cls(**values)
+
+
+def _is_repeated(fd) -> bool:
+    if hasattr(fd, "is_repeated"):  # protobuf >= 5.29; `label` is deprecated there
+        return fd.is_repeated
+    return fd.label == fd.LABEL_REPEATED

@@ -1,0 +1,120 @@
+"""The service core without a network: epochs, unknown sessions, draining, idle expiry, and
+detach wiping a session's blocks before anyone else gets them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from drafter.service import core as core_mod
+from drafter.service import schema
+from drafter.service.core import ServiceCore
+from drafter.service.errors import Code, DrafterError
+from drafter.service.metrics import Metrics
+from drafter.service.wire import ProposeCall
+from tests.support.engines import build_engine
+from tests.support.scenario import Scenario
+
+MML, BLOCKS = 96, 24
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_root):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield build_engine(tiny_root, "eagle3", k=3, max_model_len=MML, num_blocks=2 * BLOCKS)
+    torch.set_num_threads(threads)
+
+
+def _layout(core):
+    d = core.desc
+    return schema.AttachRequest(protocol_version=1, method="eagle3", num_speculative_tokens=3, hidden_dtype="float32",
+                                hidden_size=d.hidden_size, num_aux_layers=d.num_aux_layers, max_model_len=MML,
+                                max_num_seqs=4, max_num_batched_tokens=128,
+                                kv_groups=[schema.KVGroup(block_size=16, num_blocks=BLOCKS)])
+
+
+def _scenario(engine, start_pos=0):
+    s = Scenario(block_sizes=(16,), num_blocks=(BLOCKS,), vocab_size=engine.spec.vocab_size,
+                 hidden_width=engine.spec.hidden_input_width, k=3, max_model_len=MML, seed=3)
+    s.add_request(0).next_pos = start_pos
+    return s
+
+
+def _run(engine, body, **kw):
+    async def main():
+        core = ServiceCore(metrics=Metrics(), max_sessions=4, batch_window_s=0.0, max_message_bytes=1 << 26, **kw)
+        core.set_engine(engine)
+        try:
+            return await body(core)
+        finally:
+            await core.close()
+    return asyncio.run(main())
+
+
+def _blocks_after_detach(engine) -> tuple[float, float]:
+    """Session A fills its blocks, detaches; returns A's blocks' largest |value| before and after."""
+    async def body(core):
+        a = await core.attach(_layout(core))
+        s = core.sessions.get(a.session_id)
+        mine = slice(s.bases[0], s.bases[0] + s.num_blocks[0])
+        await core.propose(ProposeCall(a.session_id, core.epoch, 1, _scenario(engine).call([(0, 40, 0)]).kwargs))
+        before = max(float(t[:, mine].abs().max()) for t in engine.kv.layers)
+        await core.detach(schema.DetachRequest(session_id=a.session_id, epoch=core.epoch))
+        after = max(float(t[:, mine].abs().max()) for t in engine.kv.layers)
+        b = await core.attach(_layout(core))
+        assert core.sessions.get(b.session_id).bases == s.bases, "the next session gets A's range"
+        return before, after
+    return _run(engine, body)
+
+
+def test_detach_wipes_the_blocks_before_reuse(engine, monkeypatch):
+    before, after = _blocks_after_detach(engine)
+    assert before > 0 and after == 0
+    # and the check has teeth: without the wipe, the next session would find A's KV
+    monkeypatch.setattr(core_mod, "zero_session_blocks", lambda engine, s: None)
+    before, after = _blocks_after_detach(engine)
+    assert after == before > 0
+
+
+def test_epoch_session_and_draining(engine):
+    async def body(core):
+        a = await core.attach(_layout(core))
+        kw = _scenario(engine).call([(0, 5, 0)]).kwargs
+        with pytest.raises(DrafterError) as e:
+            await core.propose(ProposeCall(a.session_id, core.epoch + 1, 1, kw))
+        assert (e.value.code, e.value.field) == (Code.FAILED_PRECONDITION, "epoch")
+        with pytest.raises(DrafterError) as e:
+            await core.propose(ProposeCall("nope", core.epoch, 1, kw))
+        assert (e.value.code, e.value.field) == (Code.NOT_FOUND, "session_id")
+        core.start_draining()
+        with pytest.raises(DrafterError) as e:
+            async with core.serving("grpc", "Info"):
+                pass
+        assert e.value.code == Code.UNAVAILABLE and "draining" in e.value.message
+        assert await core.wait_idle(0)
+        return True
+    assert _run(engine, body)
+
+
+def test_idle_sessions_are_detached(engine):
+    async def body(core):
+        a = await core.attach(_layout(core))
+        assert core.sessions.free_blocks() == [BLOCKS]
+        while core.sessions.free_blocks() != [2 * BLOCKS]:  # the janitor sweeps every 50 ms here
+            await asyncio.sleep(0.01)
+        return a.session_id in core.sessions.sessions
+    assert _run(engine, body, session_idle_timeout_s=0.05) is False
+
+
+def test_liveness_turns_on_a_stalled_engine_call(engine):
+    async def body(core):
+        assert not core.engine_stalled(60)
+        core.runner.busy_since = time.monotonic() - 61  # as if one engine call had been running 61 s
+        stalled = core.engine_stalled(60)
+        core.runner.busy_since = None
+        return stalled
+    assert _run(engine, body)
