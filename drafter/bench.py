@@ -178,20 +178,27 @@ def time_host(fn, iters: int, warmup: int = 2) -> list[float]:
 
 # ---------------------------------------------------------------------- inputs
 def steady_state_call(engine, batch: int, ctx: int, seed: int) -> dict:
-    """A decode-step propose call: each request verified k+1 tokens ending at position ctx - 1."""
+    """A decode-step propose call for this engine (see decode_call)."""
     spec, cfg = engine.spec, engine.config
-    q = cfg.num_speculative_tokens + 1
+    return decode_call(batch, cfg.num_speculative_tokens, ctx, cfg.kv_groups[0].num_blocks, spec.vocab_size,
+                       spec.hidden_input_width, cfg.torch_dtype, seed)
+
+
+def decode_call(batch: int, k: int, ctx: int, num_blocks: int, vocab: int, width: int, dtype, seed: int) -> dict:
+    """A decode-step propose call: each request verified k+1 tokens ending at position ctx - 1
+    (all accepted), on random distinct blocks of a pool of num_blocks; CPU tensors."""
+    q = k + 1
     g = torch.Generator().manual_seed(seed)
-    per_req = -(-(ctx + cfg.num_speculative_tokens + 1) // BLOCK_SIZE)
-    blocks = torch.randperm(cfg.kv_groups[0].num_blocks, generator=g)[: batch * per_req].view(batch, per_req)
+    per_req = -(-(ctx + k + 1) // BLOCK_SIZE)
+    blocks = torch.randperm(num_blocks, generator=g)[: batch * per_req].view(batch, per_req)
     positions = torch.arange(ctx - q, ctx).repeat(batch)
     owner = torch.arange(batch).repeat_interleave(q)
     slots = blocks[owner, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
     return dict(
-        target_token_ids=torch.randint(0, spec.vocab_size, (batch * q,), generator=g),
+        target_token_ids=torch.randint(0, vocab, (batch * q,), generator=g),
         target_positions=positions,
-        target_hidden_states=torch.randn(batch * q, spec.hidden_input_width, generator=g).to(cfg.torch_dtype),
-        next_token_ids=torch.randint(0, spec.vocab_size, (batch,), generator=g),
+        target_hidden_states=torch.randn(batch * q, width, generator=g).to(dtype),
+        next_token_ids=torch.randint(0, vocab, (batch,), generator=g),
         query_start_loc=torch.arange(0, batch * q + 1, q, dtype=torch.int32),
         seq_lens=torch.full((batch,), ctx, dtype=torch.int32),
         block_tables=[blocks.to(torch.int32)],
@@ -248,7 +255,7 @@ def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts
                 row["propose_us"] = statistics.median(time_events(graph_call, iters))
                 row["first_us"] = statistics.median(time_events(runner.first_graphs[t_pad], iters, sync_each=False))
                 row["loop_us"] = statistics.median(time_events(runner.loop_graphs[b], iters, sync_each=False))
-                row["host_us"] = statistics.median(time_host(graph_call, iters))
+                row["host_us"] = statistics.median(time_host(graph_call, 5 * iters))
                 if b in (1, 16, 64) and ctx == contexts[0]:
                     inp_cpu = as_inputs(call)
                     row["host_validate_us"] = statistics.median(time_host(lambda: validate(inp_cpu, engine.limits), 5))
@@ -424,11 +431,15 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- main
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+def register(subparsers) -> argparse.ArgumentParser:
+    """`drafter bench` in the CLI (drafter.cli.SUBCOMMANDS)."""
     p = subparsers.add_parser("bench", help="engine microbenchmark on a GPU vs the memory floor")
     _arguments(p)
-    p.set_defaults(func=lambda args: run(args))
+    p.set_defaults(func=lambda args: run(args) and 0)
     return p
+
+
+add_bench_parser = register
 
 
 def _ints(text: str) -> list[int]:
@@ -490,14 +501,14 @@ def run(args) -> dict:
             log(f" k={k}: engine built in {time.perf_counter() - t0:.1f}s")
             rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, peak,
                                  args.iters, not args.no_eager, log)
-            if k == 3 and head_name == "eagle3-8b":
+            if head_name == "eagle3-8b":
                 for b in (1, 16, 64):
                     if b in args.batches:
                         hb = host_breakdown(engine, steady_state_call(engine, b, min(args.contexts), seed=3))
                         host[f"{head_name} k={k} b={b}"] = hb
                         log(f"  host {head_name} k={k} b={b}: " + ", ".join(
                             f"{key} {v:.1f}" for key, v in hb.items() if key.endswith("_us")))
-                        if b == 16:
+                        if b == 16 and k == 3:
                             log("\n".join("    " + line for line in hb["cprofile_top"]))
             if args.profile and k == 3:
                 for b in (1, 64):

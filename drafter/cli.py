@@ -29,6 +29,7 @@ SUBCOMMANDS = [
     "drafter.service.serve_cli",  # serve
     _register_make_tiny,  # make-tiny
     "coordinator.demo",  # demo
+    "drafter.bench",  # bench
 ]
 
 

@@ -28,15 +28,21 @@ PAD_SLOT = tl.constexpr(PADDING_SLOT_ID)  # globals a kernel reads must be const
 N, B, FLAGS, WIDE, HIDDEN_KIND, HIDDEN_STRIDE = (tl.constexpr(i) for i in range(6))
 IDS, POS, NEXT, QSL, SEQ, SAMPLE, REJECTED, HIDDEN = (tl.constexpr(i) for i in range(6, 14))
 GROUP0, GROUP_WORDS = 16, 6  # per group: slots, table, table stride, table width, slots wide, table wide
+HEADER_WORDS = tl.constexpr(32)  # room for two KV groups
 HAS_SAMPLE, HAS_REJECTED = tl.constexpr(1), tl.constexpr(2)  # FLAGS bits
 INT_FIELDS = (IDS, POS, NEXT, QSL, SEQ, SAMPLE, REJECTED)  # WIDE bit i: field i of these is int64
 HIDDEN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 @triton.jit
-def _ints(hdr_ptr, word, wide, offs, mask, other):
-    """Load int elements through the address in header word `word`, as int64."""
-    addr = tl.load(hdr_ptr + word)
+def _word(words, i):
+    """Header word i out of the header loaded once as a vector (no dependent load per field)."""
+    return tl.sum(tl.where(tl.arange(0, HEADER_WORDS) == i, words, 0))
+
+
+@triton.jit
+def _ints(addr, wide, offs, mask, other):
+    """Load int elements through a caller's address, as int64 (int32 or int64 storage)."""
     if wide:
         v = tl.load(addr.to(tl.pointer_type(tl.int64)) + offs, mask=mask, other=other)
     else:
@@ -59,60 +65,61 @@ def load_inputs_kernel(
     pid = tl.program_id(0)
     col_block = tl.program_id(1)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
-    n = tl.load(hdr_ptr + N).to(tl.int32)
-    b = tl.load(hdr_ptr + B).to(tl.int32)
+    words = tl.load(hdr_ptr + tl.arange(0, HEADER_WORDS))
+    n = _word(words, N).to(tl.int32)
+    b = _word(words, B).to(tl.int32)
     req_ok = rows < num_reqs
     real = rows < b
     if col_block > 0:
-        table_wide = tl.load(hdr_ptr + group_word + 5) != 0
-        stride_in = tl.load(hdr_ptr + group_word + 2)
-        width_in = tl.load(hdr_ptr + group_word + 3)
         cols = (col_block - 1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        src_ok = real[:, None] & (cols < width_in)[None, :]
-        entry = _ints(hdr_ptr, group_word + 1, table_wide, rows[:, None] * stride_in + cols[None, :], src_ok, 0)
+        src_ok = real[:, None] & (cols < _word(words, group_word + 3))[None, :]
+        entry = _ints(_word(words, group_word + 1), _word(words, group_word + 5) != 0,
+                      rows[:, None] * _word(words, group_word + 2) + cols[None, :], src_ok, 0)
         tl.store(table_ptr + rows[:, None] * stride_t + cols[None, :], entry.to(tl.int32),
                  mask=req_ok[:, None] & (cols < width)[None, :])
         return
-    flags = tl.load(hdr_ptr + FLAGS)
-    wide = tl.load(hdr_ptr + WIDE)
+    flags = _word(words, FLAGS)
+    wide = _word(words, WIDE)
+    qsl_addr = _word(words, QSL)
+    qsl_wide = ((wide >> 3) & 1) != 0
 
     # ---- per token row, up to the padded token count
     tok_ok = rows < num_tokens
     live = rows < n
-    slots = _ints(hdr_ptr, group_word, tl.load(hdr_ptr + group_word + 4) != 0, rows, live, PAD_SLOT)
+    slots = _ints(_word(words, group_word), _word(words, group_word + 4) != 0, rows, live, PAD_SLOT)
     tl.store(slots_ptr + rows, slots, mask=tok_ok)
-    qsl_wide = ((wide >> 3) & 1) != 0
     if COMMON:
-        tl.store(positions_ptr + rows, _ints(hdr_ptr, POS, ((wide >> 1) & 1) != 0, rows, live, 0), mask=tok_ok)
+        pos = _ints(_word(words, POS), ((wide >> 1) & 1) != 0, rows, live, 0)
+        tl.store(positions_ptr + rows, pos, mask=tok_ok)
         # each row's request: how many of qsl[1..b] are <= row (independent loads, no search chain)
         req = tl.zeros([BLOCK], tl.int32)
-        for c in range(0, REQS_PAD, 64):
+        for c in tl.static_range(0, REQS_PAD, 64):
             idx = c + 1 + tl.arange(0, 64)
-            starts = _ints(hdr_ptr, QSL, qsl_wide, idx, idx <= b, 2147483647)
+            starts = _ints(qsl_addr, qsl_wide, idx, idx <= b, 2147483647)
             req += tl.sum((starts[None, :] <= rows[:, None]).to(tl.int32), 1)
         if (flags & HAS_SAMPLE) != 0:
-            sampled = _ints(hdr_ptr, SAMPLE, ((wide >> 5) & 1) != 0, req, live, -1)
+            sampled = _ints(_word(words, SAMPLE), ((wide >> 5) & 1) != 0, req, live, -1)
         else:
-            sampled = _ints(hdr_ptr, QSL, qsl_wide, req + 1, live, 0) - 1
+            sampled = _ints(qsl_addr, qsl_wide, req + 1, live, 0) - 1
             if (flags & HAS_REJECTED) != 0:
-                sampled -= _ints(hdr_ptr, REJECTED, ((wide >> 6) & 1) != 0, req, live, 0)
-        shifted = _ints(hdr_ptr, IDS, (wide & 1) != 0, rows + 1, rows + 1 < n, 0)
-        bonus = _ints(hdr_ptr, NEXT, ((wide >> 2) & 1) != 0, req, live, 0)
+                sampled -= _ints(_word(words, REJECTED), ((wide >> 6) & 1) != 0, req, live, 0)
+        shifted = _ints(_word(words, IDS), (wide & 1) != 0, rows + 1, rows + 1 < n, 0)
+        bonus = _ints(_word(words, NEXT), ((wide >> 2) & 1) != 0, req, live, 0)
         tl.store(input_ids_ptr + rows, tl.where(live & (rows == sampled), bonus, shifted), mask=tok_ok)
 
         # ---- per request row, up to the padded batch
         # qsl[0] is 0 by definition: no read, so a neutral header (b = 0, null addresses) reads nothing
-        qsl = _ints(hdr_ptr, QSL, qsl_wide, rows, (rows > 0) & (rows <= b), 0)
+        qsl = _ints(qsl_addr, qsl_wide, rows, (rows > 0) & (rows <= b), 0)
         qsl = tl.where(rows <= b, qsl, n)
         tl.store(qsl_ptr + rows, qsl.to(tl.int32), mask=rows <= num_reqs)
-        seq = _ints(hdr_ptr, SEQ, ((wide >> 4) & 1) != 0, rows, real, 0)
+        seq = _ints(_word(words, SEQ), ((wide >> 4) & 1) != 0, rows, real, 0)
         tl.store(seq_lens_ptr + rows, seq.to(tl.int32), mask=req_ok)
         if (flags & HAS_SAMPLE) != 0:
-            sample = _ints(hdr_ptr, SAMPLE, ((wide >> 5) & 1) != 0, rows, real, 0)
+            sample = _ints(_word(words, SAMPLE), ((wide >> 5) & 1) != 0, rows, real, 0)
         else:
-            sample = _ints(hdr_ptr, QSL, qsl_wide, rows + 1, real, 1) - 1
+            sample = _ints(qsl_addr, qsl_wide, rows + 1, real, 1) - 1
             if (flags & HAS_REJECTED) != 0:
-                sample -= _ints(hdr_ptr, REJECTED, ((wide >> 6) & 1) != 0, rows, real, 0)
+                sample -= _ints(_word(words, REJECTED), ((wide >> 6) & 1) != 0, rows, real, 0)
         tl.store(sample_ptr + rows, tl.where(real, sample, 0), mask=req_ok)
 
 
@@ -125,11 +132,12 @@ def load_hidden_kernel(
 ):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    if row < tl.load(hdr_ptr + N):
+    words = tl.load(hdr_ptr + tl.arange(0, HEADER_WORDS))
+    if row < _word(words, N):
         ok = cols < width
-        src = tl.load(hdr_ptr + HIDDEN)  # an address: cast to the caller's dtype below
-        kind = tl.load(hdr_ptr + HIDDEN_KIND)
-        off = row.to(tl.int64) * tl.load(hdr_ptr + HIDDEN_STRIDE) + cols
+        src = _word(words, HIDDEN)  # an address: cast to the caller's dtype below
+        kind = _word(words, HIDDEN_KIND)
+        off = row.to(tl.int64) * _word(words, HIDDEN_STRIDE) + cols
         if kind == 0:
             x = tl.load(src.to(tl.pointer_type(tl.bfloat16)) + off, mask=ok).to(tl.float32)
         elif kind == 1:
@@ -159,21 +167,23 @@ def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> No
 
 
 class InputHeader:
-    """The per-call header: pinned on the host, copied to a fixed device buffer before each replay."""
+    """The per-call header, copied to a fixed device buffer before each replay.
+
+    The host copy is ordinary (pageable) memory on purpose: CUDA stages a pageable copy before
+    the call returns, so the next call may overwrite the host words at once, with no event to
+    wait on (a pinned buffer would need one, and its Python cost is most of the header's)."""
 
     def __init__(self, num_groups: int, device):
         words = GROUP0 + GROUP_WORDS * num_groups
-        pin = torch.device(device).type == "cuda"
-        self.host = torch.zeros(words, dtype=torch.int64, pin_memory=pin)
+        if words > HEADER_WORDS:
+            raise ValueError(f"the input header holds {(int(HEADER_WORDS) - GROUP0) // GROUP_WORDS} KV groups")
+        self.host = torch.zeros(int(HEADER_WORDS), dtype=torch.int64)
         self.words = self.host.numpy()
-        self.device = torch.zeros(words, dtype=torch.int64, device=device)
-        self.copied = torch.cuda.Event() if pin else None
+        self.device = torch.zeros(int(HEADER_WORDS), dtype=torch.int64, device=device)
         self.inputs: tuple = ()  # the call's tensors stay referenced until the next call
 
     def write(self, inp: ProposeInputs) -> None:
         """Describe `inp` (tensors on the buffers' device) and send the header to the device."""
-        if self.copied is not None:
-            self.copied.synchronize()  # the previous call's copy has left the pinned buffer
         ints = [_flat(t) for t in (inp.target_token_ids, inp.target_positions, inp.next_token_ids,
                                    inp.query_start_loc, inp.seq_lens, inp.token_indices_to_sample,
                                    inp.num_rejected_tokens)]
@@ -195,8 +205,6 @@ class InputHeader:
                                           slot.dtype == torch.int64, table.dtype == torch.int64)
         self.inputs = (ints, hidden, tables, slots)
         self.device.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
 
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
