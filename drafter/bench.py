@@ -358,6 +358,29 @@ def attention_sweep(device, contexts, batches, bw: float, log) -> list[dict]:
     return rows
 
 
+def gemm_sweep(device, bw: float, log) -> list[dict]:
+    """The decode step's weight GEMMs alone (Llama-8B EAGLE-3 shapes), as the engine runs them
+    (F.linear on [out, in] weights) and on pre-transposed [in, out] weights: bandwidth per layout."""
+    import torch.nn.functional as F
+
+    shapes = {"qkv": (6144, 8192), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "lm_head": (32000, 4096)}
+    rows = []
+    for name, (n_out, n_in) in shapes.items():
+        ws = [torch.randn(n_out, n_in, device=device, dtype=torch.bfloat16) for _ in range(3)]  # rotate: no L2 reuse
+        wts = [w.t().contiguous() for w in ws]
+        for m in (1, 16, 64):
+            x = torch.randn(m, n_in, device=device, dtype=torch.bfloat16)
+            for layout, fn in (("linear", lambda i: F.linear(x, ws[i % 3])), ("transposed", lambda i: x @ wts[i % 3])):
+                it = iter(range(10 ** 9))
+                us = statistics.median(time_events(lambda: fn(next(it)), 30, sync_each=False))
+                frac = n_out * n_in * 2 / (us * 1e-6) / bw
+                rows.append({"gemm": name, "m": m, "layout": layout, "us": us, "fraction_of_copy_bw": frac})
+        log(f"  gemm {name}: " + ", ".join(f"m={r['m']} {r['layout']} {r['us']:.1f}us ({r['fraction_of_copy_bw']:.2f})"
+                                          for r in rows if r["gemm"] == name))
+    return rows
+
+
 # ---------------------------------------------------------------------- profile
 def kernel_profile(engine, call: dict, use_graphs: bool, reps: int = 3) -> list[dict]:
     """Device time per kernel name over `reps` calls (diagnostics: what the step spends on)."""
@@ -456,6 +479,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-eager", action="store_true", help="skip the eager timings")
     p.add_argument("--profile", action="store_true", help="per-kernel device times for a few shapes")
     p.add_argument("--attention-sweep", action="store_true", help="time the decode attention kernel alone")
+    p.add_argument("--gemm-sweep", action="store_true", help="time the step's weight GEMMs alone, two layouts")
     p.add_argument("--device", default="cuda")
 
 
@@ -489,6 +513,7 @@ def run(args) -> dict:
     log(f"bf16 matrix product {peak / 1e12:.0f} TFLOP/s")
     rows, profiles, host = [], {}, {}
     sweep = attention_sweep(device, args.contexts, [1, 16, 64, 256], bw, log) if args.attention_sweep else []
+    gemms = gemm_sweep(device, bw, log) if args.gemm_sweep else []
     for head_name in args.heads.split(","):
         spec = SPECS[head_name]
         head = random_head(spec, device, torch.bfloat16)
@@ -524,7 +549,8 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
         del head
         torch.cuda.empty_cache()
-    result = {"meta": meta, "rows": rows, "profiles": profiles, "host": host, "attention_sweep": sweep}
+    result = {"meta": meta, "rows": rows, "profiles": profiles, "host": host, "attention_sweep": sweep,
+              "gemm_sweep": gemms}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     (out / "bench.log").write_text("\n".join(lines) + "\n")
     try:
