@@ -35,9 +35,9 @@ HIDDEN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 @triton.jit
-def _word(words, i):
-    """Header word i out of the header loaded once as a vector (no dependent load per field)."""
-    return tl.sum(tl.where(tl.arange(0, HEADER_WORDS) == i, words, 0))
+def _word(hdr_ptr, i):
+    """Header word i (independent scalar loads: they overlap)."""
+    return tl.load(hdr_ptr + i)
 
 
 @triton.jit
@@ -58,68 +58,57 @@ def load_inputs_kernel(
     slots_ptr,  # [max_tokens] int64: this group's slot mapping
     table_ptr, stride_t, width,  # [max_batch, width] int32: this group's block table
     num_tokens, num_reqs,  # the padded sizes the graph was captured for
-    COMMON: tl.constexpr, REQS_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+    COMMON: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Program (i, 0): token and request rows [i * BLOCK, (i + 1) * BLOCK); program (i, j > 0):
-    block-table columns [(j - 1) * BLOCK_W, j * BLOCK_W) of those request rows."""
+    block-table columns [(j - 1) * BLOCK_W, j * BLOCK_W) of those request rows.  Independent
+    loads only (header words, then the caller's tensors): a few memory round trips in all."""
     pid = tl.program_id(0)
     col_block = tl.program_id(1)
     rows = pid * BLOCK + tl.arange(0, BLOCK)
-    words = tl.load(hdr_ptr + tl.arange(0, HEADER_WORDS))
-    n = _word(words, N).to(tl.int32)
-    b = _word(words, B).to(tl.int32)
+    n = _word(hdr_ptr, N).to(tl.int32)
+    b = _word(hdr_ptr, B).to(tl.int32)
     req_ok = rows < num_reqs
     real = rows < b
     if col_block > 0:
         cols = (col_block - 1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        src_ok = real[:, None] & (cols < _word(words, group_word + 3))[None, :]
-        entry = _ints(_word(words, group_word + 1), _word(words, group_word + 5) != 0,
-                      rows[:, None] * _word(words, group_word + 2) + cols[None, :], src_ok, 0)
+        src_ok = real[:, None] & (cols < _word(hdr_ptr, group_word + 3))[None, :]
+        entry = _ints(_word(hdr_ptr, group_word + 1), _word(hdr_ptr, group_word + 5) != 0,
+                      rows[:, None] * _word(hdr_ptr, group_word + 2) + cols[None, :], src_ok, 0)
         tl.store(table_ptr + rows[:, None] * stride_t + cols[None, :], entry.to(tl.int32),
                  mask=req_ok[:, None] & (cols < width)[None, :])
         return
-    flags = _word(words, FLAGS)
-    wide = _word(words, WIDE)
-    qsl_addr = _word(words, QSL)
+    flags = _word(hdr_ptr, FLAGS)
+    wide = _word(hdr_ptr, WIDE)
+    qsl_addr = _word(hdr_ptr, QSL)
     qsl_wide = ((wide >> 3) & 1) != 0
 
     # ---- per token row, up to the padded token count
     tok_ok = rows < num_tokens
     live = rows < n
-    slots = _ints(_word(words, group_word), _word(words, group_word + 4) != 0, rows, live, PAD_SLOT)
+    slots = _ints(_word(hdr_ptr, group_word), _word(hdr_ptr, group_word + 4) != 0, rows, live, PAD_SLOT)
     tl.store(slots_ptr + rows, slots, mask=tok_ok)
     if COMMON:
-        pos = _ints(_word(words, POS), ((wide >> 1) & 1) != 0, rows, live, 0)
+        pos = _ints(_word(hdr_ptr, POS), ((wide >> 1) & 1) != 0, rows, live, 0)
         tl.store(positions_ptr + rows, pos, mask=tok_ok)
-        # each row's request: how many of qsl[1..b] are <= row (independent loads, no search chain)
-        req = tl.zeros([BLOCK], tl.int32)
-        for c in tl.static_range(0, REQS_PAD, 64):
-            idx = c + 1 + tl.arange(0, 64)
-            starts = _ints(qsl_addr, qsl_wide, idx, idx <= b, 2147483647)
-            req += tl.sum((starts[None, :] <= rows[:, None]).to(tl.int32), 1)
-        if (flags & HAS_SAMPLE) != 0:
-            sampled = _ints(_word(words, SAMPLE), ((wide >> 5) & 1) != 0, req, live, -1)
-        else:
-            sampled = _ints(qsl_addr, qsl_wide, req + 1, live, 0) - 1
-            if (flags & HAS_REJECTED) != 0:
-                sampled -= _ints(_word(words, REJECTED), ((wide >> 6) & 1) != 0, req, live, 0)
-        shifted = _ints(_word(words, IDS), (wide & 1) != 0, rows + 1, rows + 1 < n, 0)
-        bonus = _ints(_word(words, NEXT), ((wide >> 2) & 1) != 0, req, live, 0)
-        tl.store(input_ids_ptr + rows, tl.where(live & (rows == sampled), bonus, shifted), mask=tok_ok)
+        # the drafter sees token t + 1 beside hidden state t; load_hidden_kernel, which runs after
+        # this kernel, then puts next_token_ids at the sampled rows (no per-row request search here)
+        shifted = _ints(_word(hdr_ptr, IDS), (wide & 1) != 0, rows + 1, rows + 1 < n, 0)
+        tl.store(input_ids_ptr + rows, shifted, mask=tok_ok)
 
         # ---- per request row, up to the padded batch
         # qsl[0] is 0 by definition: no read, so a neutral header (b = 0, null addresses) reads nothing
         qsl = _ints(qsl_addr, qsl_wide, rows, (rows > 0) & (rows <= b), 0)
         qsl = tl.where(rows <= b, qsl, n)
         tl.store(qsl_ptr + rows, qsl.to(tl.int32), mask=rows <= num_reqs)
-        seq = _ints(_word(words, SEQ), ((wide >> 4) & 1) != 0, rows, real, 0)
+        seq = _ints(_word(hdr_ptr, SEQ), ((wide >> 4) & 1) != 0, rows, real, 0)
         tl.store(seq_lens_ptr + rows, seq.to(tl.int32), mask=req_ok)
         if (flags & HAS_SAMPLE) != 0:
-            sample = _ints(_word(words, SAMPLE), ((wide >> 5) & 1) != 0, rows, real, 0)
+            sample = _ints(_word(hdr_ptr, SAMPLE), ((wide >> 5) & 1) != 0, rows, real, 0)
         else:
             sample = _ints(qsl_addr, qsl_wide, rows + 1, real, 1) - 1
             if (flags & HAS_REJECTED) != 0:
-                sample -= _ints(_word(words, REJECTED), ((wide >> 6) & 1) != 0, rows, real, 0)
+                sample -= _ints(_word(hdr_ptr, REJECTED), ((wide >> 6) & 1) != 0, rows, real, 0)
         tl.store(sample_ptr + rows, tl.where(real, sample, 0), mask=req_ok)
 
 
@@ -127,17 +116,25 @@ def load_inputs_kernel(
 def load_hidden_kernel(
     hdr_ptr,  # [header words] int64
     hidden_ptr, stride_h,  # [max_tokens, width] static buffer
+    input_ids_ptr, sample_ptr,  # static buffers, as load_inputs_kernel left them
     width,
     BLOCK: tl.constexpr,
 ):
+    """Program (row, c): columns c of the row's hidden state; program (r, 0) for a request r also
+    puts its next token at its sampled row (after load_inputs_kernel wrote the shifted ids)."""
     row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    words = tl.load(hdr_ptr + tl.arange(0, HEADER_WORDS))
-    if row < _word(words, N):
+    col_block = tl.program_id(1)
+    cols = col_block * BLOCK + tl.arange(0, BLOCK)
+    if col_block == 0:
+        if row < _word(hdr_ptr, B):
+            wide = _word(hdr_ptr, WIDE)
+            bonus = _ints(_word(hdr_ptr, NEXT), ((wide >> 2) & 1) != 0, row, row >= 0, 0)
+            tl.store(input_ids_ptr + tl.load(sample_ptr + row), bonus)
+    if row < _word(hdr_ptr, N):
         ok = cols < width
-        src = _word(words, HIDDEN)  # an address: cast to the caller's dtype below
-        kind = _word(words, HIDDEN_KIND)
-        off = row.to(tl.int64) * _word(words, HIDDEN_STRIDE) + cols
+        src = _word(hdr_ptr, HIDDEN)  # an address: cast to the caller's dtype below
+        kind = _word(hdr_ptr, HIDDEN_KIND)
+        off = row.to(tl.int64) * _word(hdr_ptr, HIDDEN_STRIDE) + cols
         if kind == 0:
             x = tl.load(src.to(tl.pointer_type(tl.bfloat16)) + off, mask=ok).to(tl.float32)
         elif kind == 1:
@@ -158,12 +155,11 @@ def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> No
             buf.input_ids, buf.positions, buf.query_start_loc, buf.seq_lens, buf.sample_indices,
             buf.slot_mappings[g], table, table.stride(0), table.shape[1],
             num_tokens, num_reqs,
-            COMMON=g == 0, REQS_PAD=triton.next_power_of_2(num_reqs + 1), BLOCK=block, BLOCK_W=block_w,
-            num_warps=4)
+            COMMON=g == 0, BLOCK=block, BLOCK_W=block_w, num_warps=4)
     width = buf.hidden.shape[1]
     hb = min(2048, triton.next_power_of_2(width))
-    load_hidden_kernel[(num_tokens, triton.cdiv(width, hb))](header, buf.hidden, buf.hidden.stride(0), width,
-                                                             BLOCK=hb, num_warps=4)
+    load_hidden_kernel[(num_tokens, triton.cdiv(width, hb))](
+        header, buf.hidden, buf.hidden.stride(0), buf.input_ids, buf.sample_indices, width, BLOCK=hb, num_warps=4)
 
 
 class InputHeader:
