@@ -9,8 +9,10 @@ the replays: no per-input copies and no kernel launch from Python.
 The loader does what StaticBuffers.load does: shift the input ids by one, put next_token_ids at
 the sampled rows, derive the sampled rows from query_start_loc minus the rejected tokens when
 the caller names none, pad every per-token row to slot -1 and every per-request row to an
-empty request.  Rows past the call's tokens keep stale hidden states (finite values from
-earlier calls, or zeros): they belong to no request, write no KV and are never sampled.
+empty request (seq_len 0, query length 0).  Left stale, because nothing reads them: hidden
+states of rows past the call's tokens (finite values from earlier calls, or zeros: they belong
+to no request, write no KV, are never sampled) and block-table entries outside the call's rows
+and columns (attention reads a request's table only below its seq_len).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ GROUP0, GROUP_WORDS = 16, 6  # per group: slots, table, table stride, table widt
 HEADER_WORDS = tl.constexpr(32)  # room for two KV groups
 HAS_SAMPLE, HAS_REJECTED = tl.constexpr(1), tl.constexpr(2)  # FLAGS bits
 INT_FIELDS = (IDS, POS, NEXT, QSL, SEQ, SAMPLE, REJECTED)  # WIDE bit i: field i of these is int64
+_HAS_SAMPLE, _HAS_REJECTED = int(HAS_SAMPLE), int(HAS_REJECTED)  # plain ints for the host side
 HIDDEN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
@@ -71,12 +74,16 @@ def load_inputs_kernel(
     req_ok = rows < num_reqs
     real = rows < b
     if col_block > 0:
+        # only the call's own rows and columns: a padded request (seq_len 0) and the columns past
+        # what a request was given are never read (attention stops at seq_len, dead rows write
+        # nothing), so the rest of the table keeps stale ids rather than costing a fill per call
+        if pid * BLOCK >= b:
+            return
         cols = (col_block - 1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        src_ok = real[:, None] & (cols < _word(hdr_ptr, group_word + 3))[None, :]
+        ok = real[:, None] & (cols < _word(hdr_ptr, group_word + 3))[None, :] & (cols < width)[None, :]
         entry = _ints(_word(hdr_ptr, group_word + 1), _word(hdr_ptr, group_word + 5) != 0,
-                      rows[:, None] * _word(hdr_ptr, group_word + 2) + cols[None, :], src_ok, 0)
-        tl.store(table_ptr + rows[:, None] * stride_t + cols[None, :], entry.to(tl.int32),
-                 mask=req_ok[:, None] & (cols < width)[None, :])
+                      rows[:, None] * _word(hdr_ptr, group_word + 2) + cols[None, :], ok, 0)
+        tl.store(table_ptr + rows[:, None] * stride_t + cols[None, :], entry.to(tl.int32), mask=ok)
         return
     flags = _word(hdr_ptr, FLAGS)
     wide = _word(hdr_ptr, WIDE)
@@ -188,25 +195,23 @@ class InputHeader:
             hidden = hidden.contiguous().float()
         tables = [t if t.stride(1) == 1 else t.contiguous() for t in inp.block_tables]
         slots = [_flat(t) for t in inp.slot_mappings]
-        w = self.words
-        w[N], w[B] = inp.num_tokens, inp.batch_size
-        w[FLAGS] = (int(HAS_SAMPLE) if ints[5] is not None else 0) | (int(HAS_REJECTED) if ints[6] is not None else 0)
-        w[WIDE] = sum(1 << i for i, t in enumerate(ints) if t is not None and t.dtype == torch.int64)
-        for field, t in zip(INT_FIELDS, ints):
-            w[field] = t.data_ptr() if t is not None else 0
-        w[HIDDEN], w[HIDDEN_KIND], w[HIDDEN_STRIDE] = hidden.data_ptr(), HIDDEN_KINDS[hidden.dtype], hidden.stride(0)
-        for g, (table, slot) in enumerate(zip(tables, slots)):
-            base = GROUP0 + GROUP_WORDS * g
-            w[base:base + GROUP_WORDS] = (slot.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1],
-                                          slot.dtype == torch.int64, table.dtype == torch.int64)
+        flags = (_HAS_SAMPLE if ints[5] is not None else 0) | (_HAS_REJECTED if ints[6] is not None else 0)
+        wide = sum(1 << i for i, t in enumerate(ints) if t is not None and t.dtype == torch.int64)
+        words = [inp.num_tokens, inp.batch_size, flags, wide, HIDDEN_KINDS[hidden.dtype], hidden.stride(0)]
+        words += [t.data_ptr() if t is not None else 0 for t in ints] + [hidden.data_ptr(), 0, 0]
+        for table, slot in zip(tables, slots):  # from word GROUP0 = 16 on
+            words += [slot.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1],
+                      int(slot.dtype == torch.int64), int(table.dtype == torch.int64)]
+        self.words[:len(words)] = words  # one numpy write: this runs once per propose
         self.inputs = (ints, hidden, tables, slots)
         self.device.copy_(self.host, non_blocking=True)
 
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
     """A 1-D int tensor the kernels can index as ptr + i."""
-    if t is None:
-        return None
-    if t.dtype not in (torch.int32, torch.int64):
-        t = t.long()
-    return t.contiguous()
+    if t is None or (t.dtype in _INTS and t.is_contiguous()):
+        return t
+    return (t if t.dtype in _INTS else t.long()).contiguous()
+
+
+_INTS = (torch.int32, torch.int64)
