@@ -61,7 +61,7 @@ def load_inputs_kernel(
     slots_ptr,  # [max_tokens] int64: this group's slot mapping
     table_ptr, stride_t, width,  # [max_batch, width] int32: this group's block table
     num_tokens, num_reqs,  # the padded sizes the graph was captured for
-    COMMON: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr,
+    COMMON: tl.constexpr, BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, TABLE_ROWS: tl.constexpr,
 ):
     """Program (i, 0): token and request rows [i * BLOCK, (i + 1) * BLOCK); program (i, j > 0):
     block-table columns [(j - 1) * BLOCK_W, j * BLOCK_W) of those request rows.  Independent
@@ -76,14 +76,17 @@ def load_inputs_kernel(
     if col_block > 0:
         # only the call's own rows and columns: a padded request (seq_len 0) and the columns past
         # what a request was given are never read (attention stops at seq_len, dead rows write
-        # nothing), so the rest of the table keeps stale ids rather than costing a fill per call
-        if pid * BLOCK >= b:
-            return
+        # nothing), so the rest of the table keeps stale ids rather than costing a fill per call;
+        # small [TABLE_ROWS, BLOCK_W] tiles keep the int64 entries in registers
         cols = (col_block - 1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        ok = real[:, None] & (cols < _word(hdr_ptr, group_word + 3))[None, :] & (cols < width)[None, :]
-        entry = _ints(_word(hdr_ptr, group_word + 1), _word(hdr_ptr, group_word + 5) != 0,
-                      rows[:, None] * _word(hdr_ptr, group_word + 2) + cols[None, :], ok, 0)
-        tl.store(table_ptr + rows[:, None] * stride_t + cols[None, :], entry.to(tl.int32), mask=ok)
+        col_ok = (cols < _word(hdr_ptr, group_word + 3)) & (cols < width)
+        table_in, table_wide = _word(hdr_ptr, group_word + 1), _word(hdr_ptr, group_word + 5) != 0
+        stride_in = _word(hdr_ptr, group_word + 2)
+        for r0 in range(pid * BLOCK, tl.minimum((pid + 1) * BLOCK, b), TABLE_ROWS):
+            trows = r0 + tl.arange(0, TABLE_ROWS)
+            ok = (trows < b)[:, None] & col_ok[None, :]
+            entry = _ints(table_in, table_wide, trows[:, None] * stride_in + cols[None, :], ok, 0)
+            tl.store(table_ptr + trows[:, None] * stride_t + cols[None, :], entry.to(tl.int32), mask=ok)
         return
     flags = _word(hdr_ptr, FLAGS)
     wide = _word(hdr_ptr, WIDE)
@@ -154,7 +157,7 @@ def load_hidden_kernel(
 def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> None:
     """The graph-side loader: fill the static buffers from the call the header describes.
     header: [header words] int64 on the buffers' device; sizes are the graph's padded sizes."""
-    block, block_w = 128, 128
+    block, block_w = 128, 64
     rows = triton.cdiv(max(num_tokens, num_reqs + 1), block)
     for g, table in enumerate(buf.block_tables):
         load_inputs_kernel[(rows, 1 + triton.cdiv(table.shape[1], block_w))](
@@ -162,7 +165,7 @@ def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> No
             buf.input_ids, buf.positions, buf.query_start_loc, buf.seq_lens, buf.sample_indices,
             buf.slot_mappings[g], table, table.stride(0), table.shape[1],
             num_tokens, num_reqs,
-            COMMON=g == 0, BLOCK=block, BLOCK_W=block_w, num_warps=4)
+            COMMON=g == 0, BLOCK=block, BLOCK_W=block_w, TABLE_ROWS=16, num_warps=4)
     width = buf.hidden.shape[1]
     hb = min(2048, triton.next_power_of_2(width))
     load_hidden_kernel[(num_tokens, triton.cdiv(width, hb))](
