@@ -412,30 +412,33 @@ def kernel_profile(engine, call: dict, use_graphs: bool, reps: int = 3) -> list[
 
 # ---------------------------------------------------------------------- plot
 def plot(rows: list[dict], meta: dict, path: Path) -> None:
+    """Per head: device time / floor of the whole propose and of its decode steps, and latency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     heads = sorted({r["head"] for r in rows})
-    fig, axes = plt.subplots(2, len(heads), figsize=(7 * len(heads), 9), squeeze=False)
+    fig, axes = plt.subplots(3, len(heads), figsize=(7 * len(heads), 13), squeeze=False)
     for col, head in enumerate(heads):
-        ax = axes[0][col]
-        for r_ctx, style in zip(sorted({r["ctx"] for r in rows}), ("-", "--")):
-            for k in sorted({r["k"] for r in rows}):
-                pts = sorted((r["batch"], r["ratio_propose"]) for r in rows
-                             if r["head"] == head and r["ctx"] == r_ctx and r["k"] == k)
-                if pts:
-                    ax.plot(*zip(*pts), style, marker="o", label=f"ctx {r_ctx}, k={k}")
-        ax.axhline(1.15, color="red", lw=0.8, ls=":")
-        ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{head}: propose with graphs / floor")
-        ax.set_xlabel("batch")
-        ax.legend(fontsize=7)
-        ax = axes[1][col]
+        for row_i, (key, title) in enumerate((("ratio_device", "propose (first pass + loop graphs) / floor"),
+                                              ("ratio_loop", "decode steps (loop graph) / floor"))):
+            ax = axes[row_i][col]
+            for r_ctx, style in zip(sorted({r["ctx"] for r in rows}), ("-", "--")):
+                for k in sorted({r["k"] for r in rows}):
+                    pts = sorted((r["batch"], r[key]) for r in rows
+                                 if r["head"] == head and r["ctx"] == r_ctx and r["k"] == k and key in r)
+                    if pts:
+                        ax.plot(*zip(*pts), style, marker="o", label=f"ctx {r_ctx}, k={k}")
+            ax.axhline(1.15, color="red", lw=0.8, ls=":")
+            ax.axhline(1.0, color="black", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{head}: {title}")
+            ax.set_xlabel("batch")
+            ax.legend(fontsize=7)
+        ax = axes[2][col]
+        ctx = min(r["ctx"] for r in rows)
         for k in sorted({r["k"] for r in rows}):
-            ctx = min(r["ctx"] for r in rows)
             sel = sorted((r for r in rows if r["head"] == head and r["ctx"] == ctx and r["k"] == k),
                          key=lambda r: r["batch"])
             ax.plot([r["batch"] for r in sel], [r["propose_us"] for r in sel], "-o", label=f"graph k={k}")
@@ -445,12 +448,12 @@ def plot(rows: list[dict], meta: dict, path: Path) -> None:
                     label=f"floor k={k}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"{head}: propose latency (us), ctx {min(r['ctx'] for r in rows)}")
+        ax.set_title(f"{head}: propose call latency (us), ctx {ctx}")
         ax.set_xlabel("batch")
         ax.legend(fontsize=7)
     fig.suptitle(f"{meta['device']}, {meta['date']}, copy bandwidth {meta['copy_bandwidth_GBps']:.0f} GB/s")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 # ---------------------------------------------------------------------- main
@@ -481,9 +484,14 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-sweep", action="store_true", help="time the decode attention kernel alone")
     p.add_argument("--gemm-sweep", action="store_true", help="time the step's weight GEMMs alone, two layouts")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--replot", metavar="JSON", help="only redraw bench.png (next to JSON) from a bench.json")
 
 
 def run(args) -> dict:
+    if args.replot:
+        result = json.loads(Path(args.replot).read_text())
+        plot(result["rows"], result["meta"], Path(args.replot).with_name("bench.png"))
+        return result
     if not torch.cuda.is_available():
         raise SystemExit("drafter bench needs a CUDA device")
     import triton
