@@ -30,6 +30,7 @@ SUBCOMMANDS = [
     _register_make_tiny,  # make-tiny
     "coordinator.demo",  # demo
     "drafter.loadtest.cli",  # loadtest
+    "drafter.bench",  # bench
 ]
 
 

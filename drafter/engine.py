@@ -65,6 +65,15 @@ class DraftEngine:
             head, self.kv.layers, self.backend, config.num_speculative_tokens, config.max_model_len,
             config.speculative_token_tree)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.graphs = None
+        if head is not None and self.backend.name == "triton":  # imported here: these need triton
+            from drafter.graphs import GraphRunner
+            from drafter.models.fusion import fuse_head
+
+            fuse_head(head)  # one q/k/v GEMM, rotary + KV write and norms in fused kernels
+            if config.use_cuda_graphs and self.device.type == "cuda":
+                # the draft loop as CUDA graphs: the Triton path never reads device values on the host
+                self.graphs = GraphRunner(self)
         span = config.num_tree_nodes or config.num_speculative_tokens - 1
         self.limits = Limits(
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -129,6 +138,9 @@ class DraftEngine:
     def _propose_validated(self, inp: ProposeInputs, return_probs: bool, return_logits: bool, batch_padded,
                            tokens_padded):
         b_pad, t_pad = self._padded_sizes(inp, batch_padded, tokens_padded)
+        if self.graphs is not None and self.graphs.handles(inp, b_pad, t_pad, return_probs, return_logits):
+            ids = self.graphs.run(inp, t_pad, b_pad)
+            return DraftOutput(ids[: inp.batch_size].clone(), None, b_pad, t_pad)
         buf = self.buffers
         buf.load(inp, t_pad, b_pad)
         first = self.proposer.first_pass(buf, t_pad, b_pad)

@@ -41,17 +41,25 @@ class Proposer:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.tree = token_tree
+        device = kv_caches[0].device if kv_caches else torch.device("cpu")
+        self._levels = _tree_levels(token_tree, device) if token_tree else {}
 
     def first_pass(self, buf: StaticBuffers, num_tokens: int, batch: int):
         """Run the head over every query row; return the sampled rows' outputs."""
-        hidden = self.head.combine_hidden_states(buf.hidden[:num_tokens])
-        logit_h, carry_h = self.head(buf.input_ids[:num_tokens], buf.positions[:num_tokens], hidden,
-                                     self.kv_caches, buf.first_pass_metadata(num_tokens, batch), self.backend,
-                                     step=0)
+        logit_h, carry_h = self.first_pass_all_rows(buf, num_tokens, batch)
         rows = buf.sample_indices[:batch]
         return logit_h[rows], carry_h[rows], buf.positions[rows]  # [batch, H], [batch, H], [batch]
 
-    def _sample(self, hidden, step, temps, generator, want_probs):
+    def first_pass_all_rows(self, buf: StaticBuffers, num_tokens: int, batch: int):
+        """The head over every query row: (logit hidden, carried hidden), each [num_tokens, H]."""
+        hidden = self.head.combine_hidden_states(buf.hidden[:num_tokens])
+        return self.head(buf.input_ids[:num_tokens], buf.positions[:num_tokens], hidden, self.kv_caches,
+                         buf.first_pass_metadata(num_tokens, batch), self.backend, step=0)
+
+    def _sample(self, hidden, step, temps, generator, want_probs, want_logits=True):
+        greedy = getattr(self.head, "greedy_draft", None)  # a fused head's one-launch argmax + d2t
+        if greedy is not None and temps is None and not want_probs and not want_logits:
+            return greedy(hidden, step), None, None
         logits = self.head.compute_logits(hidden, step)
         ids, probs = sample_drafts(logits, temps, generator, want_probs)
         return self.head.draft_to_target(ids), probs, logits
@@ -71,24 +79,36 @@ class Proposer:
     def chain(self, buf: StaticBuffers, batch: int, num_real: int, first, temps, generator, want_probs,
               want_logits: bool = False) -> Drafts:
         logit_h, carry_h, pos = first
-        real = torch.arange(batch, device=pos.device) < num_real
-        ids, probs, logits = self._sample(logit_h, 0, temps, generator, want_probs)
+        # padded rows carry seq_len 0 in the buffers; reading that (not num_real) keeps the loop
+        # free of host values, so one captured graph serves every num_real
+        real = buf.seq_lens[:batch] > 0
+        ids, probs, logits = self._sample(logit_h, 0, temps, generator, want_probs, want_logits)
         drafts, all_probs, all_logits = [ids], [probs], [logits]
         for step in range(1, self.k):
-            pos = pos + 1
-            exceeds = pos >= self.max_model_len
-            fed_pos = torch.where(exceeds, 0, pos)
-            seq_lens = torch.where(exceeds, 1, pos + 1).masked_fill(~real, 0).to(torch.int32)
-            metas = self._step_metadata(buf, batch, fed_pos, real & ~exceeds)
-            for m in metas:
-                m.seq_lens = seq_lens
+            pos, fed_pos, metas = self._next_step_inputs(buf, batch, pos, real)
             logit_h, carry_h = self.head(ids, fed_pos, carry_h, self.kv_caches, metas, self.backend, step=step)
-            ids, probs, logits = self._sample(logit_h, step, temps, generator, want_probs)
+            ids, probs, logits = self._sample(logit_h, step, temps, generator, want_probs, want_logits)
             drafts.append(ids)
             all_probs.append(probs)
             all_logits.append(logits)
         stacked = torch.stack(all_probs, dim=1) if want_probs else None
         return Drafts(torch.stack(drafts, dim=1), stacked, torch.stack(all_logits, dim=1) if want_logits else None)
+
+    def _next_step_inputs(self, buf: StaticBuffers, batch: int, pos: torch.Tensor, real: torch.Tensor):
+        """(position + 1, the position fed to the head, metadata per KV group) for the next step.
+        A backend may do this in one fused launch (TritonBackend.decode_step_inputs)."""
+        fused = getattr(self.backend, "decode_step_inputs", None)
+        if fused is not None:
+            return fused(pos, buf.seq_lens[:batch], [t[:batch] for t in buf.block_tables], buf.block_sizes,
+                         self.max_model_len)
+        pos = pos + 1
+        exceeds = pos >= self.max_model_len
+        fed_pos = torch.where(exceeds, 0, pos)
+        seq_lens = torch.where(exceeds, 1, pos + 1).masked_fill(~real, 0).to(torch.int32)
+        metas = self._step_metadata(buf, batch, fed_pos, real & ~exceeds)
+        for m in metas:
+            m.seq_lens = seq_lens
+        return pos, fed_pos, metas
 
     def tree_drafts(self, buf: StaticBuffers, batch: int, num_real: int, first) -> Drafts:
         """Greedy tree: the children of a node are its top-m tokens, m = its child count in the tree."""
@@ -98,8 +118,9 @@ class Proposer:
         depth = max(len(p) for p in tree)
         index = {p: i for i, p in enumerate(tree)}
         tokens = torch.zeros(batch, len(tree), dtype=torch.long, device=device)
-        # a row whose tree would pass max_model_len is dead: it reads and writes nothing
-        live = (torch.arange(batch, device=device) < num_real) & (base + 1 + len(tree) <= self.max_model_len)
+        # a row whose tree would pass max_model_len is dead: it reads and writes nothing (padded rows
+        # have seq_len 0: reading the buffer, not num_real, keeps the loop free of host values)
+        live = (buf.seq_lens[:batch] > 0) & (base + 1 + len(tree) <= self.max_model_len)
         parents_logits = {(): self.head.compute_logits(logit_h, 0)}
         parents_hidden = {(): carry_h}
         for level in range(1, depth + 1):
@@ -117,18 +138,15 @@ class Proposer:
         """Forward the nodes of one level at once: node i of the flattened tree sits at logical
         index base + 1 + i (its KV slot), is fed rope position base + level, and sees the context
         plus its ancestors."""
-        tree = self.tree
         n_level = len(level_paths)
-        seen = [p for p in tree if len(p) <= level]  # nodes whose KV exists after this level
-        mask = torch.tensor([[q == p[: len(q)] for q in seen] for p in level_paths], device=base.device)
-        flat = torch.tensor([index[p] for p in level_paths], device=base.device)
-        depths = torch.tensor([len(p) for p in seen], device=base.device)
+        mask, flat, depths = self._levels[level]
+        n_seen = depths.shape[0]  # nodes whose KV exists after this level
         logical = base[:, None] + 1 + flat[None, :]  # [batch, n_level]
         logical = torch.where(live[:, None], logical, 0)
         fed_pos = torch.where(live, base + level, 0)[:, None].expand(batch, n_level).reshape(-1)
         ids = tokens[:, flat].reshape(-1)
         hidden = torch.stack([parents_hidden[p[:-1]] for p in level_paths], dim=1).reshape(batch * n_level, -1)
-        seq_lens = torch.where(live, base + 1 + len(seen), 0).to(torch.int32)
+        seq_lens = torch.where(live, base + 1 + n_seen, 0).to(torch.int32)
         metas = []
         for g, bs in enumerate(buf.block_sizes):
             table = buf.block_tables[g][:batch]
@@ -143,3 +161,19 @@ class Proposer:
         carry_h = carry_h.view(batch, n_level, -1)
         return ({p: logits[:, j] for j, p in enumerate(level_paths)},
                 {p: carry_h[:, j] for j, p in enumerate(level_paths)})
+
+
+def _tree_levels(tree, device) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per tree level, built once as device tensors (a draft loop inside a CUDA graph cannot copy
+    from the host): the level's ancestor mask over the nodes seen so far [n_level, n_seen] bool,
+    the level's flat node indices [n_level], and the depths of the seen nodes [n_seen]."""
+    index = {p: i for i, p in enumerate(tree)}
+    levels = {}
+    for level in range(1, max(len(p) for p in tree) + 1):
+        level_paths = [p for p in tree if len(p) == level]
+        seen = [p for p in tree if len(p) <= level]
+        mask = torch.tensor([[q == p[: len(q)] for q in seen] for p in level_paths], device=device)
+        flat = torch.tensor([index[p] for p in level_paths], device=device)
+        depths = torch.tensor([len(p) for p in seen], device=device)
+        levels[level] = (mask, flat, depths)
+    return levels

@@ -1,4 +1,12 @@
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run under the interpreter; it must be chosen before any kernel
+# module is imported, so it is set here, ahead of every test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,245 @@
+"""Remote vs in-process drafting on one GPU host: `drafter serve` against DraftEngine.propose.
+
+    python -m drafter.bench_remote --out DIR [--batch 16 --k 3 --ctx 1024 --iters 200]
+
+The head has EAGLE-3 / Llama-3.1-8B shapes with random weights: only its config.json is written
+(the server process builds the weights on the GPU itself, as `drafter bench` does).  First the
+in-process engine is timed in this process; then it is freed, a `drafter serve` process starts on
+the same GPU, and one client per transport (ZMQ, gRPC unary, gRPC stream) attaches a session and
+sends the same decode-step calls.  Reported per transport: round-trip p50/p90 and the ratio of
+the p50 to the in-process p50 (the call with GPU-resident inputs, drafts copied to the host, which
+is what the client gets), plus the ratio to the in-process call fed CPU tensors as a server is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import gc
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from drafter.bench import BLOCK_SIZE, decode_call, random_head
+
+HEAD_CONFIG = {  # EAGLE-3 for Llama-3.1-8B (SafeAILab-style config.json keys)
+    "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "intermediate_size": 14336, "vocab_size": 128256, "draft_vocab_size": 32000, "num_hidden_layers": 1,
+    "eagle_aux_hidden_state_layer_ids": [2, 16, 29], "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "norm_before_residual": True, "target_hidden_size": 4096, "max_position_embeddings": 8192,
+}
+
+
+TINY = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "intermediate_size": 256, "vocab_size": 1000, "draft_vocab_size": 500, "target_hidden_size": 128}
+
+
+def server_args(model_dir: str, batch: int, k: int, ctx: int, kv_blocks: int, device: str = "cuda:0") -> list[str]:
+    gpu = device.startswith("cuda")
+    return ["--method", "eagle3", "--model", model_dir, "--device", device, "--dtype", "bfloat16",
+            "--num-speculative-tokens", str(k), "--max-model-len", str(ctx + 64), "--max-num-seqs", str(batch),
+            "--max-num-batched-tokens", str(batch * (k + 1)), "--kv-blocks", str(kv_blocks),
+            "--block-sizes", str(BLOCK_SIZE), "--capture-sizes", str(batch),
+            "--token-capture-sizes", str(batch * (k + 1)), "--attention-backend", "triton" if gpu else "reference",
+            "--use-cuda-graphs", "true", "--batch-window-us", "0", "--grpc-port", "0", "--zmq-port", "0",
+            "--health-port", "0", "--metrics-port", "0", "--max-sessions", "4", "--log-format", "text",
+            "--log-level", "warning"]
+
+
+def _build(engine_cfg, model_dir: str):
+    """A DraftEngine with random weights for the head that model_dir/config.json describes."""
+    from drafter.engine import DraftEngine
+    from drafter.models.spec import parse_head, read_config
+
+    spec = parse_head(read_config(model_dir), "eagle3")
+    head = random_head(spec, torch.device(engine_cfg.device), engine_cfg.torch_dtype)
+    return DraftEngine(head, spec, engine_cfg)
+
+
+def serve_main(argv: list[str]) -> int:
+    """The server process: `drafter serve` with the checkpoint loader replaced by random weights."""
+    from drafter.service import server as srv
+    from drafter.service.config import add_arguments, from_args
+    from drafter.service.logs import setup_logging
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = from_args(p.parse_args(argv))
+    srv.load_engine = lambda cfg, engine_cfg, hold=None: _build(engine_cfg, cfg.model)
+    setup_logging(cfg.log_format, cfg.log_level)
+    return asyncio.run(srv.serve(cfg))
+
+
+def _percentiles(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"p50_us": statistics.median(xs), "p90_us": xs[int(0.9 * (len(xs) - 1))], "min_us": xs[0]}
+
+
+def _time(fn, iters: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def in_process(model_dir: str, args, call: dict) -> dict:
+    from drafter.service.config import add_arguments, from_args
+    from drafter.service.server import engine_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = from_args(p.parse_args(server_args(model_dir, args.batch, args.k, args.ctx, args.kv_blocks, args.device)))
+    engine = _build(engine_config(cfg), model_dir)
+    dev = engine.device
+    gpu = {k: ([t.to(dev) for t in v] if isinstance(v, list) else v.to(dev)) for k, v in call.items()}
+
+    def gpu_call():
+        engine.propose(**gpu).draft_token_ids.cpu()
+
+    def cpu_call():
+        engine.propose(**call).draft_token_ids.cpu()
+
+    return {"gpu_inputs": _percentiles(_time(gpu_call, args.iters, 20)),
+            "cpu_inputs": _percentiles(_time(cpu_call, args.iters, 20))}
+
+
+def remote(model_dir: str, args, call: dict, log) -> dict:
+    from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
+    from drafter.service import schema
+
+    cmd = [sys.executable, "-m", "drafter.bench_remote", "serve",
+           *server_args(model_dir, args.batch, args.k, args.ctx, args.kv_blocks, args.device)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    results = {}
+    try:
+        ready = None
+        deadline = time.monotonic() + 240
+        while ready is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"drafter serve exited with {proc.wait()}")
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if ev.get("event") == "failed":
+                raise RuntimeError(f"drafter serve failed: {ev}")
+            if ev.get("event") == "ready":
+                ready = ev
+        if ready is None:
+            raise RuntimeError("drafter serve was not ready in time")
+        log(f"server ready: grpc {ready['grpc_port']}, zmq {ready['zmq_port']}")
+        per_session = args.kv_blocks // 4
+
+        class Stream:
+            def __init__(self, target):
+                self.client = GrpcDrafterClient(target, timeout_s=30)
+                self.stream = None
+
+            def info(self):
+                return self.client.info()
+
+            def attach(self, layout):
+                self.client.attach(layout)
+                self.stream = self.client.stream()
+
+            def propose(self, **kw):
+                return self.stream.propose(**kw)
+
+        clients = {"zmq": ZmqDrafterClient(f"tcp://127.0.0.1:{ready['zmq_port']}", timeout_s=30),
+                   "grpc_unary": GrpcDrafterClient(f"127.0.0.1:{ready['grpc_port']}", timeout_s=30),
+                   "grpc_stream": Stream(f"127.0.0.1:{ready['grpc_port']}")}
+        for name, client in clients.items():
+            info = client.info()
+            groups = info.limits.kv_groups
+            client.attach(schema.AttachRequest(
+                protocol_version=info.protocol_version, method=info.method,
+                num_speculative_tokens=info.num_speculative_tokens, speculative_token_tree=info.speculative_token_tree,
+                hidden_dtype="bfloat16", hidden_size=info.hidden_size, num_aux_layers=info.num_aux_layers,
+                max_model_len=info.limits.max_model_len, max_num_seqs=info.limits.max_num_seqs,
+                max_num_batched_tokens=info.limits.max_num_batched_tokens,
+                kv_groups=[schema.KVGroup(block_size=g.block_size, num_blocks=per_session) for g in groups],
+                client_name=f"bench-{name}"))
+            session_call = decode_call(args.batch, args.k, args.ctx, per_session, args.head["vocab_size"],
+                                       3 * args.head["hidden_size"], torch.bfloat16, seed=7)
+            times = _time(lambda: client.propose(**session_call).draft_token_ids, args.iters, 30)
+            results[name] = _percentiles(times)
+            log(f"  {name}: p50 {results[name]['p50_us']:.0f} us, p90 {results[name]['p90_us']:.0f} us")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return serve_main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m drafter.bench_remote", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench/results/latest")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--kv-blocks", type=int, default=8192)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--tiny", action="store_true", help="a tiny head (a smoke test of this script on a CPU)")
+    args = p.parse_args(argv)
+    args.head = {**HEAD_CONFIG, **(TINY if args.tiny else {})}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    model_dir = tempfile.mkdtemp(prefix="eagle3-8b-config-")
+    Path(model_dir, "config.json").write_text(json.dumps(args.head))  # the config alone: no weights on disk
+    call = decode_call(args.batch, args.k, args.ctx, args.kv_blocks, args.head["vocab_size"],
+                       3 * args.head["hidden_size"], torch.bfloat16, seed=7)
+    payload = sum(t.numel() * t.element_size() for v in call.values() for t in (v if isinstance(v, list) else [v]))
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    log(f"{device_name}: EAGLE-3 {'tiny' if args.tiny else '8B'} shapes, batch {args.batch}, k={args.k}, "
+        f"ctx {args.ctx}, request payload {payload / 1e6:.2f} MB")
+    local = in_process(model_dir, args, call)
+    gc.collect()  # the in-process engine (and its graphs) leave the GPU to the server
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    log(f"in-process: GPU inputs p50 {local['gpu_inputs']['p50_us']:.0f} us, "
+        f"CPU inputs p50 {local['cpu_inputs']['p50_us']:.0f} us")
+    rem = remote(model_dir, args, call, log)
+    ratios = {name: {"rtt_over_inprocess": r["p50_us"] / local["gpu_inputs"]["p50_us"],
+                     "rtt_over_inprocess_cpu_inputs": r["p50_us"] / local["cpu_inputs"]["p50_us"]}
+              for name, r in rem.items()}
+    for name, r in ratios.items():
+        log(f"  {name}: round trip / in-process = {r['rtt_over_inprocess']:.2f} "
+            f"(vs in-process fed CPU tensors: {r['rtt_over_inprocess_cpu_inputs']:.2f})")
+    result = {"meta": {"device": device_name, "date": datetime.datetime.now(
+                  datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "batch": args.batch, "k": args.k,
+                  "ctx": args.ctx, "payload_bytes": payload, "batch_window_us": 0,
+                  "command": "python -m drafter.bench_remote " + " ".join(argv)},
+              "in_process": local, "remote": rem, "ratios": ratios}
+    (out / "remote.json").write_text(json.dumps(result, indent=1))
+    (out / "remote.log").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
