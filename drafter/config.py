@@ -67,6 +67,11 @@ class EngineConfig:
     dtype: str = "float32"
     use_cuda_graphs: bool = True
     attention_backend: str = "auto"  # auto | reference | triton
+    # The Triton path's weight GEMMs for <= 64 rows: "auto" times drafter's skinny kernel
+    # against cuBLAS per weight at start-up and keeps the faster; "on" / "off" force it.
+    skinny_gemm: str = "auto"
+    # Read the next weight matrix into L2 on a side stream while latency-bound kernels run (CUDA).
+    prefetch_weights: bool = True
     seed: int = 0
 
     def __post_init__(self):
@@ -88,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "reference", "triton"):
             raise ValueError(f"attention_backend must be auto, reference or triton, got {self.attention_backend!r}")
+        if self.skinny_gemm not in ("auto", "on", "off"):
+            raise ValueError(f"skinny_gemm must be auto, on or off, got {self.skinny_gemm!r}")
         object.__setattr__(self, "capture_sizes", _sizes(self.capture_sizes, self.max_num_seqs, "capture_sizes"))
         object.__setattr__(
             self,

@@ -56,13 +56,21 @@ class Proposer:
         return self.head(buf.input_ids[:num_tokens], buf.positions[:num_tokens], hidden, self.kv_caches,
                          buf.first_pass_metadata(num_tokens, batch), self.backend, step=0)
 
-    def _sample(self, hidden, step, temps, generator, want_probs, want_logits=True):
-        greedy = getattr(self.head, "greedy_draft", None)  # a fused head's one-launch argmax + d2t
-        if greedy is not None and temps is None and not want_probs and not want_logits:
-            return greedy(hidden, step), None, None
+    def _sample(self, hidden, carry, step, temps, generator, want_probs, want_logits=True):
+        """(draft ids, probs, logits, the next step's layer input or None).  A fused head may do
+        argmax + d2t in one launch (greedy_draft), or also build the next step's layer input in it
+        (greedy_next_inputs) when a step follows."""
+        if temps is None and not want_probs and not want_logits:
+            next_inputs = getattr(self.head, "greedy_next_inputs", None)
+            if next_inputs is not None and step + 1 < self.k:
+                ids, layer_input = next_inputs(hidden, carry, step)
+                return ids, None, None, layer_input
+            greedy = getattr(self.head, "greedy_draft", None)
+            if greedy is not None:
+                return greedy(hidden, step), None, None, None
         logits = self.head.compute_logits(hidden, step)
         ids, probs = sample_drafts(logits, temps, generator, want_probs)
-        return self.head.draft_to_target(ids), probs, logits
+        return self.head.draft_to_target(ids), probs, logits, None
 
     def _step_metadata(self, buf: StaticBuffers, batch: int, positions: torch.Tensor, live: torch.Tensor):
         """Metadata for one token per row at `positions` (already clamped); dead rows write nothing."""
@@ -82,12 +90,16 @@ class Proposer:
         # padded rows carry seq_len 0 in the buffers; reading that (not num_real) keeps the loop
         # free of host values, so one captured graph serves every num_real
         real = buf.seq_lens[:batch] > 0
-        ids, probs, logits = self._sample(logit_h, 0, temps, generator, want_probs, want_logits)
+        ids, probs, logits, layer_input = self._sample(logit_h, carry_h, 0, temps, generator, want_probs,
+                                                       want_logits)
         drafts, all_probs, all_logits = [ids], [probs], [logits]
         for step in range(1, self.k):
             pos, fed_pos, metas = self._next_step_inputs(buf, batch, pos, real)
-            logit_h, carry_h = self.head(ids, fed_pos, carry_h, self.kv_caches, metas, self.backend, step=step)
-            ids, probs, logits = self._sample(logit_h, step, temps, generator, want_probs, want_logits)
+            prepared = {} if layer_input is None else {"layer_input": layer_input}
+            logit_h, carry_h = self.head(ids, fed_pos, carry_h, self.kv_caches, metas, self.backend, step=step,
+                                         **prepared)
+            ids, probs, logits, layer_input = self._sample(logit_h, carry_h, step, temps, generator, want_probs,
+                                                           want_logits)
             drafts.append(ids)
             all_probs.append(probs)
             all_logits.append(logits)

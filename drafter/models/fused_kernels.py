@@ -143,6 +143,22 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _row_argmax(row_ptr, vocab, BLOCK: tl.constexpr):
+    """First index of the row's maximum (torch.argmax's tie rule), int32."""
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        x = tl.load(row_ptr + start + cols, mask=start + cols < vocab, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, 0)
+        i = tl.argmax(x, 0, tie_break_left=True) + start
+        better = m > best  # strict: an earlier chunk keeps a tie
+        best_i = tl.where(better, i, best_i)
+        best = tl.where(better, m, best)
+    return best_i
+
+
+@triton.jit
 def greedy_ids_kernel(
     logits_ptr, stride_l,  # [rows, vocab]
     d2t_ptr,  # [vocab] int64 offsets to target ids (HAS_D2T)
@@ -152,21 +168,16 @@ def greedy_ids_kernel(
 ):
     """argmax over the row (first index on ties, as torch.argmax), mapped to the target vocabulary."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    best = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], 0, tl.int32)
-    for start in range(0, vocab, BLOCK):
-        x = tl.load(logits_ptr + row * stride_l + start + cols, mask=start + cols < vocab,
-                    other=float("-inf")).to(tl.float32)
-        m = tl.max(x, 0)
-        i = tl.argmax(x, 0, tie_break_left=True) + start
-        better = m > best  # strict: an earlier chunk keeps a tie
-        best_i = tl.where(better, i, best_i)
-        best = tl.where(better, m, best)
-    ids = best_i.to(tl.int64)
+    ids = _row_argmax(logits_ptr + row * stride_l, vocab, BLOCK).to(tl.int64)
     if HAS_D2T:
         ids += tl.load(d2t_ptr + ids)
     tl.store(out_ptr + row, ids)
+
+
+def _argmax_launch(vocab: int) -> dict:
+    # one load covers the 32000-token draft vocabularies; a 128k vocabulary takes 4 rounds
+    block = min(32768, triton.next_power_of_2(vocab))
+    return dict(BLOCK=block, num_warps=16 if block >= 8192 else 4)
 
 
 def greedy_ids(logits: torch.Tensor, d2t: torch.Tensor | None = None) -> torch.Tensor:
@@ -176,8 +187,61 @@ def greedy_ids(logits: torch.Tensor, d2t: torch.Tensor | None = None) -> torch.T
         logits = logits.contiguous()
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        # one load covers the 32000-token draft vocabularies; a 128k vocabulary takes 4 rounds
-        block = min(32768, triton.next_power_of_2(vocab))
         greedy_ids_kernel[(rows,)](logits, logits.stride(0), d2t if d2t is not None else out, out, vocab,
-                                   BLOCK=block, HAS_D2T=d2t is not None, num_warps=16 if block >= 8192 else 4)
+                                   HAS_D2T=d2t is not None, **_argmax_launch(vocab))
     return out
+
+
+@triton.jit
+def greedy_embed_dual_norm_kernel(
+    logits_ptr, stride_l,  # [rows, vocab]
+    d2t_ptr,  # [vocab] int64 (HAS_D2T)
+    ids_ptr,  # [rows] int64 out: target-vocabulary ids
+    table_ptr, stride_table,  # [target_vocab, n_cols] embedding
+    hidden_ptr, stride_hidden,  # [rows, n_cols]
+    w_embed_ptr, w_hidden_ptr,  # [n_cols] each
+    out_ptr, stride_out,  # [rows, 2 * n_cols]: [norm(embed(ids)) | norm(hidden)]
+    vocab, n_cols, eps,
+    BLOCK_V: tl.constexpr, BLOCK: tl.constexpr, HAS_D2T: tl.constexpr,
+):
+    """One greedy chain hand-off: argmax (+ d2t) of the logits, then EAGLE-3's next layer input
+    (the new token's embedding and the carried hidden state, each normed), in one launch."""
+    row = tl.program_id(0).to(tl.int64)
+    half = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    dtype = hidden_ptr.dtype.element_ty
+    if half == 0:
+        tok = _row_argmax(logits_ptr + row * stride_l, vocab, BLOCK_V).to(tl.int64)
+        if HAS_D2T:
+            tok += tl.load(d2t_ptr + tok)
+        tl.store(ids_ptr + row, tok)
+        x = tl.load(table_ptr + tok * stride_table + cols, mask=ok, other=0.0).to(tl.float32)
+        y = _rms(x, w_embed_ptr, cols, ok, n_cols, eps, dtype)
+    else:
+        x = tl.load(hidden_ptr + row * stride_hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        y = _rms(x, w_hidden_ptr, cols, ok, n_cols, eps, dtype)
+    tl.store(out_ptr + row * stride_out + half * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def greedy_embed_dual_norm(logits: torch.Tensor, d2t: torch.Tensor | None, table: torch.Tensor,
+                           hidden: torch.Tensor, w_embed: torch.Tensor, w_hidden: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(greedy_ids(logits, d2t), embed_dual_norm(those ids, ...)) in one launch.
+    logits [rows, vocab], table [target_vocab, n], hidden [rows, n] -> ids [rows] int64, [rows, 2n]."""
+    rows, vocab = logits.shape
+    n = hidden.shape[1]
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    out = torch.empty(rows, 2 * n, dtype=hidden.dtype, device=hidden.device)
+    if rows:
+        launch = _argmax_launch(vocab)
+        greedy_embed_dual_norm_kernel[(rows, 2)](
+            logits, logits.stride(0), d2t if d2t is not None else ids, ids, table, table.stride(0),
+            hidden, hidden.stride(0), w_embed, w_hidden, out, out.stride(0), vocab, n, eps,
+            BLOCK_V=launch["BLOCK"], BLOCK=triton.next_power_of_2(n), HAS_D2T=d2t is not None,
+            num_warps=launch["num_warps"])
+    return ids, out

@@ -1,0 +1,136 @@
+"""The draft step's weight-streaming kernels: skinny GEMM with its epilogues, the fused greedy
+hand-off (argmax + d2t + embedding + both norms) and the L2 prefetch kernel.
+
+Without a GPU they run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drafter.models import fused_kernels as K
+from drafter.models.fusion import ROW_BUCKETS, WeightGemm
+from drafter.models.layers import RMSNorm
+from drafter.models.prefetch import launch_prefetch, prefetch_words
+from drafter.models.skinny_gemm import GemmConfig, MAX_ROWS, skinny_gemm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64])
+@pytest.mark.parametrize("k", [96, 128])  # 96: the masked K tail
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul"])
+def test_skinny_gemm_matches_torch(m, k, epilogue):
+    g = torch.Generator().manual_seed(m * 1000 + k)
+    n = 80
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(2 * n if epilogue == "silu_mul" else n, k, generator=g).bfloat16()
+    res = torch.randn(m, n, generator=g).bfloat16()
+    exact = x.double() @ w.double().t()
+    if epilogue == "residual":
+        want = (exact + res.double()).bfloat16()
+        got = skinny_gemm(x.to(DEVICE), w.to(DEVICE), residual=res.to(DEVICE).clone())
+    elif epilogue == "silu_mul":
+        gate, up = exact.bfloat16().chunk(2, dim=1)
+        want = F.silu(gate) * up
+        got = skinny_gemm(x.to(DEVICE), w.to(DEVICE), silu_mul=True)
+    else:
+        want = exact.bfloat16()
+        got = skinny_gemm(x.to(DEVICE), w.to(DEVICE))
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    # bf16 rounding of the result; SiLU * up sees two bf16 inputs that may each round the other way
+    assert _rel(got.cpu(), want) < (2e-2 if epilogue == "silu_mul" else 1e-2)
+
+
+def test_skinny_gemm_residual_in_place_and_strided_rows():
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(5, 200, generator=g)
+    x = wide[:, 8:72]  # a column slice: row stride 200
+    w = torch.randn(48, 64, generator=g)
+    res = torch.randn(5, 48, generator=g)
+    want = res + x @ w.t()
+    res_dev = res.to(DEVICE)
+    out = skinny_gemm(x.to(DEVICE) if DEVICE == "cpu" else wide.to(DEVICE)[:, 8:72], w.to(DEVICE),
+                      residual=res_dev, out=res_dev)
+    assert out.data_ptr() == res_dev.data_ptr()
+    torch.testing.assert_close(res_dev.cpu(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_gemm_rejects_what_it_cannot_do():
+    with pytest.raises(ValueError, match="rows"):
+        skinny_gemm(torch.zeros(MAX_ROWS + 1, 16), torch.zeros(8, 16))
+    with pytest.raises(ValueError, match="contiguous K"):
+        skinny_gemm(torch.zeros(2, 16), torch.zeros(16, 8).t())
+    with pytest.raises(ValueError, match="residual"):
+        skinny_gemm(torch.zeros(2, 16), torch.zeros(8, 16), residual=torch.zeros(2, 9))
+
+
+@pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 4, 1), GemmConfig(32, 64, 4, 2)])
+def test_skinny_gemm_block_sizes_do_not_change_the_result(cfg):
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(4, 128, generator=g), torch.randn(72, 128, generator=g)
+    torch.testing.assert_close(skinny_gemm(x, w, config=cfg), x @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_weight_gemm_routes_by_bucket():
+    """Rows in a chosen bucket take the skinny kernel, others cuBLAS / torch: same numbers."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 32, generator=g)
+    both = WeightGemm(w, frozenset(ROW_BUCKETS)), WeightGemm(w, frozenset())
+    for m in (1, 20, 64, 65):
+        x = torch.randn(m, 32, generator=g)
+        res = torch.randn(m, 40, generator=g)
+        a, b = (gemm(x) for gemm in both)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        a, b = (gemm(x, residual=res.clone()) for gemm in both)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    half = WeightGemm(w, frozenset(ROW_BUCKETS))
+    x = torch.randn(3, 32, generator=g)
+    torch.testing.assert_close(half(x, silu_mul=True), K.silu_mul(x @ w.t()), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("vocab", [50, 300])
+@pytest.mark.parametrize("with_d2t", [False, True])
+def test_greedy_embed_dual_norm_equals_its_parts(vocab, with_d2t):
+    g = torch.Generator().manual_seed(vocab)
+    rows, n, target_vocab = 5, 48, 400
+    logits = torch.randn(rows, vocab, generator=g)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the first index wins, as torch.argmax
+    d2t = torch.randint(0, target_vocab - vocab, (vocab,), generator=g) if with_d2t else None
+    table = torch.randn(target_vocab, n, generator=g)
+    hidden = torch.randn(rows, n, generator=g)
+    norm_e, norm_h = RMSNorm(n, 1e-5), RMSNorm(n, 1e-5)
+    with torch.no_grad():
+        norm_e.weight.normal_(generator=g)
+        norm_h.weight.normal_(generator=g)
+    want_ids = logits.argmax(-1) + (d2t[logits.argmax(-1)] if with_d2t else 0)
+    want = torch.cat((norm_e(table[want_ids]), norm_h(hidden)), dim=-1)
+    ids, out = K.greedy_embed_dual_norm(*(t.to(DEVICE) if t is not None else None for t in (
+        logits, d2t, table, hidden, norm_e.weight.detach(), norm_h.weight.detach())), 1e-5)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(out.cpu(), want.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nbytes", [4, 1000, 70_000])
+@pytest.mark.parametrize("programs", [1, 3])
+def test_prefetch_reads_every_word_it_is_given(nbytes, programs):
+    g = torch.Generator().manual_seed(nbytes)
+    w = torch.randn(40_000, generator=g).bfloat16()  # 80 kB
+    words = prefetch_words(w, nbytes)
+    assert words.numel() == nbytes // 4
+    sink = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    launch_prefetch(words.to(DEVICE), sink, programs, block=256)
+    assert int(sink.item()) == int(np.bitwise_xor.reduce(words.numpy()))
+    assert words.numpy().any()  # the checksum is not trivially zero
+
+
+def test_prefetch_needs_a_contiguous_weight():
+    with pytest.raises(ValueError, match="contiguous"):
+        prefetch_words(torch.zeros(8, 8).t(), 64)
