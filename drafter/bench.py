@@ -217,7 +217,8 @@ def as_inputs(call: dict, device=None) -> ProposeInputs:
 
 
 # ---------------------------------------------------------------------- one engine
-def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device):
+def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, skinny_gemm: str = "auto",
+                 prefetch_weights: bool = True):
     from drafter.engine import DraftEngine
 
     max_batch = max(batches)
@@ -226,7 +227,8 @@ def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device):
         method=spec.method, num_speculative_tokens=k, max_model_len=max_ctx + 64, max_num_seqs=max_batch,
         max_num_batched_tokens=max_batch * (k + 1), kv_groups=(KVGroupSpec(BLOCK_SIZE, max_batch * per_req + 1),),
         capture_sizes=tuple(batches), token_capture_sizes=tuple(b * (k + 1) for b in batches),
-        device=str(device), dtype="bfloat16", attention_backend="triton", use_cuda_graphs=True)
+        device=str(device), dtype="bfloat16", attention_backend="triton", use_cuda_graphs=True,
+        skinny_gemm=skinny_gemm, prefetch_weights=prefetch_weights)
     engine = DraftEngine(head, spec, cfg)
     g = torch.Generator(device=device).manual_seed(1)
     for cache in engine.kv.layers:
@@ -484,6 +486,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-sweep", action="store_true", help="time the decode attention kernel alone")
     p.add_argument("--gemm-sweep", action="store_true", help="time the step's weight GEMMs alone, two layouts")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--skinny-gemm", default="auto", choices=("auto", "on", "off"),
+                   help="the step GEMMs: drafter's skinny kernel where faster (auto), always, or cuBLAS only")
+    p.add_argument("--no-prefetch", action="store_true", help="no L2 prefetch of the next weights")
     p.add_argument("--replot", metavar="JSON", help="only redraw bench.png (next to JSON) from a bench.json")
 
 
@@ -513,6 +518,7 @@ def run(args) -> dict:
         "command": "drafter bench " + " ".join(sys.argv[1:]), "torch": torch.__version__,
         "triton": triton.__version__, "python": platform.python_version(),
         "copy_bandwidth_GBps": bw / 1e9, "block_size": BLOCK_SIZE, "dtype": "bfloat16",
+        "skinny_gemm": args.skinny_gemm, "prefetch_weights": not args.no_prefetch,
     }
     log(f"{meta['device']} ({meta['sms']} SMs), torch {meta['torch']}, triton {meta['triton']}: "
         f"device copy {bw / 1e9:.0f} GB/s (read + write)")
@@ -530,7 +536,8 @@ def run(args) -> dict:
             f"(layer {wbytes['layer'] / 1e6:.0f}, lm_head {wbytes['lm_head'] / 1e6:.0f}, fc {wbytes['fc'] / 1e6:.0f})")
         for k in args.ks:
             t0 = time.perf_counter()
-            engine = build_engine(head, spec, k, args.batches, max(args.contexts), device)
+            engine = build_engine(head, spec, k, args.batches, max(args.contexts), device, args.skinny_gemm,
+                                  not args.no_prefetch)
             log(f" k={k}: engine built in {time.perf_counter() - t0:.1f}s")
             rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, peak,
                                  args.iters, not args.no_eager, log)
