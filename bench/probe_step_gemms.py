@@ -57,7 +57,7 @@ def gemm_probe(dev, bw, log):
             t_cublas = med(cublas)
             t_gemm = med(cublas_gemm_only)
             best = None
-            cfgs = CONFIGS + [pick_config(m, n // 2 if epi == "silu" else n, k, dev)]
+            cfgs = CONFIGS + [pick_config(m, n // 2 if epi == "silu" else n, k, dev, 2 if epi == "silu" else 1)]
             for cfg in cfgs:
                 try:
                     def ours(cfg=cfg):

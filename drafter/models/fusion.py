@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import nn
 
 from drafter.models import fused_kernels as K
@@ -74,7 +75,10 @@ def choose_skinny_buckets(weight: torch.Tensor, silu_mul: bool = False, residual
         times = {}
         for name, buckets in (("cublas", frozenset()), ("skinny", frozenset([bucket]))):
             gemm = WeightGemm(weight, buckets)
-            times[name] = _median_us(lambda: gemm(x, residual=res, silu_mul=silu_mul), iters)
+            try:
+                times[name] = _median_us(lambda: gemm(x, residual=res, silu_mul=silu_mul), iters)
+            except triton.runtime.errors.OutOfResources:  # block sizes this GPU cannot hold: cuBLAS
+                times[name] = float("inf")
         if times["skinny"] < times["cublas"]:
             chosen.add(bucket)
     return frozenset(chosen)

@@ -99,17 +99,20 @@ def block_m_for(m: int) -> int:
     return max(16, triton.next_power_of_2(m))  # tl.dot needs 16 rows; padded rows load nothing
 
 
-def pick_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+def pick_config(m: int, n: int, k: int, device: torch.device, weight_tiles: int = 1) -> GemmConfig:
     """Block sizes for an m x n x k product: enough programs to keep every SM streaming (two
-    per SM where the columns allow) and ~16-32 KB of weights per pipeline stage."""
+    per SM where the columns allow), and as many pipeline stages as ~96 KB of shared memory holds
+    (weight_tiles: weight rows per output column, 2 for SiLU * up)."""
     if device.type != "cuda":
         return GemmConfig(block_n=16, block_k=min(64, triton.next_power_of_2(k)), num_warps=4, num_stages=1)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     block_n = 64
     while block_n > 16 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-    block_k = 256 if block_m_for(m) <= 16 else 128
-    return GemmConfig(block_n=block_n, block_k=min(block_k, triton.next_power_of_2(k)))
+    block_m = block_m_for(m)
+    block_k = min(256 if block_m <= 16 else 128, triton.next_power_of_2(k))
+    stage_bytes = (block_m + weight_tiles * block_n) * block_k * 2
+    return GemmConfig(block_n=block_n, block_k=block_k, num_stages=max(2, min(4, (96 << 10) // stage_bytes)))
 
 
 def skinny_gemm(
@@ -134,7 +137,7 @@ def skinny_gemm(
         raise ValueError(f"skinny_gemm: residual must be a [{m}, {n}] tensor with contiguous rows")
     if m == 0:
         return out
-    cfg = config or pick_config(m, n, k, x.device)
+    cfg = config or pick_config(m, n, k, x.device, 2 if silu_mul else 1)
     block_m = block_m_for(m)
     epilogue = EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_RESIDUAL if residual is not None else EPILOGUE_NONE
     res = residual if residual is not None else out
