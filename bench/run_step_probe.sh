@@ -15,7 +15,7 @@ fi
 timeout "${PROBE_TIMEOUT:-150}" python3 bench/probe_step_gemms.py --out "$OUT" > "$OUT/probe.txt" 2>&1
 grep -v "^   " "$OUT/probe.txt" | tail -40
 BENCH_ARGS=${BENCH_ARGS:---heads eagle3-8b --batches 1,4,16,64 --ks 3 --contexts 1024 --no-eager}
-for variant in "off:--skinny-gemm off --no-prefetch" "prefetch:--skinny-gemm off" "all:--skinny-gemm auto"; do
+for variant in ${VARIANTS:-"off:--skinny-gemm off --no-prefetch" "all:--skinny-gemm auto"}; do
   name=${variant%%:*}
   timeout "${BENCH_TIMEOUT:-120}" python3 -m drafter.bench --out "$OUT/bench-$name" $BENCH_ARGS ${variant#*:} \
     > "$OUT/bench-$name.txt" 2>&1
