@@ -23,7 +23,6 @@ argmax, d2t, embedding and both input norms in one launch).
 
 from __future__ import annotations
 
-import statistics
 import types
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 import triton
 from torch import nn
 
+from drafter.cuda_timing import graph_time_us
 from drafter.models import fused_kernels as K
 from drafter.models.heads import DraftHead, EagleHead, Eagle3Head, Eagle3Layer
 from drafter.models.layers import MLP, Attention, DecoderLayer, RMSNorm
@@ -61,12 +61,13 @@ class WeightGemm:
         return K.silu_mul(y) if silu_mul else y
 
 
-def choose_skinny_buckets(weight: torch.Tensor, silu_mul: bool = False, residual: bool = False,
-                          iters: int = 15) -> frozenset:
-    """The row buckets where the skinny kernel beats cuBLAS on this weight (CUDA: timed; CPU:
-    every bucket, so that the interpreter covers the kernel in tests)."""
+def choose_skinny_buckets(weight: torch.Tensor, silu_mul: bool = False, residual: bool = False) -> frozenset:
+    """The row buckets where the skinny kernel beats cuBLAS on this weight (CUDA: device time of
+    graph replays over three weight copies, so neither side finds the weights in L2; CPU: every
+    bucket, so that the interpreter covers the kernel in tests)."""
     if weight.device.type != "cuda":
         return frozenset(ROW_BUCKETS)
+    copies = [weight] + [weight.clone() for _ in range(2)]
     chosen = set()
     for bucket in ROW_BUCKETS:
         x = torch.randn(bucket, weight.shape[1], device=weight.device, dtype=weight.dtype)
@@ -74,28 +75,15 @@ def choose_skinny_buckets(weight: torch.Tensor, silu_mul: bool = False, residual
         res = torch.zeros(bucket, n, device=weight.device, dtype=weight.dtype) if residual else None
         times = {}
         for name, buckets in (("cublas", frozenset()), ("skinny", frozenset([bucket]))):
-            gemm = WeightGemm(weight, buckets)
+            gemms = [WeightGemm(w, buckets) for w in copies]
             try:
-                times[name] = _median_us(lambda: gemm(x, residual=res, silu_mul=silu_mul), iters)
+                times[name] = graph_time_us(lambda i: gemms[i % 3](x, residual=res, silu_mul=silu_mul), calls=6)
             except triton.runtime.errors.OutOfResources:  # block sizes this GPU cannot hold: cuBLAS
                 times[name] = float("inf")
         if times["skinny"] < times["cublas"]:
             chosen.add(bucket)
+    del copies
     return frozenset(chosen)
-
-
-def _median_us(fn, iters: int) -> float:
-    fn()  # compiles, picks cuBLAS kernels
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(out)
 
 
 def _concat_weights(linears: list[nn.Linear]) -> torch.Tensor:

@@ -38,7 +38,7 @@ def skinny_gemm_kernel(
     res_ptr, stride_res,  # [m, N], EPILOGUE_RESIDUAL only
     m, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EPILOGUE: tl.constexpr, DOT_F32: tl.constexpr,
+    EPILOGUE: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -64,7 +64,7 @@ def skinny_gemm_kernel(
         if DOT_F32:  # the interpreter's bf16 dot is wrong (triton 3.9); products are exact in f32 anyway
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if EPILOGUE == 2:
             if EVEN_K:
                 wu = tl.load(u_rows + k[None, :], mask=n_ok[:, None], other=0.0)
@@ -72,7 +72,7 @@ def skinny_gemm_kernel(
                 wu = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
             if DOT_F32:
                 wu = wu.to(tl.float32)
-            acc_u += tl.dot(x, tl.trans(wu))
+            acc_u += tl.dot(x, tl.trans(wu), input_precision=PRECISION)
     dtype = out_ptr.dtype.element_ty
     ok = m_ok[:, None] & n_ok[None, :]
     if EPILOGUE == 1:
@@ -144,5 +144,6 @@ def skinny_gemm(
     skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
         x, x.stride(0), weight, weight.stride(0), out, out.stride(0), res, res.stride(0), m, n, k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        EPILOGUE=epilogue, DOT_F32=x.device.type != "cuda", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EPILOGUE=epilogue, DOT_F32=x.device.type != "cuda",
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

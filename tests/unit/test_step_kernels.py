@@ -51,16 +51,14 @@ def test_skinny_gemm_matches_torch(m, k, epilogue):
 
 def test_skinny_gemm_residual_in_place_and_strided_rows():
     g = torch.Generator().manual_seed(7)
-    wide = torch.randn(5, 200, generator=g)
+    wide = torch.randn(5, 200, generator=g).to(DEVICE)
     x = wide[:, 8:72]  # a column slice: row stride 200
-    w = torch.randn(48, 64, generator=g)
-    res = torch.randn(5, 48, generator=g)
+    w = torch.randn(48, 64, generator=g).to(DEVICE)
+    res = torch.randn(5, 48, generator=g).to(DEVICE)
     want = res + x @ w.t()
-    res_dev = res.to(DEVICE)
-    out = skinny_gemm(x.to(DEVICE) if DEVICE == "cpu" else wide.to(DEVICE)[:, 8:72], w.to(DEVICE),
-                      residual=res_dev, out=res_dev)
-    assert out.data_ptr() == res_dev.data_ptr()
-    torch.testing.assert_close(res_dev.cpu(), want, atol=1e-4, rtol=1e-4)
+    out = skinny_gemm(x, w, residual=res, out=res)
+    assert out.data_ptr() == res.data_ptr()
+    torch.testing.assert_close(res, want, atol=1e-4, rtol=1e-4)
 
 
 def test_skinny_gemm_rejects_what_it_cannot_do():
@@ -75,24 +73,24 @@ def test_skinny_gemm_rejects_what_it_cannot_do():
 @pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 4, 1), GemmConfig(32, 64, 4, 2)])
 def test_skinny_gemm_block_sizes_do_not_change_the_result(cfg):
     g = torch.Generator().manual_seed(11)
-    x, w = torch.randn(4, 128, generator=g), torch.randn(72, 128, generator=g)
+    x, w = torch.randn(4, 128, generator=g).to(DEVICE), torch.randn(72, 128, generator=g).to(DEVICE)
     torch.testing.assert_close(skinny_gemm(x, w, config=cfg), x @ w.t(), atol=1e-4, rtol=1e-4)
 
 
 def test_weight_gemm_routes_by_bucket():
     """Rows in a chosen bucket take the skinny kernel, others cuBLAS / torch: same numbers."""
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(40, 32, generator=g)
+    w = torch.randn(40, 32, generator=g).to(DEVICE)
     both = WeightGemm(w, frozenset(ROW_BUCKETS)), WeightGemm(w, frozenset())
     for m in (1, 20, 64, 65):
-        x = torch.randn(m, 32, generator=g)
-        res = torch.randn(m, 40, generator=g)
+        x = torch.randn(m, 32, generator=g).to(DEVICE)
+        res = torch.randn(m, 40, generator=g).to(DEVICE)
         a, b = (gemm(x) for gemm in both)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         a, b = (gemm(x, residual=res.clone()) for gemm in both)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     half = WeightGemm(w, frozenset(ROW_BUCKETS))
-    x = torch.randn(3, 32, generator=g)
+    x = torch.randn(3, 32, generator=g).to(DEVICE)
     torch.testing.assert_close(half(x, silu_mul=True), K.silu_mul(x @ w.t()), atol=1e-4, rtol=1e-4)
 
 
