@@ -1,5 +1,6 @@
 """Probe on a GPU host: the draft step's weight GEMMs through cuBLAS vs drafter's skinny GEMM
-(block-size sweep), and what an L2 prefetch of the next weights buys.
+(block-size sweep).  (An L2 prefetch of the next weights on a side stream was probed here on
+2026-11-22 and bought nothing on an H100: bench/results/README.md.)
 
     python bench/probe_step_gemms.py --out DIR
 
@@ -18,7 +19,6 @@ import torch.nn.functional as F
 from drafter.bench import copy_bandwidth
 from drafter.cuda_timing import graph_time_us
 from drafter.models.fused_kernels import silu_mul
-from drafter.models.prefetch import launch_prefetch, prefetch_words
 from drafter.models.skinny_gemm import GemmConfig, pick_config, skinny_gemm
 
 SHAPES = {"qkv": (6144, 8192, "none"), "o": (4096, 4096, "none"), "gate_up": (28672, 4096, "silu"),
@@ -77,39 +77,6 @@ def gemm_probe(dev, bw, log):
     return rows
 
 
-def prefetch_probe(dev, bw, log):
-    """Latency-bound kernels then the o GEMM, weights rotated over 3 copies (100 MB: no L2 hits
-    left from the previous call), with and without a side-stream prefetch forked before them."""
-    out = {}
-    sink = torch.zeros(1, dtype=torch.int32, device=dev)
-    w_o = [torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16) for _ in range(3)]
-    words = [prefetch_words(w, 1 << 40) for w in w_o]
-    small = [torch.randn(64, 4096, device=dev) for _ in range(9)]
-    side = torch.cuda.Stream()
-    for m in (1, 16, 64):
-        x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
-
-        def body(i, prefetch: bool, gemm: bool = True):
-            if prefetch:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    launch_prefetch(words[i % 3], sink, 132)
-            for j in range(8):
-                small[j + 1].add_(small[j], alpha=0.5)
-            if gemm:
-                F.linear(x, w_o[i % 3])
-            if prefetch:
-                torch.cuda.current_stream().wait_stream(side)
-
-        res = {label: graph_time_us(lambda i, kw=kw: body(i, **kw), calls=6) for label, kw in (
-            ("small", dict(prefetch=False, gemm=False)), ("no_prefetch", dict(prefetch=False)),
-            ("prefetch", dict(prefetch=True)))}
-        out[f"o_m{m}"] = res
-        log(f"8 small kernels {res['small']:.1f} us; + o GEMM {res['no_prefetch']:.1f} us; with prefetch "
-            f"{res['prefetch']:.1f} us (m={m}; o floor {4096 * 4096 * 2 / bw * 1e6:.1f} us)")
-    return out
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -127,7 +94,6 @@ def main():
     bw = copy_bandwidth(dev)
     log(f"{torch.cuda.get_device_name()} copy {bw / 1e9:.0f} GB/s")
     result = {"device": torch.cuda.get_device_name(), "copy_GBps": bw / 1e9}
-    result["prefetch"] = prefetch_probe(dev, bw, log)
     if not args.skip_gemm:
         result["gemm"] = gemm_probe(dev, bw, log)
     (out / "probe.json").write_text(json.dumps(result, indent=1))

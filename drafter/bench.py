@@ -217,8 +217,7 @@ def as_inputs(call: dict, device=None) -> ProposeInputs:
 
 
 # ---------------------------------------------------------------------- one engine
-def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, skinny_gemm: str = "auto",
-                 prefetch_weights: bool = True):
+def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, skinny_gemm: str = "auto"):
     from drafter.engine import DraftEngine
 
     max_batch = max(batches)
@@ -228,7 +227,7 @@ def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, s
         max_num_batched_tokens=max_batch * (k + 1), kv_groups=(KVGroupSpec(BLOCK_SIZE, max_batch * per_req + 1),),
         capture_sizes=tuple(batches), token_capture_sizes=tuple(b * (k + 1) for b in batches),
         device=str(device), dtype="bfloat16", attention_backend="triton", use_cuda_graphs=True,
-        skinny_gemm=skinny_gemm, prefetch_weights=prefetch_weights)
+        skinny_gemm=skinny_gemm)
     engine = DraftEngine(head, spec, cfg)
     g = torch.Generator(device=device).manual_seed(1)
     for cache in engine.kv.layers:
@@ -488,7 +487,6 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--skinny-gemm", default="auto", choices=("auto", "on", "off"),
                    help="the step GEMMs: drafter's skinny kernel where faster (auto), always, or cuBLAS only")
-    p.add_argument("--no-prefetch", action="store_true", help="no L2 prefetch of the next weights")
     p.add_argument("--replot", metavar="JSON", help="only redraw bench.png (next to JSON) from a bench.json")
 
 
@@ -518,7 +516,7 @@ def run(args) -> dict:
         "command": "drafter bench " + " ".join(sys.argv[1:]), "torch": torch.__version__,
         "triton": triton.__version__, "python": platform.python_version(),
         "copy_bandwidth_GBps": bw / 1e9, "block_size": BLOCK_SIZE, "dtype": "bfloat16",
-        "skinny_gemm": args.skinny_gemm, "prefetch_weights": not args.no_prefetch,
+        "skinny_gemm": args.skinny_gemm,
     }
     log(f"{meta['device']} ({meta['sms']} SMs), torch {meta['torch']}, triton {meta['triton']}: "
         f"device copy {bw / 1e9:.0f} GB/s (read + write)")
@@ -536,8 +534,7 @@ def run(args) -> dict:
             f"(layer {wbytes['layer'] / 1e6:.0f}, lm_head {wbytes['lm_head'] / 1e6:.0f}, fc {wbytes['fc'] / 1e6:.0f})")
         for k in args.ks:
             t0 = time.perf_counter()
-            engine = build_engine(head, spec, k, args.batches, max(args.contexts), device, args.skinny_gemm,
-                                  not args.no_prefetch)
+            engine = build_engine(head, spec, k, args.batches, max(args.contexts), device, args.skinny_gemm)
             log(f" k={k}: engine built in {time.perf_counter() - t0:.1f}s")
             rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, peak,
                                  args.iters, not args.no_eager, log)

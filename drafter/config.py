@@ -70,8 +70,6 @@ class EngineConfig:
     # The Triton path's weight GEMMs for <= 64 rows: "auto" times drafter's skinny kernel
     # against cuBLAS per weight at start-up and keeps the faster; "on" / "off" force it.
     skinny_gemm: str = "auto"
-    # Read the next weight matrix into L2 on a side stream while latency-bound kernels run (CUDA).
-    prefetch_weights: bool = True
     seed: int = 0
 
     def __post_init__(self):

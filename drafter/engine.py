@@ -66,19 +66,12 @@ class DraftEngine:
             config.speculative_token_tree)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
-        self.prefetcher = None
         if head is not None and self.backend.name == "triton":  # imported here: these need triton
             from drafter.graphs import GraphRunner
             from drafter.models.fusion import fuse_head
 
-            self.prefetcher = None
-            if config.prefetch_weights and self.device.type == "cuda":
-                from drafter.models.prefetch import WeightPrefetcher
-
-                self.prefetcher = WeightPrefetcher(self.device)
             # one q/k/v GEMM, rotary + KV write and norms in fused kernels; skinny GEMMs where faster
-            fuse_head(head, self.prefetcher, config.skinny_gemm)
-            self.prefetcher = head.prefetcher  # a head fused earlier (shared by engines) keeps its own
+            fuse_head(head, config.skinny_gemm)
             if config.use_cuda_graphs and self.device.type == "cuda":
                 # the draft loop as CUDA graphs: the Triton path never reads device values on the host
                 self.graphs = GraphRunner(self)
@@ -158,8 +151,6 @@ class DraftEngine:
             temps = buf.temperatures[:b_pad] if inp.temperatures is not None else None
             drafts = self.proposer.chain(buf, b_pad, inp.batch_size, first, temps, self.generator, return_probs,
                                          return_logits)
-        if self.prefetcher is not None:
-            self.prefetcher.join()
         b = inp.batch_size
         probs = drafts.probs[:b] if drafts.probs is not None else None
         if probs is not None and self.spec.draft_vocab_size != self.spec.vocab_size:

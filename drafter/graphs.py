@@ -104,8 +104,6 @@ class GraphRunner:
         torch.index_select(logit_h, 0, rows, out=self.first_logit_h[:batch])
         torch.index_select(carry_h, 0, rows, out=self.first_carry_h[:batch])
         torch.index_select(e.buffers.positions, 0, rows, out=self.first_pos[:batch])
-        if e.prefetcher is not None:  # a capture must end with its side stream joined
-            e.prefetcher.join()
 
     def _loop(self, batch: int) -> None:
         e = self.engine
@@ -115,8 +113,6 @@ class GraphRunner:
         else:
             drafts = e.proposer.chain(e.buffers, batch, batch, first, None, None, False)
         self.drafts[:batch].copy_(drafts.token_ids)
-        if e.prefetcher is not None:
-            e.prefetcher.join()
 
     # ------------------------------------------------------------------ replay
     def handles(self, inp: ProposeInputs, batch_padded: int, tokens_padded: int, want_probs: bool,

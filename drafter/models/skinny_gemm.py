@@ -1,21 +1,24 @@
-"""Weight-streaming GEMMs for a draft step's few rows, with the elementwise work fused in.
+"""Weight-streaming GEMMs for a draft step's few rows, with the work around them fused in.
 
 A draft step at batch <= 64 multiplies a handful of activation rows by weight matrices that
 do not fit in any cache: the time is the time to stream the weights once.  cuBLAS does that
-well for some shapes and poorly for others (a 28672-row gate/up matrix at one row ran on 112 of
-132 SMs of an H200, 84% of the copy bandwidth; its split-K choices add a reduce launch), and it
-cannot fuse what follows.  This kernel streams W once with a grid sized to the device and
-applies the step's epilogue before the single store:
+well for some shapes and less well for others (measured on an H100: an lm_head of 32000 x 4096
+at 0.89 of the copy bandwidth where this kernel reaches 0.97, an o projection at 0.67 vs 0.76,
+bench/results/), adds split-K reduce launches, and cannot fuse what comes before or after.
+This kernel streams W once and fuses the step's elementwise work:
 
-    out = x @ W.T                          EPILOGUE_NONE
-    out = residual + x @ W.T               EPILOGUE_RESIDUAL  (one rounding, as addmm with beta=1)
-    out = silu(x @ Wg.T) * (x @ Wu.T)      EPILOGUE_SILU_MUL  (W = [gate; up], rounded as torch does)
+    prologue  NORM_IN:   x <- RMSNorm(x) on the fly, from per-row partial sums of squares that
+                         the GEMM producing x left behind (so no norm launch and no extra pass)
+    epilogue  RESIDUAL:  out = residual + x @ W.T   (one rounding, as addmm with beta=1)
+              SILU_MUL:  out = silu(x @ Wg.T) * (x @ Wu.T)   (W = [gate; up], rounded as torch does)
+              SUMSQ_OUT: also write each row's sum of squares over this program's columns, for
+                         the next GEMM's NORM_IN
 
     x [m, K] (row stride free), W [N, K] row-major (K contiguous), m <= 64.
 
-Each program owns BLOCK_N output columns of BLOCK_M rows and walks the whole K: no split-K, so
-no partial sums and no second launch.  The block sizes per shape come from `pick_config`
-(measured on an H100 and an H200: bench/results/).
+Each program owns BLOCK_N output columns of BLOCK_M rows and walks the whole K: no split-K, no
+partial outputs, no second launch.  Block sizes are chosen per weight and row bucket by timing
+candidates at start-up (drafter.models.fusion.plan_gemm).
 """
 
 from __future__ import annotations
@@ -30,15 +33,25 @@ EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL = 0, 1, 2
 MAX_ROWS = 64  # above this the product is no longer weight-streaming: cuBLAS
 
 
-@triton.jit(do_not_specialize=["m"])
+@triton.jit
+def _load_tile(rows, k, row_ok, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(rows + k[None, :], mask=row_ok[:, None], other=0.0)
+    return tl.load(rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["m", "n_parts_in"])
 def skinny_gemm_kernel(
     x_ptr, stride_x,  # [m, K]
     w_ptr, stride_w,  # [N_W, K]; SILU_MUL: [2 * N, K] = [gate; up]
     out_ptr, stride_out,  # [m, N]
     res_ptr, stride_res,  # [m, N], EPILOGUE_RESIDUAL only
+    norm_w_ptr, sumsq_in_ptr, stride_sin, n_parts_in, eps,  # NORM_IN: [K], [m, n_parts_in] f32
+    sumsq_out_ptr, stride_sout,  # SUMSQ_OUT: [m, cdiv(N, BLOCK_N)] f32
     m, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EPILOGUE: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    EPILOGUE: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr, SUMSQ_OUT: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -47,33 +60,34 @@ def skinny_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < m
     n_ok = offs_n < N
+    dtype = out_ptr.dtype.element_ty
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    if NORM_IN:  # layers.RMSNorm: (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight, cast to dtype
+        parts = tl.arange(0, BLOCK_P)
+        ss = tl.load(sumsq_in_ptr + offs_m[:, None] * stride_sin + parts[None, :],
+                     mask=m_ok[:, None] & (parts < n_parts_in)[None, :], other=0.0)
+        inv_rms = tl.rsqrt(tl.sum(ss, 1) / K + eps)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if EPILOGUE == 2:
         u_rows = w_rows + N.to(tl.int64) * stride_w
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        if EVEN_K:
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-        else:
-            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        x = _load_tile(x_rows, k, m_ok, K, EVEN_K)
+        w = _load_tile(w_rows, k, n_ok, K, EVEN_K)
+        if NORM_IN:
+            nw = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            x = ((x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
         if DOT_F32:  # the interpreter's bf16 dot is wrong (triton 3.9); products are exact in f32 anyway
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         if EPILOGUE == 2:
-            if EVEN_K:
-                wu = tl.load(u_rows + k[None, :], mask=n_ok[:, None], other=0.0)
-            else:
-                wu = tl.load(u_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+            wu = _load_tile(u_rows, k, n_ok, K, EVEN_K)
             if DOT_F32:
                 wu = wu.to(tl.float32)
             acc_u += tl.dot(x, tl.trans(wu), input_precision=PRECISION)
-    dtype = out_ptr.dtype.element_ty
     ok = m_ok[:, None] & n_ok[None, :]
     if EPILOGUE == 1:
         res = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_res + offs_n[None, :], mask=ok, other=0.0)
@@ -84,7 +98,11 @@ def skinny_gemm_kernel(
         y = act * acc_u.to(dtype).to(tl.float32)
     else:
         y = acc
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :], y.to(dtype), mask=ok)
+    y = y.to(dtype)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :], y, mask=ok)
+    if SUMSQ_OUT:  # of the stored (rounded) values, as the norm that reads them would compute
+        yf = tl.where(ok, y.to(tl.float32), 0.0)
+        tl.store(sumsq_out_ptr + offs_m * stride_sout + pid_n, tl.sum(yf * yf, 1), mask=m_ok)
 
 
 @dataclass(frozen=True)
@@ -115,15 +133,30 @@ def pick_config(m: int, n: int, k: int, device: torch.device, weight_tiles: int 
     return GemmConfig(block_n=block_n, block_k=block_k, num_stages=max(2, min(4, (96 << 10) // stage_bytes)))
 
 
+@dataclass
+class NormedInput:
+    """Rows whose RMSNorm the consuming GEMM applies on the fly: x [m, K] and the per-row
+    partial sums of squares [m, parts] f32 that the GEMM producing x wrote (SUMSQ_OUT)."""
+    x: torch.Tensor
+    sumsq: torch.Tensor
+    weight: torch.Tensor  # [K]
+    eps: float
+
+
 def skinny_gemm(
-    x: torch.Tensor,  # [m, K]
+    x: torch.Tensor | NormedInput,  # [m, K]
     weight: torch.Tensor,  # [N, K]; silu_mul: [2 * N, K] = [gate; up]
     *,
     residual: torch.Tensor | None = None,  # [m, N]: out = residual + x @ W.T
     silu_mul: bool = False,
-    out: torch.Tensor | None = None,  # [m, N]
+    out: torch.Tensor | None = None,  # [m, N]; may be `residual` itself (in place)
+    sumsq: bool = False,  # also return the per-row partial sums of squares of out
     config: GemmConfig | None = None,
-) -> torch.Tensor:  # [m, N]
+):
+    """-> out [m, N], or (out, sumsq [m, parts] f32) with sumsq=True."""
+    norm = x if isinstance(x, NormedInput) else None
+    if norm is not None:
+        x = norm.x
     m, k = x.shape
     n_w, k_w = weight.shape
     if k != k_w or weight.stride(1) != 1 or x.stride(1) != 1:
@@ -135,15 +168,23 @@ def skinny_gemm(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"skinny_gemm: residual must be a [{m}, {n}] tensor with contiguous rows")
-    if m == 0:
-        return out
     cfg = config or pick_config(m, n, k, x.device, 2 if silu_mul else 1)
-    block_m = block_m_for(m)
-    epilogue = EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_RESIDUAL if residual is not None else EPILOGUE_NONE
-    res = residual if residual is not None else out
-    skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
-        x, x.stride(0), weight, weight.stride(0), out, out.stride(0), res, res.stride(0), m, n, k,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-        EPILOGUE=epilogue, DOT_F32=x.device.type != "cuda",
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
+    parts = triton.cdiv(n, cfg.block_n)
+    partial = torch.empty(m, parts, dtype=torch.float32, device=x.device) if sumsq else None
+    if m:
+        block_m = block_m_for(m)
+        epilogue = EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_RESIDUAL if residual is not None else EPILOGUE_NONE
+        res = residual if residual is not None else out
+        s_in = norm.sumsq if norm is not None else out
+        s_out = partial if sumsq else out
+        skinny_gemm_kernel[(parts, triton.cdiv(m, block_m))](
+            x, x.stride(0), weight, weight.stride(0), out, out.stride(0), res, res.stride(0),
+            norm.weight if norm is not None else weight, s_in, s_in.stride(0),
+            norm.sumsq.shape[1] if norm is not None else 0, norm.eps if norm is not None else 0.0,
+            s_out, s_out.stride(0), m, n, k,
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
+            EPILOGUE=epilogue, NORM_IN=norm is not None,
+            BLOCK_P=triton.next_power_of_2(norm.sumsq.shape[1]) if norm is not None else 1, SUMSQ_OUT=sumsq,
+            DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return (out, partial) if sumsq else out

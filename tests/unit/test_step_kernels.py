@@ -1,21 +1,19 @@
-"""The draft step's weight-streaming kernels: skinny GEMM with its epilogues, the fused greedy
-hand-off (argmax + d2t + embedding + both norms) and the L2 prefetch kernel.
+"""The draft step's weight-streaming kernels: skinny GEMM with its epilogues and the fused greedy
+hand-off (argmax + d2t + embedding + both norms).
 
 Without a GPU they run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from drafter.models import fused_kernels as K
-from drafter.models.fusion import ROW_BUCKETS, WeightGemm
+from drafter.models.weight_gemm import ROW_BUCKETS, WeightGemm, plan_gemm
 from drafter.models.layers import RMSNorm
-from drafter.models.prefetch import launch_prefetch, prefetch_words
-from drafter.models.skinny_gemm import GemmConfig, MAX_ROWS, skinny_gemm
+from drafter.models.skinny_gemm import GemmConfig, MAX_ROWS, NormedInput, skinny_gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -78,20 +76,49 @@ def test_skinny_gemm_block_sizes_do_not_change_the_result(cfg):
 
 
 def test_weight_gemm_routes_by_bucket():
-    """Rows in a chosen bucket take the skinny kernel, others cuBLAS / torch: same numbers."""
+    """Rows in a planned bucket take the skinny kernel, others cuBLAS / torch: same numbers."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 32, generator=g).to(DEVICE)
-    both = WeightGemm(w, frozenset(ROW_BUCKETS)), WeightGemm(w, frozenset())
+    both = WeightGemm(w, plan_gemm(w, mode="on")), WeightGemm(w, plan_gemm(w, mode="off"))
+    assert sorted(both[0].configs) == list(ROW_BUCKETS) and not both[1].configs
+    norm_w = torch.randn(32, generator=g).to(DEVICE)
     for m in (1, 20, 64, 65):
         x = torch.randn(m, 32, generator=g).to(DEVICE)
         res = torch.randn(m, 40, generator=g).to(DEVICE)
         a, b = (gemm(x) for gemm in both)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-        a, b = (gemm(x, residual=res.clone()) for gemm in both)
+        a, b = (gemm(x, residual=res) for gemm in both)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    half = WeightGemm(w, frozenset(ROW_BUCKETS))
+        sumsq = (x * x).sum(1, keepdim=True)  # one "part" per row
+        a, b = (gemm(NormedInput(x, sumsq, norm_w, 1e-5)) for gemm in both)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        (a, sa), (b, sb) = (gemm(x, residual=res, out=res.clone(), sumsq=True) for gemm in both)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        assert sb is None and (sa is None) == (m > 64)
+    half = WeightGemm(w, plan_gemm(w, silu_mul=True, mode="on"))
     x = torch.randn(3, 32, generator=g).to(DEVICE)
     torch.testing.assert_close(half(x, silu_mul=True), K.silu_mul(x @ w.t()), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_sums_of_squares_feed_the_next_norm(m):
+    """o GEMM (residual epilogue + partial sums of squares) -> next GEMM norming on the fly ==
+    the separate steps: s = residual + x @ Wo.T; RMSNorm(s) @ Wn.T."""
+    g = torch.Generator().manual_seed(m)
+    x, res = torch.randn(m, 64, generator=g), torch.randn(m, 72, generator=g)
+    w_o, w_n = torch.randn(72, 64, generator=g), torch.randn(40, 72, generator=g)
+    norm = RMSNorm(72, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+    s_want = res + x @ w_o.t()
+    want = norm(s_want) @ w_n.t()
+    dev = [t.to(DEVICE) for t in (x, res, w_o, w_n, norm.weight.detach())]
+    s, sumsq = skinny_gemm(dev[0], dev[2], residual=dev[1], sumsq=True, config=GemmConfig(16, 32, 4, 1))
+    assert sumsq.shape == (m, 72 // 16 + 1)  # one partial per program along N (5 programs of 16)
+    torch.testing.assert_close(sumsq.sum(1).cpu(), (s_want * s_want).sum(1), atol=1e-3, rtol=1e-5)
+    got = skinny_gemm(NormedInput(s, sumsq, dev[4], 1e-5), dev[3])
+    torch.testing.assert_close(s.cpu(), s_want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.cpu(), want.detach(), atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("vocab", [50, 300])
@@ -114,21 +141,3 @@ def test_greedy_embed_dual_norm_equals_its_parts(vocab, with_d2t):
         logits, d2t, table, hidden, norm_e.weight.detach(), norm_h.weight.detach())), 1e-5)
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(out.cpu(), want.detach(), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("nbytes", [4, 1000, 70_000])
-@pytest.mark.parametrize("programs", [1, 3])
-def test_prefetch_reads_every_word_it_is_given(nbytes, programs):
-    g = torch.Generator().manual_seed(nbytes)
-    w = torch.randn(40_000, generator=g).bfloat16()  # 80 kB
-    words = prefetch_words(w, nbytes)
-    assert words.numel() == nbytes // 4
-    sink = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    launch_prefetch(words.to(DEVICE), sink, programs, block=256)
-    assert int(sink.item()) == int(np.bitwise_xor.reduce(words.numpy()))
-    assert words.numpy().any()  # the checksum is not trivially zero
-
-
-def test_prefetch_needs_a_contiguous_weight():
-    with pytest.raises(ValueError, match="contiguous"):
-        prefetch_words(torch.zeros(8, 8).t(), 64)

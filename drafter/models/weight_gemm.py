@@ -1,0 +1,103 @@
+"""One weight matrix's GEMM on the fused path: drafter's skinny kernel or cuBLAS, per row bucket.
+
+    gemm = WeightGemm(weight, plan_gemm(weight, silu_mul=True, normed=True))
+    act = gemm(NormedInput(x, sumsq, norm_weight, eps), silu_mul=True)   # [m, N / 2]
+
+`plan_gemm` times, at start-up and on this device, cuBLAS against a few block-size candidates of
+the skinny kernel for each row bucket, with the same fused work on both sides (cuBLAS: the norm
+kernel before, the SiLU kernel after, addmm for the residual), and keeps the fastest.  Device
+time comes from CUDA-graph replays over three copies of the weight, so that no candidate finds
+the weights in L2.  On the CPU (tests, under the Triton interpreter) every bucket takes the
+skinny kernel, so CI covers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from drafter.cuda_timing import graph_time_us
+from drafter.models import fused_kernels as K
+from drafter.models.skinny_gemm import MAX_ROWS, GemmConfig, NormedInput, block_m_for, pick_config, skinny_gemm
+
+ROW_BUCKETS = (16, 32, 64)  # the skinny kernel's row-block sizes: one decision per bucket
+# (block_n, block_k, warps, stages): the fastest configurations of an H100 sweep over the Llama-8B
+# step shapes (bench/probe_step_gemms.py, 2026-11-22); timing picks among them per weight
+CANDIDATES = {
+    16: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 256, 4, 3), GemmConfig(32, 512, 4, 3)),
+    32: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6)),
+    64: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6)),
+}
+
+
+@dataclass
+class WeightGemm:
+    """x @ weight.T for one weight [N, K]: the skinny kernel with configs[bucket] for the row
+    buckets it names, cuBLAS (and separate norm / SiLU launches) for the rest and for > 64 rows.
+    Either way the same function, up to the GEMM's summation order."""
+    weight: torch.Tensor  # [N, K]; silu_mul: [2 * N', K] = [gate; up]
+    configs: dict[int, GemmConfig] = field(default_factory=dict)
+
+    def __call__(self, x: torch.Tensor | NormedInput, *, residual: torch.Tensor | None = None,
+                 silu_mul: bool = False, out: torch.Tensor | None = None, sumsq: bool = False):
+        """x [m, K] (or rows to norm first) -> out [m, N] (silu_mul: [m, N / 2]), or with sumsq
+        (out, per-row partial sums of squares of out or None).  residual [m, N] is added; out may
+        be residual itself."""
+        rows = x.x if isinstance(x, NormedInput) else x
+        m = rows.shape[0]
+        cfg = self.configs.get(block_m_for(m)) if m <= MAX_ROWS and rows.stride(1) == 1 else None
+        if cfg is not None:
+            return skinny_gemm(x, self.weight, residual=residual, silu_mul=silu_mul, out=out, sumsq=sumsq,
+                               config=cfg)
+        if isinstance(x, NormedInput):
+            x = K.rms_norm(x.x, x.weight, x.eps)
+        if residual is not None:
+            y = residual.addmm_(x, self.weight.t()) if out is residual else torch.addmm(
+                residual, x, self.weight.t(), out=out)
+        else:
+            y = F.linear(x, self.weight)
+            y = K.silu_mul(y) if silu_mul else y
+            if out is not None:
+                y = out.copy_(y)
+        return (y, None) if sumsq else y
+
+
+def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = False, normed: bool = False,
+              mode: str = "auto") -> dict[int, GemmConfig]:
+    """Row bucket -> skinny config, for the buckets where the skinny kernel is faster here.
+    The candidates run the GEMM as the layer will: with its residual (and sums of squares) or
+    its SiLU, from normed input when `normed`.  mode "on": every bucket, "off": none."""
+    if mode == "off":
+        return {}
+    if mode == "on" or weight.device.type != "cuda":
+        return {b: pick_config(b, weight.shape[0] // (2 if silu_mul else 1), weight.shape[1], weight.device,
+                               2 if silu_mul else 1) for b in ROW_BUCKETS}
+    copies = [weight] + [weight.clone() for _ in range(2)]
+    n, k = weight.shape[0] // (2 if silu_mul else 1), weight.shape[1]
+    plan = {}
+    for bucket in ROW_BUCKETS:
+        x = torch.randn(bucket, k, device=weight.device, dtype=weight.dtype)
+        inp = NormedInput(x, torch.rand(bucket, 8, device=x.device) * k, torch.ones(k, device=x.device,
+                                                                                    dtype=x.dtype), 1e-5) if normed else x
+        res = torch.randn(bucket, n, device=weight.device, dtype=weight.dtype) if residual else None
+
+        def time_of(configs):
+            gemms = [WeightGemm(w, configs) for w in copies]
+            try:
+                return graph_time_us(lambda i: gemms[i % 3](inp, residual=res, silu_mul=silu_mul, sumsq=residual),
+                                     calls=6)
+            except triton.runtime.errors.OutOfResources:  # more shared memory than this GPU has
+                return float("inf")
+
+        best, best_us = None, time_of({})
+        for cfg in CANDIDATES[bucket]:
+            us = time_of({bucket: cfg})
+            if us < best_us:
+                best, best_us = cfg, us
+        if best is not None:
+            plan[bucket] = best
+    del copies
+    return plan
