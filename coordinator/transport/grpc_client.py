@@ -15,7 +15,7 @@ import grpc
 
 from coordinator.transport.base import SessionState, as_attach_request, draft_output, split_kwargs
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service import schema
+from drafter.service import probes, schema
 from drafter.service.errors import FIELD_METADATA_KEY, Code, DrafterError
 from drafter.service.wire import call_to_proto, struct_from_proto, struct_to_proto, tensor_from_proto
 
@@ -110,11 +110,22 @@ class GrpcDrafterClient:
                 timeout: float | None = None, **engine_kwargs):
         """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
         self.session.require()
+        probe = probes.start("client-grpc-unary")
         req = call_to_proto(pb.ProposeRequest, self.session.session_id, self.session.epoch,
                             self.session.next_id() if request_id is None else request_id,
                             split_kwargs(engine_kwargs), return_probs=return_probs, batch_padded=batch_padded,
                             tokens_padded=tokens_padded, accepted_counts=accepted_counts)
-        return _output(self._call(self._propose, req, timeout))
+        if probe is not None:
+            probe.request_id = req.request_id
+            probe.mark("encode")
+        resp = self._call(self._propose, req, timeout)
+        if probe is not None:
+            probe.mark("wait")
+        out = _output(resp)
+        if probe is not None:
+            probe.mark("decode")
+            probe.finish()
+        return out
 
     def detach(self, *, timeout: float | None = None) -> int:
         self.session.require()
@@ -213,15 +224,25 @@ class GrpcProposeStream:
                 timeout: float | None = None, **engine_kwargs):
         c = self.client
         c.session.require()
+        probe = probes.start("client-grpc-stream")
         rid = c.session.next_id() if request_id is None else request_id
         req = call_to_proto(pb.ProposeRequest, c.session.session_id, c.session.epoch, rid,
                             split_kwargs(engine_kwargs), return_probs=return_probs, batch_padded=batch_padded,
                             tokens_padded=tokens_padded, accepted_counts=accepted_counts)
+        if probe is not None:
+            probe.request_id = rid
+            probe.mark("encode")
         timeout = c.timeout_s if timeout is None else timeout
         resp = self._run(self._step_with_timeout(req, timeout))
+        if probe is not None:
+            probe.mark("wait")
         if resp.HasField("error"):
             raise _error_from_message(resp.error)
-        return _output(resp)
+        out = _output(resp)
+        if probe is not None:
+            probe.mark("decode")
+            probe.finish()
+        return out
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -17,7 +17,7 @@ import zmq
 import zmq.auth
 
 from coordinator.transport.base import SessionState, as_attach_request, draft_output, split_kwargs
-from drafter.service import schema
+from drafter.service import probes, schema
 from drafter.service.errors import Code, DrafterError
 from drafter.service.wire import call_to_frames, tensor_from_frames
 
@@ -67,7 +67,7 @@ class ZmqDrafterClient:
         self._call_ids = itertools.count(1)
         self.session = SessionState()
 
-    def _roundtrip(self, method: str, body: msgspec.Struct, frames: list, timeout: float | None):
+    def _roundtrip(self, method: str, body: msgspec.Struct, frames: list, timeout: float | None, probe=None):
         timeout = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         call_id = next(self._call_ids)
@@ -75,11 +75,15 @@ class ZmqDrafterClient:
         if not self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no connection to {self.endpoint} within {timeout} s")
         self.sock.send_multipart([b"", _ENCODER.encode(env), _ENCODER.encode(body), *frames], copy=False)
+        if probe is not None:
+            probe.mark("send")
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
                 raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no reply from {self.endpoint} within {timeout} s")
             reply = self.sock.recv_multipart(copy=False)
+            if probe is not None:
+                probe.mark("wait")
             if len(reply) < 3 or len(reply[0]) != 0:
                 continue  # not a reply of this protocol
             try:
@@ -109,14 +113,22 @@ class ZmqDrafterClient:
                 timeout: float | None = None, **engine_kwargs):
         """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
         self.session.require()
+        probe = probes.start("client-zmq")
         header, frames = call_to_frames(
             self.session.session_id, self.session.epoch, self.session.next_id() if request_id is None else request_id,
             split_kwargs(engine_kwargs), return_probs=return_probs, batch_padded=batch_padded,
             tokens_padded=tokens_padded, accepted_counts=accepted_counts)
-        resp, tensors = self._roundtrip("Propose", header, frames, timeout)
+        if probe is not None:
+            probe.request_id = header.request_id
+            probe.mark("encode")
+        resp, tensors = self._roundtrip("Propose", header, frames, timeout, probe)
         drafts = tensor_from_frames("draft_token_ids", resp.draft_token_ids, tensors)
         probs = tensor_from_frames("draft_probs", resp.draft_probs, tensors) if resp.draft_probs else None
-        return draft_output(drafts, probs, resp.batch_padded, resp.tokens_padded)
+        out = draft_output(drafts, probs, resp.batch_padded, resp.tokens_padded)
+        if probe is not None:
+            probe.mark("decode")
+            probe.finish()
+        return out
 
     def detach(self, *, timeout: float | None = None) -> int:
         self.session.require()

@@ -143,6 +143,9 @@ class EngineRunner:
             self.busy_since = None
 
     def _run(self, items: list[Pending]) -> list:
+        for it in items:
+            if it.call.probe is not None:
+                it.call.probe.mark("handoff_in")
         results: list = [None] * len(items)
         ready: list[tuple[int, dict]] = []
         now = time.monotonic()
@@ -195,11 +198,17 @@ class EngineRunner:
             else:
                 kw, rows = fuse([kw for _, kw in group], [items[i].session.bases for i, _ in group],
                                 self.hidden_dtype)
+            for c in calls:
+                if c.probe is not None:
+                    c.probe.mark("prepare")
             t0 = time.perf_counter()
             out = self.engine.propose(
                 **kw, return_probs=any(c.return_probs for c in calls),
                 batch_padded=calls[0].batch_padded or None, tokens_padded=calls[0].tokens_padded or None)
             seconds = time.perf_counter() - t0
+            for c in calls:
+                if c.probe is not None:
+                    c.probe.mark("engine")
         except Exception as exc:  # noqa: BLE001
             if len(group) > 1:  # should not happen after per-request validation; keep the others safe
                 log.error("fused engine call failed (%s); running its %d requests one by one", exc, len(group))

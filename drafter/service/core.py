@@ -250,6 +250,8 @@ class ServiceCore:
 
     async def propose(self, call: ProposeCall) -> ProposeResult:
         s = self.check(call)
+        if call.probe is not None:
+            call.probe.mark("validate")
         s.last_used = time.monotonic()
         s.calls += 1
         result = await self.batcher.submit(s, call)

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service import schema
+from drafter.service import probes, schema
 from drafter.service.core import ServiceCore
 from drafter.service.errors import FIELD_METADATA_KEY, Code, DrafterError
 from drafter.service.wire import call_from_proto, result_to_proto, struct_from_proto, struct_to_proto
@@ -92,15 +92,30 @@ class DrafterGrpcService:
             return struct_to_proto(self.core.info(), pb.InfoResponse())
         return await self._unary("Info", context, work)
 
-    async def _propose_one(self, raw: bytes, context):
-        call = call_from_proto(_parse(pb.ProposeRequest, raw))
+    async def _propose_one(self, raw: bytes, context, probe=None):
+        req = _parse(pb.ProposeRequest, raw)
+        if probe is not None:
+            probe.mark("header_decode")
+        call = call_from_proto(req)
+        call.probe = probe
+        if probe is not None:
+            probe.request_id = call.request_id
+            probe.mark("tensor_decode")
         remaining = context.time_remaining()
         if remaining is not None:
             call.deadline = time.monotonic() + remaining
-        return result_to_proto(await self.core.propose(call), pb.ProposeResponse)
+        result = await self.core.propose(call)
+        if probe is not None:
+            probe.mark("handoff_out")
+        resp = result_to_proto(result, pb.ProposeResponse)
+        if probe is not None:
+            probe.mark("reply_encode")
+            probe.finish()
+        return resp
 
     async def propose(self, raw: bytes, context):
-        return await self._unary("Propose", context, lambda: self._propose_one(raw, context))
+        probe = probes.start("grpc-unary")
+        return await self._unary("Propose", context, lambda: self._propose_one(raw, context, probe))
 
     async def propose_stream(self, request_iterator, context):
         drained = asyncio.ensure_future(self.drain_event.wait())
@@ -115,9 +130,10 @@ class DrafterGrpcService:
                 raw = read.result()
                 if raw is grpc.aio.EOF:
                     return
+                probe = probes.start("grpc-stream")
                 try:
                     async with self.core.serving("grpc", "ProposeStream"):
-                        resp = await self._propose_one(raw, context)
+                        resp = await self._propose_one(raw, context, probe)
                 except DrafterError as e:
                     if e.code == Code.UNAVAILABLE:
                         await context.abort(e.code.grpc, e.message, trailing_metadata=((FIELD_METADATA_KEY, e.field),))

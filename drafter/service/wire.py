@@ -104,6 +104,7 @@ class ProposeCall:
     tokens_padded: int = 0
     accepted_counts: torch.Tensor | None = None  # [batch] int, -1 = no report for that row
     deadline: float | None = None  # time.monotonic() after which the result is useless
+    probe: object = None  # drafter.service.probes.Probe when stage timing is on
 
     @property
     def batch_size(self) -> int:

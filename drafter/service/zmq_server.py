@@ -23,7 +23,7 @@ import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from drafter.service import schema
+from drafter.service import probes, schema
 from drafter.service.core import ServiceCore
 from drafter.service.errors import Code, DrafterError, invalid
 from drafter.service.wire import call_from_frames, result_to_frames
@@ -104,7 +104,8 @@ class ZmqServer:
             except BaseException:
                 self._slots.release()
                 raise
-            task = asyncio.get_running_loop().create_task(self._handle(frames))
+            probe = probes.start("zmq-tcp")
+            task = asyncio.get_running_loop().create_task(self._handle(frames, probe))
             self._tasks.add(task)
             task.add_done_callback(self._done)
 
@@ -114,7 +115,9 @@ class ZmqServer:
         if not task.cancelled() and task.exception() is not None:
             log.error("zmq handler failed", exc_info=task.exception())
 
-    async def _handle(self, frames: list) -> None:
+    async def _handle(self, frames: list, probe=None) -> None:
+        if probe is not None:
+            probe.mark("task_start")
         identity = frames[0].bytes
         rest = frames[1:]
         delimited = bool(rest) and len(rest[0]) == 0
@@ -126,9 +129,11 @@ class ZmqServer:
             if not rest:
                 raise invalid("envelope", "missing envelope frame")
             env = decode_struct(_ENVELOPE, rest[0].buffer, "envelope")
-            out, tensors = await self._dispatch(env, rest[1:])
+            out, tensors = await self._dispatch(env, rest[1:], probe)
             reply = [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method)), _ENCODER.encode(out),
                      *tensors]
+            if probe is not None:
+                probe.mark("reply_encode")
         except Exception as exc:  # noqa: BLE001 - every message gets a reply, even after a bug of ours
             e = exc if isinstance(exc, DrafterError) else DrafterError(Code.INTERNAL, "", repr(exc))
             if not isinstance(exc, DrafterError):
@@ -139,8 +144,11 @@ class ZmqServer:
             await self.sock.send_multipart(head + reply, copy=False)
         except zmq.ZMQError as exc:  # the peer went away or the socket closed; nobody to tell
             log.debug("zmq reply dropped: %s", exc)
+        if probe is not None and env.method == "Propose":
+            probe.mark("send")
+            probe.finish()
 
-    async def _dispatch(self, env: schema.Envelope, rest: list):
+    async def _dispatch(self, env: schema.Envelope, rest: list, probe=None):
         method = env.method
         async with self.core.serving("zmq", method if method in schema.METHODS else "unknown"):
             if method not in schema.METHODS:
@@ -156,10 +164,19 @@ class ZmqServer:
             req = decode_struct(_DECODERS[method], body, "body") if len(body) else schema.METHODS[method][0]()
             tensors = rest[1:]
             if method == "Propose":
+                if probe is not None:
+                    probe.mark("header_decode")
                 call = call_from_frames(req, tensors)
+                call.probe = probe
+                if probe is not None:
+                    probe.request_id = call.request_id
+                    probe.mark("tensor_decode")
                 if env.timeout_ms:
                     call.deadline = time.monotonic() + env.timeout_ms / 1000
-                header, out_frames = result_to_frames(await self.core.propose(call))
+                result = await self.core.propose(call)
+                if probe is not None:
+                    probe.mark("handoff_out")
+                header, out_frames = result_to_frames(result)
                 return header, out_frames
             if tensors:
                 raise invalid("frames", f"{method} takes no tensor frames")
