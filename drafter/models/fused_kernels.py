@@ -8,6 +8,8 @@ are cast to the activation dtype exactly where torch casts them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -158,51 +160,83 @@ def _row_argmax(row_ptr, vocab, BLOCK: tl.constexpr):
     return best_i
 
 
+@dataclass
+class ArgmaxParts:
+    """Per-row argmax candidates that a GEMM epilogue left behind, one per column block:
+    values [rows, parts] f32 (the block's largest rounded logit) and indices [rows, parts] int32
+    (its column, the first on ties).  The row's argmax is the first part holding the maximum."""
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+@triton.jit
+def _greedy_token(scores_ptr, stride_s, idx_ptr, stride_idx, row, n, d2t_ptr,
+                  BLOCK: tl.constexpr, FROM_PARTS: tl.constexpr, HAS_D2T: tl.constexpr):
+    """Target-vocabulary id of row's argmax, from logits [rows, n] or ArgmaxParts ([rows, n] each)."""
+    j = _row_argmax(scores_ptr + row * stride_s, n, BLOCK)
+    if FROM_PARTS:
+        tok = tl.load(idx_ptr + row * stride_idx + j).to(tl.int64)
+    else:
+        tok = j.to(tl.int64)
+    if HAS_D2T:
+        tok += tl.load(d2t_ptr + tok)
+    return tok
+
+
 @triton.jit
 def greedy_ids_kernel(
-    logits_ptr, stride_l,  # [rows, vocab]
+    scores_ptr, stride_s,  # [rows, n]: logits (n = vocab) or ArgmaxParts.values (n = parts)
+    idx_ptr, stride_idx,  # [rows, n] int32: ArgmaxParts.indices (FROM_PARTS)
     d2t_ptr,  # [vocab] int64 offsets to target ids (HAS_D2T)
     out_ptr,  # [rows] int64: target-vocabulary ids
-    vocab,
-    BLOCK: tl.constexpr, HAS_D2T: tl.constexpr,
+    n,
+    BLOCK: tl.constexpr, FROM_PARTS: tl.constexpr, HAS_D2T: tl.constexpr,
 ):
     """argmax over the row (first index on ties, as torch.argmax), mapped to the target vocabulary."""
     row = tl.program_id(0).to(tl.int64)
-    ids = _row_argmax(logits_ptr + row * stride_l, vocab, BLOCK).to(tl.int64)
-    if HAS_D2T:
-        ids += tl.load(d2t_ptr + ids)
-    tl.store(out_ptr + row, ids)
+    tl.store(out_ptr + row, _greedy_token(scores_ptr, stride_s, idx_ptr, stride_idx, row, n, d2t_ptr,
+                                          BLOCK, FROM_PARTS, HAS_D2T))
 
 
-def _argmax_launch(vocab: int) -> dict:
+def _argmax_launch(n: int) -> dict:
     # one load covers the 32000-token draft vocabularies; a 128k vocabulary takes 4 rounds
-    block = min(32768, triton.next_power_of_2(vocab))
+    block = min(32768, triton.next_power_of_2(n))
     return dict(BLOCK=block, num_warps=16 if block >= 8192 else 4)
 
 
-def greedy_ids(logits: torch.Tensor, d2t: torch.Tensor | None = None) -> torch.Tensor:
-    """Target ids of the argmax of each row: logits [rows, vocab] -> [rows] int64 (+ d2t[id] if given)."""
-    rows, vocab = logits.shape
+def _scores(logits: torch.Tensor | ArgmaxParts):
+    """(scores [rows, n], indices or scores again, FROM_PARTS) for the greedy kernels."""
+    if isinstance(logits, ArgmaxParts):
+        return logits.values, logits.indices, True
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    return logits, logits, False
+
+
+def greedy_ids(logits: torch.Tensor | ArgmaxParts, d2t: torch.Tensor | None = None) -> torch.Tensor:
+    """Target ids of the argmax of each row: logits [rows, vocab] (or their ArgmaxParts) -> [rows] int64
+    (+ d2t[id] if given)."""
+    scores, idx, parts = _scores(logits)
+    rows, n = scores.shape
+    out = torch.empty(rows, dtype=torch.int64, device=scores.device)
     if rows:
-        greedy_ids_kernel[(rows,)](logits, logits.stride(0), d2t if d2t is not None else out, out, vocab,
-                                   HAS_D2T=d2t is not None, **_argmax_launch(vocab))
+        greedy_ids_kernel[(rows,)](scores, scores.stride(0), idx, idx.stride(0), d2t if d2t is not None else out,
+                                   out, n, FROM_PARTS=parts, HAS_D2T=d2t is not None, **_argmax_launch(n))
     return out
 
 
 @triton.jit
 def greedy_embed_dual_norm_kernel(
-    logits_ptr, stride_l,  # [rows, vocab]
+    scores_ptr, stride_s,  # [rows, n]: logits or ArgmaxParts.values
+    idx_ptr, stride_idx,  # [rows, n] int32: ArgmaxParts.indices (FROM_PARTS)
     d2t_ptr,  # [vocab] int64 (HAS_D2T)
     ids_ptr,  # [rows] int64 out: target-vocabulary ids
     table_ptr, stride_table,  # [target_vocab, n_cols] embedding
     hidden_ptr, stride_hidden,  # [rows, n_cols]
     w_embed_ptr, w_hidden_ptr,  # [n_cols] each
     out_ptr, stride_out,  # [rows, 2 * n_cols]: [norm(embed(ids)) | norm(hidden)]
-    vocab, n_cols, eps,
-    BLOCK_V: tl.constexpr, BLOCK: tl.constexpr, HAS_D2T: tl.constexpr,
+    n, n_cols, eps,
+    BLOCK_V: tl.constexpr, BLOCK: tl.constexpr, FROM_PARTS: tl.constexpr, HAS_D2T: tl.constexpr,
 ):
     """One greedy chain hand-off: argmax (+ d2t) of the logits, then EAGLE-3's next layer input
     (the new token's embedding and the carried hidden state, each normed), in one launch."""
@@ -212,9 +246,8 @@ def greedy_embed_dual_norm_kernel(
     ok = cols < n_cols
     dtype = hidden_ptr.dtype.element_ty
     if half == 0:
-        tok = _row_argmax(logits_ptr + row * stride_l, vocab, BLOCK_V).to(tl.int64)
-        if HAS_D2T:
-            tok += tl.load(d2t_ptr + tok)
+        tok = _greedy_token(scores_ptr, stride_s, idx_ptr, stride_idx, row, n, d2t_ptr, BLOCK_V, FROM_PARTS,
+                            HAS_D2T)
         tl.store(ids_ptr + row, tok)
         x = tl.load(table_ptr + tok * stride_table + cols, mask=ok, other=0.0).to(tl.float32)
         y = _rms(x, w_embed_ptr, cols, ok, n_cols, eps, dtype)
@@ -224,24 +257,24 @@ def greedy_embed_dual_norm_kernel(
     tl.store(out_ptr + row * stride_out + half * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def greedy_embed_dual_norm(logits: torch.Tensor, d2t: torch.Tensor | None, table: torch.Tensor,
+def greedy_embed_dual_norm(logits: torch.Tensor | ArgmaxParts, d2t: torch.Tensor | None, table: torch.Tensor,
                            hidden: torch.Tensor, w_embed: torch.Tensor, w_hidden: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(greedy_ids(logits, d2t), embed_dual_norm(those ids, ...)) in one launch.
-    logits [rows, vocab], table [target_vocab, n], hidden [rows, n] -> ids [rows] int64, [rows, 2n]."""
-    rows, vocab = logits.shape
+    logits [rows, vocab] (or their ArgmaxParts), table [target_vocab, n], hidden [rows, n]
+    -> ids [rows] int64, [rows, 2n]."""
+    scores, idx, parts = _scores(logits)
+    rows, n_scores = scores.shape
     n = hidden.shape[1]
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
     if hidden.stride(1) != 1:
         hidden = hidden.contiguous()
-    ids = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    ids = torch.empty(rows, dtype=torch.int64, device=hidden.device)
     out = torch.empty(rows, 2 * n, dtype=hidden.dtype, device=hidden.device)
     if rows:
-        launch = _argmax_launch(vocab)
+        launch = _argmax_launch(n_scores)
         greedy_embed_dual_norm_kernel[(rows, 2)](
-            logits, logits.stride(0), d2t if d2t is not None else ids, ids, table, table.stride(0),
-            hidden, hidden.stride(0), w_embed, w_hidden, out, out.stride(0), vocab, n, eps,
-            BLOCK_V=launch["BLOCK"], BLOCK=triton.next_power_of_2(n), HAS_D2T=d2t is not None,
-            num_warps=launch["num_warps"])
+            scores, scores.stride(0), idx, idx.stride(0), d2t if d2t is not None else ids, ids, table,
+            table.stride(0), hidden, hidden.stride(0), w_embed, w_hidden, out, out.stride(0), n_scores, n, eps,
+            BLOCK_V=launch["BLOCK"], BLOCK=triton.next_power_of_2(n), FROM_PARTS=parts, HAS_D2T=d2t is not None,
+            num_warps=max(4, launch["num_warps"]))
     return ids, out

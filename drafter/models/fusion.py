@@ -76,7 +76,7 @@ def fuse_head(head: DraftHead, skinny: str = "auto") -> DraftHead:
                 m.forward = types.MethodType(fn, m)
                 break
     if isinstance(head, (EagleHead, Eagle3Head)):
-        head.lm_head_gemm = gemm(head.lm_head.weight, normed=isinstance(head, Eagle3Head))
+        head.lm_head_gemm = gemm(head.lm_head.weight, normed=isinstance(head, Eagle3Head), argmax=True)
         head.compute_logits = types.MethodType(compute_logits, head)
     head.greedy_draft = types.MethodType(greedy_draft, head)
     if isinstance(head, Eagle3Head) and len(head.layers) == 1:
@@ -103,16 +103,19 @@ def greedy_draft(head: DraftHead, hidden: torch.Tensor | NormedInput, step: int)
     """Greedy draft ids in the target vocabulary: the lm_head GEMM, then argmax and the d2t map in
     one launch (torch needs three).  hidden [rows, hidden_size] -> [rows] int64."""
     d2t = head.d2t if isinstance(head, Eagle3Head) else None
-    return K.greedy_ids(head.compute_logits(hidden, step), d2t)
+    if not hasattr(head, "lm_head_gemm"):  # MTP: a norm and a per-layer head
+        return K.greedy_ids(head.compute_logits(hidden, step), d2t)
+    logits, parts = head.lm_head_gemm(hidden, argmax=True)  # the argmax candidates, when the GEMM left them
+    return K.greedy_ids(parts if parts is not None else logits, d2t)
 
 
 def greedy_next_inputs(head: Eagle3Head, logit_h: torch.Tensor | NormedInput, carry_h: torch.Tensor, step: int):
     """A greedy chain step that another step follows: (draft ids [rows] int64, the next step's
     layer input [rows, 2 * hidden_size]).  The lm_head GEMM, then argmax + d2t + embedding +
     both input norms in one launch."""
-    logits = head.compute_logits(logit_h, step)
+    logits, parts = head.lm_head_gemm(logit_h, argmax=True)
     first = head.layers[0]
-    return K.greedy_embed_dual_norm(logits, head.d2t, head.embed_tokens.weight, carry_h,
+    return K.greedy_embed_dual_norm(parts if parts is not None else logits, head.d2t, head.embed_tokens.weight, carry_h,
                                     first.input_layernorm.weight, first.hidden_norm.weight,
                                     first.input_layernorm.eps)
 

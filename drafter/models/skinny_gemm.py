@@ -13,6 +13,9 @@ This kernel streams W once and fuses the step's elementwise work:
               SILU_MUL:  out = silu(x @ Wg.T) * (x @ Wu.T)   (W = [gate; up], rounded as torch does)
               SUMSQ_OUT: also write each row's sum of squares over this program's columns, for
                          the next GEMM's NORM_IN
+              ARGMAX_OUT: also write each row's largest (rounded) value over this program's
+                         columns and its column: greedy drafting then reduces a few hundred
+                         candidates per row instead of re-reading the logits
 
     x [m, K] (row stride free), W [N, K] row-major (K contiguous), m <= 64.
 
@@ -28,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from drafter.models.fused_kernels import ArgmaxParts
 
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL = 0, 1, 2
 MAX_ROWS = 64  # above this the product is no longer weight-streaming: cuBLAS
@@ -48,10 +53,11 @@ def skinny_gemm_kernel(
     res_ptr, stride_res,  # [m, N], EPILOGUE_RESIDUAL only
     norm_w_ptr, sumsq_in_ptr, stride_sin, n_parts_in, eps,  # NORM_IN: [K], [m, n_parts_in] f32
     sumsq_out_ptr, stride_sout,  # SUMSQ_OUT: [m, cdiv(N, BLOCK_N)] f32
+    amax_val_ptr, amax_idx_ptr, stride_amax,  # ARGMAX_OUT: [m, cdiv(N, BLOCK_N)] f32 and int32
     m, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EPILOGUE: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr, SUMSQ_OUT: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -103,6 +109,11 @@ def skinny_gemm_kernel(
     if SUMSQ_OUT:  # of the stored (rounded) values, as the norm that reads them would compute
         yf = tl.where(ok, y.to(tl.float32), 0.0)
         tl.store(sumsq_out_ptr + offs_m * stride_sout + pid_n, tl.sum(yf * yf, 1), mask=m_ok)
+    if ARGMAX_OUT:  # over the rounded values, first column on ties: torch.argmax of the stored logits
+        yf = tl.where(ok, y.to(tl.float32), float("-inf"))
+        col = pid_n * BLOCK_N + tl.argmax(yf, 1, tie_break_left=True)
+        tl.store(amax_val_ptr + offs_m * stride_amax + pid_n, tl.max(yf, 1), mask=m_ok)
+        tl.store(amax_idx_ptr + offs_m * stride_amax + pid_n, col.to(tl.int32), mask=m_ok)
 
 
 @dataclass(frozen=True)
@@ -151,9 +162,12 @@ def skinny_gemm(
     silu_mul: bool = False,
     out: torch.Tensor | None = None,  # [m, N]; may be `residual` itself (in place)
     sumsq: bool = False,  # also return the per-row partial sums of squares of out
+    argmax: bool = False,  # also return the per-row argmax candidates of out (ArgmaxParts)
     config: GemmConfig | None = None,
 ):
-    """-> out [m, N], or (out, sumsq [m, parts] f32) with sumsq=True."""
+    """-> out [m, N]; with sumsq: (out, sums of squares [m, parts] f32); with argmax: (out, ArgmaxParts)."""
+    if sumsq and argmax:
+        raise ValueError("skinny_gemm: one of sumsq / argmax")
     norm = x if isinstance(x, NormedInput) else None
     if norm is not None:
         x = norm.x
@@ -170,21 +184,26 @@ def skinny_gemm(
         raise ValueError(f"skinny_gemm: residual must be a [{m}, {n}] tensor with contiguous rows")
     cfg = config or pick_config(m, n, k, x.device, 2 if silu_mul else 1)
     parts = triton.cdiv(n, cfg.block_n)
-    partial = torch.empty(m, parts, dtype=torch.float32, device=x.device) if sumsq else None
+    partial = torch.empty(m, parts, dtype=torch.float32, device=x.device) if sumsq or argmax else None
+    cand = ArgmaxParts(partial, torch.empty(m, parts, dtype=torch.int32, device=x.device)) if argmax else None
     if m:
         block_m = block_m_for(m)
         epilogue = EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_RESIDUAL if residual is not None else EPILOGUE_NONE
         res = residual if residual is not None else out
         s_in = norm.sumsq if norm is not None else out
         s_out = partial if sumsq else out
+        a_val, a_idx = (cand.values, cand.indices) if argmax else (out, out)
         skinny_gemm_kernel[(parts, triton.cdiv(m, block_m))](
             x, x.stride(0), weight, weight.stride(0), out, out.stride(0), res, res.stride(0),
             norm.weight if norm is not None else weight, s_in, s_in.stride(0),
             norm.sumsq.shape[1] if norm is not None else 0, norm.eps if norm is not None else 0.0,
-            s_out, s_out.stride(0), m, n, k,
+            s_out, s_out.stride(0), a_val, a_idx, a_val.stride(0), m, n, k,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
             EPILOGUE=epilogue, NORM_IN=norm is not None,
             BLOCK_P=triton.next_power_of_2(norm.sumsq.shape[1]) if norm is not None else 1, SUMSQ_OUT=sumsq,
+            ARGMAX_OUT=argmax,
             DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if argmax:
+        return out, cand
     return (out, partial) if sumsq else out

@@ -42,16 +42,17 @@ class WeightGemm:
     configs: dict[int, GemmConfig] = field(default_factory=dict)
 
     def __call__(self, x: torch.Tensor | NormedInput, *, residual: torch.Tensor | None = None,
-                 silu_mul: bool = False, out: torch.Tensor | None = None, sumsq: bool = False):
+                 silu_mul: bool = False, out: torch.Tensor | None = None, sumsq: bool = False,
+                 argmax: bool = False):
         """x [m, K] (or rows to norm first) -> out [m, N] (silu_mul: [m, N / 2]), or with sumsq
-        (out, per-row partial sums of squares of out or None).  residual [m, N] is added; out may
-        be residual itself."""
+        (out, per-row partial sums of squares of out or None), or with argmax (out, ArgmaxParts or
+        None).  residual [m, N] is added; out may be residual itself."""
         rows = x.x if isinstance(x, NormedInput) else x
         m = rows.shape[0]
         cfg = self.configs.get(block_m_for(m)) if m <= MAX_ROWS and rows.stride(1) == 1 else None
         if cfg is not None:
             return skinny_gemm(x, self.weight, residual=residual, silu_mul=silu_mul, out=out, sumsq=sumsq,
-                               config=cfg)
+                               argmax=argmax, config=cfg)
         if isinstance(x, NormedInput):
             x = K.rms_norm(x.x, x.weight, x.eps)
         if residual is not None:
@@ -62,11 +63,11 @@ class WeightGemm:
             y = K.silu_mul(y) if silu_mul else y
             if out is not None:
                 y = out.copy_(y)
-        return (y, None) if sumsq else y
+        return (y, None) if sumsq or argmax else y
 
 
 def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = False, normed: bool = False,
-              mode: str = "auto") -> dict[int, GemmConfig]:
+              argmax: bool = False, mode: str = "auto") -> dict[int, GemmConfig]:
     """Row bucket -> skinny config, for the buckets where the skinny kernel is faster here.
     The candidates run the GEMM as the layer will: with its residual (and sums of squares) or
     its SiLU, from normed input when `normed`.  mode "on": every bucket, "off": none."""
@@ -87,8 +88,7 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
         def time_of(configs):
             gemms = [WeightGemm(w, configs) for w in copies]
             try:
-                return graph_time_us(lambda i: gemms[i % 3](inp, residual=res, silu_mul=silu_mul, sumsq=residual),
-                                     calls=6)
+                return graph_time_us(lambda i: _as_layer_runs_it(gemms[i % 3], inp, res, silu_mul, argmax), calls=6)
             except triton.runtime.errors.OutOfResources:  # more shared memory than this GPU has
                 return float("inf")
 
@@ -101,3 +101,12 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
             plan[bucket] = best
     del copies
     return plan
+
+
+def _as_layer_runs_it(gemm: WeightGemm, x, residual, silu_mul: bool, argmax: bool):
+    """One call with the work the layer does around it on either path (greedy: the argmax)."""
+    out = gemm(x, residual=residual, silu_mul=silu_mul, sumsq=residual is not None, argmax=argmax)
+    if argmax:
+        logits, parts = out
+        return K.greedy_ids(parts if parts is not None else logits)
+    return out

@@ -141,3 +141,27 @@ def test_greedy_embed_dual_norm_equals_its_parts(vocab, with_d2t):
         logits, d2t, table, hidden, norm_e.weight.detach(), norm_h.weight.detach())), 1e-5)
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(out.cpu(), want.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 6, 40])
+def test_argmax_candidates_give_torch_argmax(m):
+    """The lm_head epilogue's per-block (max, column) candidates reduce to torch.argmax of the
+    stored logits, ties included, for greedy_ids and for the fused hand-off."""
+    g = torch.Generator().manual_seed(m)
+    vocab, k, n = 200, 64, 48
+    x, w = torch.randn(m, k, generator=g), torch.randn(vocab, k, generator=g)
+    w[37] = w[150]  # the same logit at columns 37 and 150 (different blocks): the first must win
+    x[0] = w[150] * 10  # ... and it is row 0's maximum
+    dev = [t.to(DEVICE) for t in (x, w)]
+    logits, parts = skinny_gemm(*dev, argmax=True, config=GemmConfig(16, 32, 4, 1))
+    want = logits.cpu().argmax(-1)
+    assert want[0] == 37
+    assert parts.values.shape == (m, -(-vocab // 16)) and parts.indices.dtype == torch.int32
+    assert torch.equal(K.greedy_ids(parts).cpu(), want)
+    d2t = torch.randint(0, 50, (vocab,), generator=g).to(DEVICE)
+    assert torch.equal(K.greedy_ids(parts, d2t).cpu(), want + d2t.cpu()[want])
+    table, hidden = torch.randn(260, n, generator=g).to(DEVICE), torch.randn(m, n, generator=g).to(DEVICE)
+    ones = torch.ones(n, device=DEVICE)
+    ids_a, out_a = K.greedy_embed_dual_norm(parts, d2t, table, hidden, ones, ones, 1e-5)
+    ids_b, out_b = K.greedy_embed_dual_norm(logits, d2t, table, hidden, ones, ones, 1e-5)
+    assert torch.equal(ids_a, ids_b) and torch.equal(out_a, out_b)
