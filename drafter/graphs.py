@@ -128,6 +128,7 @@ class GraphRunner:
             self.capture()
         self.header.write(on_device(inp, self.engine.buffers.input_ids.device))
         self.first_graphs[tokens_padded]()
+        self.header.loaded()
         self.loop_graphs[batch_padded]()
         self.replays += 1
         return self.drafts[:batch_padded]

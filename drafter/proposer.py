@@ -93,8 +93,9 @@ class Proposer:
         ids, probs, logits, layer_input = self._sample(logit_h, carry_h, 0, temps, generator, want_probs,
                                                        want_logits)
         drafts, all_probs, all_logits = [ids], [probs], [logits]
+        step_inputs = self._chain_step_inputs(buf, batch, pos, real)
         for step in range(1, self.k):
-            pos, fed_pos, metas = self._next_step_inputs(buf, batch, pos, real)
+            pos, fed_pos, metas = step_inputs[step - 1]
             prepared = {} if layer_input is None else {"layer_input": layer_input}
             logit_h, carry_h = self.head(ids, fed_pos, carry_h, self.kv_caches, metas, self.backend, step=step,
                                          **prepared)
@@ -106,13 +107,23 @@ class Proposer:
         stacked = torch.stack(all_probs, dim=1) if want_probs else None
         return Drafts(torch.stack(drafts, dim=1), stacked, torch.stack(all_logits, dim=1) if want_logits else None)
 
-    def _next_step_inputs(self, buf: StaticBuffers, batch: int, pos: torch.Tensor, real: torch.Tensor):
-        """(position + 1, the position fed to the head, metadata per KV group) for the next step.
-        A backend may do this in one fused launch (TritonBackend.decode_step_inputs)."""
+    def _chain_step_inputs(self, buf: StaticBuffers, batch: int, pos: torch.Tensor, real: torch.Tensor):
+        """Per chain step 1 .. k-1: (its position, the position fed to the head, metadata per KV
+        group).  A backend may do all steps in one launch (TritonBackend.decode_step_inputs)."""
+        if self.k == 1:
+            return []
         fused = getattr(self.backend, "decode_step_inputs", None)
         if fused is not None:
             return fused(pos, buf.seq_lens[:batch], [t[:batch] for t in buf.block_tables], buf.block_sizes,
-                         self.max_model_len)
+                         self.max_model_len, self.k - 1)
+        out = []
+        for _ in range(1, self.k):
+            out.append(self._next_step_inputs(buf, batch, pos, real))
+            pos = out[-1][0]
+        return out
+
+    def _next_step_inputs(self, buf: StaticBuffers, batch: int, pos: torch.Tensor, real: torch.Tensor):
+        """(position + 1, the position fed to the head, metadata per KV group) for the next step."""
         pos = pos + 1
         exceeds = pos >= self.max_model_len
         fed_pos = torch.where(exceeds, 0, pos)

@@ -192,18 +192,21 @@ def test_step_inputs_match_the_torch_path():
         t.copy_(torch.randint(0, 50, t.shape, generator=g, dtype=torch.int32))
     buf.seq_lens[:6] = torch.tensor([5, 0, 19, 20, 3, 0], dtype=torch.int32)  # rows 1 and 5 padded
     pos = torch.tensor([4, 0, 18, 19, 22, 7])  # row 3 reaches max_model_len 20, row 4 is past it
-    proposer = Proposer(None, [], ReferenceBackend(), 3, 20, None)
+    proposer = Proposer(None, [], ReferenceBackend(), 4, 20, None)  # k = 4: three chain steps
     real = buf.seq_lens[:6] > 0
-    want_pos, want_fed, want_metas = proposer._next_step_inputs(buf, 6, pos, real)
+    want = proposer._chain_step_inputs(buf, 6, pos, real)  # the torch path, one step after another
     tables = [t[:6].to(DEVICE) for t in buf.block_tables]
-    got_pos, got_fed, got_metas = decode_step_inputs(pos.to(DEVICE), buf.seq_lens[:6].to(DEVICE), tables,
-                                                     block_sizes, 20)
-    assert torch.equal(got_pos.cpu(), want_pos) and torch.equal(got_fed.cpu(), want_fed)
-    for got, want in zip(got_metas, want_metas):
-        assert torch.equal(got.seq_lens.cpu(), want.seq_lens)
-        assert torch.equal(got.slot_mapping.cpu(), want.slot_mapping)
-        assert torch.equal(got.query_start_loc.cpu(), want.query_start_loc)
-    assert int(want_metas[0].slot_mapping[1]) == -1 and int(want_metas[0].slot_mapping[3]) == -1
+    got = decode_step_inputs(pos.to(DEVICE), buf.seq_lens[:6].to(DEVICE), tables, block_sizes, 20, steps=3)
+    assert len(got) == len(want) == 3
+    for (got_pos, got_fed, got_metas), (want_pos, want_fed, want_metas) in zip(got, want):
+        assert torch.equal(got_pos.cpu(), want_pos) and torch.equal(got_fed.cpu(), want_fed)
+        for g, w in zip(got_metas, want_metas):
+            assert torch.equal(g.seq_lens.cpu(), w.seq_lens)
+            assert torch.equal(g.slot_mapping.cpu(), w.slot_mapping)
+            assert torch.equal(g.query_start_loc.cpu(), w.query_start_loc)
+    first_metas = want[0][2]
+    assert int(first_metas[0].slot_mapping[1]) == -1 and int(first_metas[0].slot_mapping[3]) == -1
+    assert int(want[2][2][0].slot_mapping[0]) != -1  # row 0 stays live through the three steps
 
 
 @pytest.mark.parametrize("rejection", ["none", "explicit-sample", "rejected-counts"])

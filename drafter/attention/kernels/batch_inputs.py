@@ -173,20 +173,32 @@ def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> No
 
 
 class InputHeader:
-    """The per-call header, copied to a fixed device buffer before each replay.
+    """The per-call header the captured loader reads.
 
-    The host copy is ordinary (pageable) memory on purpose: CUDA stages a pageable copy before
-    the call returns, so the next call may overwrite the host words at once, with no event to
-    wait on (a pinned buffer would need one, and its Python cost is most of the header's)."""
+    On a GPU the header lives in pinned host memory, which the device reads in place (pinned
+    memory is mapped into the device's address space): no copy per call, and the loader's
+    few word loads cross PCIe once.  The host must not rewrite the words before the previous
+    call's loader has read them: `loaded()` records an event after the first-pass replay and
+    `write` waits on it (in steady state long passed: the caller has consumed those drafts).
+    Elsewhere (the CPU emulation in tests) `device` is a separate tensor and `write` copies."""
 
     def __init__(self, num_groups: int, device):
         words = GROUP0 + GROUP_WORDS * num_groups
         if words > HEADER_WORDS:
             raise ValueError(f"the input header holds {(int(HEADER_WORDS) - GROUP0) // GROUP_WORDS} KV groups")
-        self.host = torch.zeros(int(HEADER_WORDS), dtype=torch.int64)
+        mapped = torch.device(device).type == "cuda"
+        self.host = torch.zeros(int(HEADER_WORDS), dtype=torch.int64, pin_memory=mapped)
         self.words = self.host.numpy()
-        self.device = torch.zeros(int(HEADER_WORDS), dtype=torch.int64, device=device)
+        self.device = self.host if mapped else torch.zeros(int(HEADER_WORDS), dtype=torch.int64, device=device)
+        self._read = torch.cuda.Event() if mapped else None
+        self._pending = False
         self.inputs: tuple = ()  # the call's tensors stay referenced until the next call
+
+    def loaded(self) -> None:
+        """Call after the work that reads the header has been queued (the first-pass replay)."""
+        if self._read is not None:
+            self._read.record()
+            self._pending = True
 
     def write(self, inp: ProposeInputs) -> None:
         """Describe `inp` (tensors on the buffers' device) and send the header to the device."""
@@ -205,9 +217,13 @@ class InputHeader:
         for table, slot in zip(tables, slots):  # from word GROUP0 = 16 on
             words += [slot.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1],
                       int(slot.dtype == torch.int64), int(table.dtype == torch.int64)]
+        if self._pending:
+            self._read.synchronize()  # the previous call's loader is done with the words
+            self._pending = False
         self.words[:len(words)] = words  # one numpy write: this runs once per propose
         self.inputs = (ints, hidden, tables, slots)
-        self.device.copy_(self.host, non_blocking=True)
+        if self.device is not self.host:
+            self.device.copy_(self.host)
 
 
 def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
