@@ -84,11 +84,13 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
         inp = NormedInput(x, torch.rand(bucket, 8, device=x.device) * k, torch.ones(k, device=x.device,
                                                                                     dtype=x.dtype), 1e-5) if normed else x
         res = torch.randn(bucket, n, device=weight.device, dtype=weight.dtype) if residual else None
+        norm_w = torch.ones(n, device=weight.device, dtype=weight.dtype)
 
         def time_of(configs):
             gemms = [WeightGemm(w, configs) for w in copies]
             try:
-                return graph_time_us(lambda i: _as_layer_runs_it(gemms[i % 3], inp, res, silu_mul, argmax), calls=6)
+                return graph_time_us(lambda i: _as_layer_runs_it(gemms[i % 3], inp, res, silu_mul, argmax, norm_w),
+                                     calls=6)
             except triton.runtime.errors.OutOfResources:  # more shared memory than this GPU has
                 return float("inf")
 
@@ -103,7 +105,7 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
     return plan
 
 
-def _as_layer_runs_it(gemm: WeightGemm, x, residual, silu_mul: bool, argmax: bool):
+def _as_layer_runs_it(gemm: WeightGemm, x, residual, silu_mul: bool, argmax: bool, norm_w=None):
     """One call with the work each path brings along: after the lm_head the greedy argmax (over
     the logits, or the skinny kernel's candidates); after a residual GEMM the RMSNorm that its
     consumer must run as a launch of its own when cuBLAS left no sums of squares."""
@@ -114,9 +116,5 @@ def _as_layer_runs_it(gemm: WeightGemm, x, residual, silu_mul: bool, argmax: boo
     if residual is not None:
         y, sumsq = out
         if sumsq is None:
-            return K.rms_norm(y, _ones(y), 1e-5)
+            return K.rms_norm(y, norm_w, 1e-5)
     return out
-
-
-def _ones(y: torch.Tensor) -> torch.Tensor:  # [N]: a norm weight for timing
-    return torch.ones(y.shape[1], dtype=y.dtype, device=y.device)
