@@ -556,6 +556,9 @@ def run(args) -> dict:
                             profiles[f"{head_name} k={k} b={b} ctx={min(args.contexts)} {mode}"] = prof
                             log(f"  profile {head_name} b={b} {mode}: " + "; ".join(
                                 f"{p['kernel'][:48]} x{p['count']} {p['us_per_call']:.0f}us" for p in prof[:14]))
+            # what is measured so far survives a timeout
+            (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows, "profiles": profiles,
+                                                        "host": host, "partial": True}, indent=1))
             del engine
             gc.collect()  # the graph runner and the engine reference each other
             torch.cuda.empty_cache()
