@@ -33,6 +33,9 @@ def build_engine(root: Path, name: str, *, k: int = 3, max_model_len: int = 96, 
                  **config) -> DraftEngine:
     method, out = tiny_dirs(root, name)
     groups = max(1, parse_head(read_config(out / "head"), method).num_kv_groups)
+    # tiny weights: the skinny kernels always (timing cuBLAS against them per weight costs a GPU
+    # test run minutes of compiles and says nothing about tiny shapes)
+    config.setdefault("skinny_gemm", "on")
     cfg = EngineConfig(
         method=method, num_speculative_tokens=1 if method == "extract_hidden_states" else k,
         max_model_len=max_model_len, max_num_seqs=config.pop("max_num_seqs", 8),
