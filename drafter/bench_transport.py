@@ -154,12 +154,18 @@ async def _serve(args) -> int:
     zkw = {"ipc_path": args.zmq_ipc} if args.zmq_ipc else {}
     zmq_server = ZmqServer(core, host="127.0.0.1", port=0, max_message_bytes=max_bytes, **zkw)
     zmq_port = zmq_server.start()
-    health = HealthState()
-    await health.set_serving(True)
-    grpc_server, grpc_port = build_main_server(DrafterGrpcService(core, asyncio.Event()), health, host="127.0.0.1",
-                                               port=0, max_message_bytes=max_bytes, keepalive_time_s=30,
-                                               keepalive_timeout_s=10)
-    await grpc_server.start()
+    grpc_server, grpc_port = None, 0
+    if not os.environ.get("BENCH_NO_GRPC"):
+        health = HealthState()
+        await health.set_serving(True)
+        grpc_server, grpc_port = build_main_server(DrafterGrpcService(core, asyncio.Event()), health,
+                                                   host="127.0.0.1", port=0, max_message_bytes=max_bytes,
+                                                   keepalive_time_s=30, keepalive_timeout_s=10)
+        await grpc_server.start()
+    if os.environ.get("BENCH_GC_FREEZE"):
+        import gc
+        gc.collect()
+        gc.freeze()
     profiler = None
     if args.profile:
         import cProfile
@@ -179,7 +185,10 @@ async def _serve(args) -> int:
         cmd = await lines.get()
         if not cmd or cmd[0] == "quit":
             break
-        if cmd[0] == "stats":
+        if cmd[0] == "marks":
+            from drafter.service import zmq_server as _z
+            print(json.dumps({**probes.RECORDER.marks(), "trace": getattr(_z, "_TRACE", [])}), flush=True)
+        elif cmd[0] == "stats":
             print(json.dumps(probes.RECORDER.summary(reset=True, skip=int(cmd[1]) if len(cmd) > 1 else 0)),
                   flush=True)
         elif cmd[0] == "profile-start" and profiler is not None:
@@ -190,7 +199,8 @@ async def _serve(args) -> int:
             profiler.dump_stats(os.path.join(args.profile, f"server-{cmd[1]}.prof"))
             profiler = type(profiler)()
             print(json.dumps({"event": "ok"}), flush=True)
-    await grpc_server.stop(1)
+    if grpc_server is not None:
+        await grpc_server.stop(1)
     await zmq_server.close(timeout=1)
     await core.close()
     return 0
@@ -277,40 +287,51 @@ def _bind(sock, endpoints: list[str]) -> int:
     return port
 
 
-def echo_floor(frames: list, iters: int, warmup: int, ipc_dir: str, use_asyncio: bool) -> dict:
-    import zmq
+class EchoLane:
+    """Round trips of the same frames to a bare ROUTER echo (another process): the floor."""
 
-    ipc = f"ipc://{ipc_dir}/echo{'-aio' if use_asyncio else ''}.sock"
-    cmd = [sys.executable, "-m", "drafter.bench_transport", "echo", "--endpoint", "tcp://127.0.0.1:0",
-           "--endpoint", ipc] + (["--asyncio"] if use_asyncio else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    try:
-        port = json.loads(proc.stdout.readline())["port"]
-        out = {}
-        for name, ep in (("tcp", f"tcp://127.0.0.1:{port}"), ("ipc", ipc)):
-            ctx = zmq.Context.instance()
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(ep)
-            msg = [b"", b"e" * 24, b"h" * 700, *frames]
-            times = []
-            for i in range(warmup + iters):
-                t0 = time.perf_counter_ns()
-                sock.send_multipart(msg, copy=False)
-                sock.recv_multipart(copy=False)
-                if i >= warmup:
-                    times.append(time.perf_counter_ns() - t0)
-            sock.close()
-            out[name] = _pct(times)
-        return out
-    finally:
-        proc.kill()
-        proc.wait()
+    def __init__(self, name: str, endpoint: str, frames: list):
+        import zmq
+
+        self.name = name
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.msg = [b"", b"e" * 24, b"h" * 700, *frames]
+        self.rtt: list[int] = []
+
+    def step(self, rid: int, record: bool) -> None:
+        t0 = time.perf_counter_ns()
+        self.sock.send_multipart(self.msg, copy=False)
+        self.sock.recv_multipart(copy=False)
+        if record:
+            self.rtt.append(time.perf_counter_ns() - t0)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def result(self, server_stats: dict, client_stats: dict) -> dict:
+        return {"round_trip": _pct(self.rtt)}
+
+
+class EchoProc:
+    def __init__(self, ipc: str, use_asyncio: bool):
+        cmd = [sys.executable, "-m", "drafter.bench_transport", "echo", "--endpoint", "tcp://127.0.0.1:0",
+               "--endpoint", ipc] + (["--asyncio"] if use_asyncio else [])
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        self.port = json.loads(self.proc.stdout.readline())["port"]
+        self.ipc = ipc
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 # ---------------------------------------------------------------------------------------- client
 def _pct(ns: list[int]) -> dict:
     xs = sorted(ns)
+    if not xs:
+        return {}
     return {"p50_us": statistics.median(xs) / 1e3, "p90_us": xs[int(0.9 * (len(xs) - 1))] / 1e3,
             "min_us": xs[0] / 1e3, "n": len(xs)}
 
@@ -327,61 +348,51 @@ def _layout(info, name: str, blocks: int):
         client_name=f"bench-{name}")
 
 
-def _client(name: str, server: ServerProc):
-    from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
+class DrafterLane:
+    """One real client (one session) of the bench server on one transport."""
 
-    r = server.ready
-    if name == "zmq-tcp":
-        return ZmqDrafterClient(f"tcp://127.0.0.1:{r['zmq_port']}", timeout_s=30), None
-    if name == "zmq-ipc":
-        return ZmqDrafterClient(r["zmq_ipc"], timeout_s=30), None
-    c = GrpcDrafterClient(f"127.0.0.1:{r['grpc_port']}", timeout_s=30)
-    return c, ("stream" if name == "grpc-stream" else None)
+    def __init__(self, name: str, server: ServerProc, args, base_id: int):
+        from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
 
+        self.name, self.base_id, self.args = name, base_id, args
+        r = server.ready
+        if name == "zmq-tcp":
+            self.client = ZmqDrafterClient(f"tcp://127.0.0.1:{r['zmq_port']}", timeout_s=30)
+        elif name == "zmq-ipc":
+            self.client = ZmqDrafterClient(r["zmq_ipc"], timeout_s=30)
+        else:
+            self.client = GrpcDrafterClient(f"127.0.0.1:{r['grpc_port']}", timeout_s=30)
+        per_session = args.kv_blocks // 4
+        self.client.attach(_layout(self.client.info(), name, per_session))
+        self.caller = self.client.stream() if name == "grpc-stream" else self.client
+        self.call = decode_call(args.batch, args.k, args.ctx, per_session, HEAD["vocab_size"], 3 * HEAD["hidden_size"])
+        self.rtt: dict[int, int] = {}
+        self.n = 0
 
-def run_transport(name: str, server: ServerProc, args, base_id: int) -> dict:
-    from drafter.service import probes
-
-    client, kind = _client(name, server)
-    per_session = args.kv_blocks // 4
-    info = client.info()
-    client.attach(_layout(info, name, per_session))
-    caller = client.stream() if kind == "stream" else client
-    call = decode_call(args.batch, args.k, args.ctx, per_session, HEAD["vocab_size"], 3 * HEAD["hidden_size"])
-    rtt: dict[int, int] = {}
-    n = args.warmup + args.iters
-    if args.profile:
-        import cProfile
-        prof = cProfile.Profile()
-    for i in range(n):
-        rid = base_id + i
-        if args.profile and i == args.warmup:
-            server.command("profile-start")
-            prof.enable()
+    def step(self, rid: int, record: bool) -> None:
+        rid = self.base_id + self.n
+        self.n += 1
         t0 = time.perf_counter_ns()
-        out = caller.propose(request_id=rid, **call)
+        out = self.caller.propose(request_id=rid, **self.call)
         dt = time.perf_counter_ns() - t0
-        assert out.draft_token_ids.shape == (args.batch, args.k)
-        if i >= args.warmup:
-            rtt[rid] = dt
-    if args.profile:
-        prof.disable()
-        prof.dump_stats(os.path.join(args.profile, f"client-{name}.prof"))
-        server.command(f"profile-stop {name}")
-    srv = server.command(f"stats {args.warmup}")
-    label = next((k for k in srv if k.startswith(name.split("-")[0])), None)
-    server_stats = srv.get(label, {}) if label else {}
-    engine = {int(k): v for k, v in server_stats.get("engine_ns", {}).items()}
-    client_stats = probes.RECORDER.summary(reset=True, skip=args.warmup)
-    clabel = next(iter(client_stats), None)
-    if kind == "stream":
-        caller.close()
-    client.detach()
-    client.close()
-    overhead = [rtt[r] - engine[r] for r in rtt if r in engine]
-    return {"round_trip": _pct(list(rtt.values())), "engine": _pct([engine[r] for r in rtt if r in engine]),
-            "overhead": _pct(overhead), "server_stages": _stages(server_stats),
-            "client_stages": _stages(client_stats.get(clabel, {}) if clabel else {})}
+        assert out.draft_token_ids.shape == (self.args.batch, self.args.k)
+        if record:
+            self.rtt[rid] = dt
+
+    def close(self) -> None:
+        if self.caller is not self.client:
+            self.caller.close()
+        self.client.detach()
+        self.client.close()
+
+    def result(self, server_stats: dict, client_stats: dict) -> dict:
+        srv = server_stats.get(self.name, {})
+        engine = {int(k): v for k, v in srv.get("engine_ns", {}).items()}
+        cli = client_stats.get(f"client-{self.name}", {})
+        paired = [r for r in self.rtt if r in engine]
+        return {"round_trip": _pct(list(self.rtt.values())), "engine": _pct([engine[r] for r in paired]),
+                "overhead": _pct([self.rtt[r] - engine[r] for r in paired]),
+                "server_stages": _stages(srv), "client_stages": _stages(cli)}
 
 
 def _stages(summary: dict) -> dict:
@@ -389,8 +400,12 @@ def _stages(summary: dict) -> dict:
 
 
 def _print_result(name: str, r: dict) -> None:
-    o, e, t = r["overhead"], r["engine"], r["round_trip"]
-    print(f"{name:12s} round trip p50 {t['p50_us']:7.0f} us | engine p50 {e['p50_us']:5.0f} us | "
+    t = r["round_trip"]
+    if "overhead" not in r:
+        print(f"{name:18s} round trip p50 {t['p50_us']:7.0f} us, p90 {t['p90_us']:7.0f} us")
+        return
+    o, e = r["overhead"], r["engine"]
+    print(f"{name:18s} round trip p50 {t['p50_us']:7.0f} us | engine p50 {e['p50_us']:5.0f} us | "
           f"round trip - engine p50 {o['p50_us']:6.0f} us, p90 {o['p90_us']:6.0f} us")
     for side in ("client_stages", "server_stages"):
         parts = ", ".join(f"{k} {v['p50_us']:.0f}" for k, v in r[side].items())
@@ -408,12 +423,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--kv-blocks", type=int, default=8192)
-    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--iters", type=int, default=300, help="measured calls per transport (over all rounds)")
+    p.add_argument("--rounds", type=int, default=10,
+                   help="interleave the transports in this many rounds (a noisy host then shifts all alike)")
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--transports", default=",".join(TRANSPORTS))
     p.add_argument("--no-echo", action="store_true", help="skip the bare pyzmq floor")
     p.add_argument("--out", default="", help="write the results as JSON here")
-    p.add_argument("--profile", default="", help="directory for cProfile dumps (client and server event loop)")
+    p.add_argument("--profile", default="", help="directory for cProfile dumps of the server's event loop")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     from drafter.service import probes
@@ -426,34 +443,58 @@ def main(argv: list[str] | None = None) -> int:
     call = decode_call(args.batch, args.k, args.ctx, args.kv_blocks // 4, HEAD["vocab_size"], 3 * HEAD["hidden_size"])
     nbytes = payload_bytes(call)
     print(f"{platform.node()}: {os.cpu_count()} CPUs, python {platform.python_version()}, torch {torch.__version__}; "
-          f"EAGLE-3 8B shapes, batch {args.batch}, k={args.k}, request payload {nbytes / 1e6:.2f} MB")
+          f"EAGLE-3 8B shapes, batch {args.batch}, k={args.k}, request payload {nbytes / 1e6:.2f} MB; "
+          f"{args.iters} calls per transport in {args.rounds} interleaved rounds")
     result = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                        "host": platform.node(), "cpus": os.cpu_count(), "batch": args.batch, "k": args.k,
-                       "payload_bytes": nbytes, "iters": args.iters,
+                       "payload_bytes": nbytes, "iters": args.iters, "rounds": args.rounds,
                        "command": "python -m drafter.bench_transport " + " ".join(argv)}}
-    if not args.no_echo:
-        from coordinator.transport.base import split_kwargs  # noqa: F401 - imports as the client does
-        from drafter.service.wire import call_to_frames
-
-        _, frames = call_to_frames("s", 1, 1, call)
-        frames = [bytes(f) for f in frames]
-        for use_asyncio in (False, True):
-            key = "echo_asyncio" if use_asyncio else "echo"
-            result[key] = echo_floor(frames, args.iters, args.warmup, ipc_dir, use_asyncio)
-            for name, r in result[key].items():
-                print(f"{key + ' ' + name:18s} round trip p50 {r['p50_us']:6.0f} us, p90 {r['p90_us']:6.0f} us")
-    server = ServerProc(args, f"{ipc_dir}/drafter.sock" if "zmq-ipc" in args.transports else "")
+    procs, lanes = [], []
+    transports = [t for t in args.transports.split(",") if t]
+    server = ServerProc(args, f"{ipc_dir}/drafter.sock" if "zmq-ipc" in transports else "")
+    procs.append(server)
     try:
-        result["transports"] = {}
-        for i, name in enumerate(args.transports.split(",")):
+        if not args.no_echo:
+            from drafter.service.wire import call_to_frames
+
+            _, frames = call_to_frames("s", 1, 1, call)
+            frames = [bytes(f) for f in frames]
+            for use_asyncio in (False, True):
+                key = "echo_asyncio" if use_asyncio else "echo"
+                echo = EchoProc(f"ipc://{ipc_dir}/{key}.sock", use_asyncio)
+                procs.append(echo)
+                lanes.append(EchoLane(f"{key}-tcp", f"tcp://127.0.0.1:{echo.port}", frames))
+                lanes.append(EchoLane(f"{key}-ipc", echo.ipc, frames))
+        for i, name in enumerate(transports):
             if name == "zmq-ipc" and not server.ready.get("zmq_ipc"):
                 print("zmq-ipc: the server has no ipc endpoint; skipped")
                 continue
-            r = run_transport(name, server, args, base_id=(i + 1) * 1_000_000)
-            result["transports"][name] = r
-            _print_result(name, r)
+            lanes.append(DrafterLane(name, server, args, base_id=(i + 1) * 1_000_000))
+        for lane in lanes:
+            for _ in range(args.warmup):
+                lane.step(0, False)
+        server.command("stats")  # drops the warm-up calls' probes
+        probes.RECORDER.summary(reset=True)
+        if args.profile:
+            server.command("profile-start")
+        per_round = max(1, args.iters // args.rounds)
+        for _ in range(args.rounds):
+            for lane in lanes:
+                for _ in range(per_round):
+                    lane.step(0, True)
+        if args.profile:
+            server.command("profile-stop all")
+        server_stats = server.command("stats")
+        client_stats = probes.RECORDER.summary(reset=True)
+        for lane in lanes:
+            r = lane.result(server_stats, client_stats)
+            result.setdefault("echo" if isinstance(lane, EchoLane) else "transports", {})[lane.name] = r
+            _print_result(lane.name, r)
+        for lane in lanes:
+            lane.close()
     finally:
-        server.stop()
+        for proc in procs:
+            proc.stop()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -17,7 +17,8 @@ from coordinator.transport.base import SessionState, as_attach_request, draft_ou
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.service import probes, schema
 from drafter.service.errors import FIELD_METADATA_KEY, Code, DrafterError
-from drafter.service.wire import call_to_proto, struct_from_proto, struct_to_proto, tensor_from_proto
+from drafter.service.pbwire import encode_propose_request
+from drafter.service.wire import struct_from_proto, struct_to_proto, tensor_from_proto
 
 SERVICE = "/drafter.v1.Drafter/"
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -111,10 +112,11 @@ class GrpcDrafterClient:
         """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
         self.session.require()
         probe = probes.start("client-grpc-unary")
-        req = call_to_proto(pb.ProposeRequest, self.session.session_id, self.session.epoch,
-                            self.session.next_id() if request_id is None else request_id,
-                            split_kwargs(engine_kwargs), return_probs=return_probs, batch_padded=batch_padded,
-                            tokens_padded=tokens_padded, accepted_counts=accepted_counts)
+        req = encode_propose_request(self.session.session_id, self.session.epoch,
+                                     self.session.next_id() if request_id is None else request_id,
+                                     split_kwargs(engine_kwargs), return_probs=return_probs,
+                                     batch_padded=batch_padded, tokens_padded=tokens_padded,
+                                     accepted_counts=accepted_counts)
         if probe is not None:
             probe.request_id = req.request_id
             probe.mark("encode")
@@ -226,9 +228,9 @@ class GrpcProposeStream:
         c.session.require()
         probe = probes.start("client-grpc-stream")
         rid = c.session.next_id() if request_id is None else request_id
-        req = call_to_proto(pb.ProposeRequest, c.session.session_id, c.session.epoch, rid,
-                            split_kwargs(engine_kwargs), return_probs=return_probs, batch_padded=batch_padded,
-                            tokens_padded=tokens_padded, accepted_counts=accepted_counts)
+        req = encode_propose_request(c.session.session_id, c.session.epoch, rid, split_kwargs(engine_kwargs),
+                                     return_probs=return_probs, batch_padded=batch_padded,
+                                     tokens_padded=tokens_padded, accepted_counts=accepted_counts)
         if probe is not None:
             probe.request_id = rid
             probe.mark("encode")

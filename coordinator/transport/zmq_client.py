@@ -1,5 +1,9 @@
 """ZMQ client for the drafter: a DEALER socket, msgspec headers, tensors as zero-copy frames.
 
+Endpoints: tcp://host:port, or ipc:///path for a drafter on the same host (the path rules of
+drafter.service.ipc are checked before connecting: a socket in a directory others may write
+could be replaced by an impostor).
+
 Exceptions: every method raises drafter.service.errors.DrafterError with the server's code and
 field; DEADLINE_EXCEEDED when no reply came within the per-call timeout (ZMQ cannot tell a dead
 or unauthorised server from a slow one: with CURVE, a client without the server's key simply
@@ -19,6 +23,7 @@ import zmq.auth
 from coordinator.transport.base import SessionState, as_attach_request, draft_output, split_kwargs
 from drafter.service import probes, schema
 from drafter.service.errors import Code, DrafterError
+from drafter.service.ipc import check_client_path
 from drafter.service.wire import call_to_frames, tensor_from_frames
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -53,8 +58,11 @@ class ZmqDrafterClient:
 
     def __init__(self, endpoint: str, *, timeout_s: float = 1.0, curve: CurveConfig | None = None,
                  context: zmq.Context | None = None):
+        if endpoint.startswith("ipc://"):
+            check_client_path(endpoint)  # raises IpcPathError (a ValueError) for a path anyone could hijack
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self._probe_label = "client-zmq-ipc" if endpoint.startswith("ipc://") else "client-zmq-tcp"
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -65,9 +73,10 @@ class ZmqDrafterClient:
             curve.apply(self.sock)
         self.sock.connect(endpoint)
         self._call_ids = itertools.count(1)
+        self._probe = None  # the stage probe of the propose call in flight (drafter.service.probes)
         self.session = SessionState()
 
-    def _roundtrip(self, method: str, body: msgspec.Struct, frames: list, timeout: float | None, probe=None):
+    def _roundtrip(self, method: str, body: msgspec.Struct, frames: list, timeout: float | None):
         timeout = self.timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         call_id = next(self._call_ids)
@@ -75,6 +84,7 @@ class ZmqDrafterClient:
         if not self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no connection to {self.endpoint} within {timeout} s")
         self.sock.send_multipart([b"", _ENCODER.encode(env), _ENCODER.encode(body), *frames], copy=False)
+        probe = self._probe
         if probe is not None:
             probe.mark("send")
         while True:
@@ -113,7 +123,7 @@ class ZmqDrafterClient:
                 timeout: float | None = None, **engine_kwargs):
         """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
         self.session.require()
-        probe = probes.start("client-zmq")
+        probe = probes.start(self._probe_label)
         header, frames = call_to_frames(
             self.session.session_id, self.session.epoch, self.session.next_id() if request_id is None else request_id,
             split_kwargs(engine_kwargs), return_probs=return_probs, batch_padded=batch_padded,
@@ -121,7 +131,11 @@ class ZmqDrafterClient:
         if probe is not None:
             probe.request_id = header.request_id
             probe.mark("encode")
-        resp, tensors = self._roundtrip("Propose", header, frames, timeout, probe)
+        self._probe = probe
+        try:
+            resp, tensors = self._roundtrip("Propose", header, frames, timeout)
+        finally:
+            self._probe = None
         drafts = tensor_from_frames("draft_token_ids", resp.draft_token_ids, tensors)
         probs = tensor_from_frames("draft_probs", resp.draft_probs, tensors) if resp.draft_probs else None
         out = draft_output(drafts, probs, resp.batch_padded, resp.tokens_padded)

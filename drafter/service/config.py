@@ -63,6 +63,9 @@ class ServerConfig:
     host: str = _opt(str, "127.0.0.1", "address every port binds to (loopback unless told otherwise)")
     grpc_port: int = _opt(int, 50051, "gRPC port (0 = a free one)")
     zmq_port: int = _opt(int, 5555, "ZMQ ROUTER port (0 = a free one)")
+    zmq_ipc: str = _opt(str, "", "also serve ZMQ on ipc://PATH for targets on this host (an absolute path in a "
+                                 "directory others cannot write, e.g. /run/drafter/zmq.sock); empty = tcp only")
+    zmq_ipc_mode: str = _opt(str, "0600", "permissions of the ipc socket file (octal; 0660 lets the group connect)")
     health_port: int = _opt(int, 50052, "plaintext grpc.health.v1-only port for probes (0 = a free one)")
     metrics_port: int = _opt(int, 9400, "Prometheus /metrics port (0 = a free one)")
     max_message_bytes: int = _opt(int, 256 * MiB, "largest request or reply on either transport")
@@ -100,6 +103,13 @@ class ServerConfig:
     def block_sizes_per_group(self, groups: int) -> tuple[int, ...]:
         return _per_group("block_sizes", _ints(self.block_sizes), groups)
 
+    @property
+    def ipc_mode(self) -> int:
+        try:
+            return int(str(self.zmq_ipc_mode), 8)
+        except ValueError:
+            raise ValueError(f"--zmq-ipc-mode {self.zmq_ipc_mode!r} is not an octal mode") from None
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device
@@ -122,6 +132,13 @@ class ServerConfig:
             raise ValueError("--tls-client-ca needs --tls-cert/--tls-key")
         if self.curve_clients_dir and not self.curve_server_cert:
             raise ValueError("--curve-clients-dir needs --curve-server-cert")
+        if self.zmq_ipc:
+            from drafter.service.ipc import _check_syntax
+
+            _check_syntax(self.zmq_ipc[len("ipc://"):] if self.zmq_ipc.startswith("ipc://") else self.zmq_ipc)
+        mode = self.ipc_mode
+        if mode & ~0o770 or mode & 0o007:
+            raise ValueError(f"--zmq-ipc-mode {self.zmq_ipc_mode}: grant nothing to others (e.g. 0600 or 0660)")
         _tree(self.speculative_token_tree)
 
 

@@ -10,16 +10,16 @@ client the most: the drafter restarted, every session is gone, attach again.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import torch
 
 from drafter.service import schema
-from drafter.service.batcher import Batcher, EngineRunner
+from drafter.service.batcher import Batcher, EngineRunner, EngineThread
 from drafter.service.errors import Code, DrafterError, from_exception
 from drafter.service.metrics import Metrics, accepted_from_report
 from drafter.service.sessions import PROTOCOL_VERSION, EngineDescription, Session, SessionTable, check_call
@@ -77,6 +77,13 @@ class RefusalLog:
                                            "suppressed_since_last": suppressed})
 
 
+@dataclass
+class CallRecord:
+    transport: str
+    rpc: str
+    t0: float
+
+
 class ServiceCore:
     def __init__(self, *, metrics: Metrics, max_sessions: int, batch_window_s: float, max_message_bytes: int,
                  session_idle_timeout_s: float = 0.0):
@@ -87,7 +94,7 @@ class ServiceCore:
         self.session_idle_timeout_s = session_idle_timeout_s
         self.epoch = secrets.randbits(64)  # a new one per process: clients notice restarts
         self.state = LOADING
-        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.executor = EngineThread("engine")  # the engine's one thread: load, batches, block wipes
         self.engine = None
         self.desc: EngineDescription | None = None
         self.sessions: SessionTable | None = None
@@ -149,6 +156,42 @@ class ServiceCore:
         return since is not None and time.monotonic() - since > stall_s
 
     # ------------------------------------------------------------------ accounting
+    def begin(self, transport: str, rpc: str) -> "CallRecord":
+        """Start one call: refuse unless serving (UNAVAILABLE while loading or draining), count it
+        in flight.  Every begin() is closed by exactly one finish()."""
+        if self.state != SERVING:
+            self._count(transport, rpc, Code.UNAVAILABLE)
+            raise DrafterError(Code.UNAVAILABLE, "", f"the drafter is {self.state}")
+        self.inflight += 1
+        self._idle.clear()
+        self.metrics.inflight.labels(transport).inc()
+        return CallRecord(transport, rpc, time.perf_counter())
+
+    def finish(self, rec: "CallRecord", exc: BaseException | None = None) -> DrafterError | None:
+        """Close a call: record its outcome; returns the DrafterError its failure maps to (None: OK)."""
+        err = None
+        try:
+            if exc is None:
+                self._count(rec.transport, rec.rpc, Code.OK)
+                if rec.rpc in ("Propose", "ProposeStream"):
+                    self.metrics.latency.labels(rec.transport, rec.rpc).observe(time.perf_counter() - rec.t0)
+            elif isinstance(exc, asyncio.CancelledError):
+                self._count(rec.transport, rec.rpc, Code.DEADLINE_EXCEEDED)
+            else:
+                err = from_exception(exc)
+                self._count(rec.transport, rec.rpc, err.code)
+                if err.code == Code.INTERNAL:
+                    log.error("internal error", exc_info=exc, extra={"event": "internal_error",
+                                                                      "transport": rec.transport, "rpc": rec.rpc})
+                elif err.code != Code.UNAVAILABLE:  # UNAVAILABLE: the state change was logged once
+                    self._refusals.log(rec.transport, rec.rpc, err)
+        finally:
+            self.metrics.inflight.labels(rec.transport).dec()
+            self.inflight -= 1
+            if self.inflight == 0:
+                self._idle.set()
+        return err
+
     @asynccontextmanager
     async def serving(self, transport: str, rpc: str):
         """Wrap one call: refuse unless serving, count it in flight, record its outcome.
@@ -156,36 +199,16 @@ class ServiceCore:
         Raises DrafterError (UNAVAILABLE while loading or draining); any other failure inside
         comes out as a DrafterError too, so transports only ever see DrafterError.
         """
-        if self.state != SERVING:
-            self._count(transport, rpc, Code.UNAVAILABLE)
-            raise DrafterError(Code.UNAVAILABLE, "", f"the drafter is {self.state}")
-        self.inflight += 1
-        self._idle.clear()
-        self.metrics.inflight.labels(transport).inc()
-        t0 = time.perf_counter()
+        rec = self.begin(transport, rpc)
         try:
             yield
         except BaseException as exc:
-            err = from_exception(exc) if not isinstance(exc, asyncio.CancelledError) else None
+            err = self.finish(rec, exc)
             if err is not None:
-                self._count(transport, rpc, err.code)
-                if err.code == Code.INTERNAL:
-                    log.error("internal error", exc_info=exc, extra={"event": "internal_error", "transport": transport,
-                                                                      "rpc": rpc})
-                elif err.code != Code.UNAVAILABLE:  # UNAVAILABLE: the state change was logged once
-                    self._refusals.log(transport, rpc, err)
                 raise err from (None if err is exc else exc)
-            self._count(transport, rpc, Code.DEADLINE_EXCEEDED)
             raise
         else:
-            self._count(transport, rpc, Code.OK)
-            if rpc in ("Propose", "ProposeStream"):
-                self.metrics.latency.labels(transport, rpc).observe(time.perf_counter() - t0)
-        finally:
-            self.metrics.inflight.labels(transport).dec()
-            self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
+            self.finish(rec)
 
     def _count(self, transport: str, rpc: str, code: Code) -> None:
         self.metrics.requests.labels(transport, rpc, code.name).inc()
@@ -248,18 +271,31 @@ class ServiceCore:
         check_call(s, call, self.desc)
         return s
 
-    async def propose(self, call: ProposeCall) -> ProposeResult:
+    def _admit(self, call: ProposeCall) -> Session:
         s = self.check(call)
         if call.probe is not None:
             call.probe.mark("validate")
         s.last_used = time.monotonic()
         s.calls += 1
-        result = await self.batcher.submit(s, call)
+        return s
+
+    async def propose(self, call: ProposeCall) -> ProposeResult:
+        result = await self.batcher.submit(self._admit(call), call)
+        self.record_acceptance(call)
+        return result
+
+    def propose_nowait(self, call: ProposeCall, on_done, reply=None) -> None:
+        """The same checks as propose() (raising DrafterError here for what the event loop decides),
+        then the call goes straight to the engine thread; reply(result), if given, runs there as soon
+        as the drafts are on the host (successful calls only), and on_done(result or DrafterError)
+        runs in this event loop after it.  Call record_acceptance(call) after answering."""
+        self.batcher.submit_nowait(self._admit(call), call, on_done, reply)
+
+    def record_acceptance(self, call: ProposeCall) -> None:
         report = accepted_from_report(call.accepted_counts, call.kwargs.get("num_rejected_tokens"),
                                       call.kwargs["query_start_loc"], self.desc.num_speculative_tokens)
         if report is not None:
             self.metrics.record_acceptance(report, self.desc.num_speculative_tokens)
-        return result
 
     async def detach(self, req: schema.DetachRequest, reason: str = "client") -> schema.DetachResponse:
         self._check_epoch(req.epoch)

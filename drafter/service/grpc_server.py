@@ -21,7 +21,8 @@ from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.service import probes, schema
 from drafter.service.core import ServiceCore
 from drafter.service.errors import FIELD_METADATA_KEY, Code, DrafterError
-from drafter.service.wire import call_from_proto, result_to_proto, struct_from_proto, struct_to_proto
+from drafter.service.pbwire import call_from_raw
+from drafter.service.wire import result_to_proto, struct_from_proto, struct_to_proto
 
 log = logging.getLogger("drafter.service.grpc")
 
@@ -93,10 +94,7 @@ class DrafterGrpcService:
         return await self._unary("Info", context, work)
 
     async def _propose_one(self, raw: bytes, context, probe=None):
-        req = _parse(pb.ProposeRequest, raw)
-        if probe is not None:
-            probe.mark("header_decode")
-        call = call_from_proto(req)
+        call = call_from_raw(raw)  # tensors view `raw`: protobuf never copies the payloads
         call.probe = probe
         if probe is not None:
             probe.request_id = call.request_id

@@ -52,6 +52,12 @@ class Recorder:
             if len(calls) < MAX_CALLS:
                 calls.append(probe)
 
+    def marks(self) -> dict:
+        """{label: {request_id: [(stage, absolute perf_counter_ns), ...]}}: perf_counter_ns is
+        CLOCK_MONOTONIC, so marks of a client and a server on one host line up."""
+        with self.lock:
+            return {label: {p.request_id: p.marks for p in probes} for label, probes in self.calls.items()}
+
     def summary(self, reset: bool = False, skip: int = 0) -> dict:
         """{label: {"calls", "stages": {stage: {p50_us, p90_us, mean_us}}, "order", "engine_ns"}}.
         skip: leave out each label's first calls (warm-up)."""

@@ -112,9 +112,12 @@ async def serve(cfg: ServerConfig) -> int:
     zmq_server = ZmqServer(core, host=cfg.host, port=cfg.zmq_port, max_message_bytes=cfg.max_message_bytes,
                            heartbeat_s=cfg.keepalive_time_s, heartbeat_timeout_s=cfg.keepalive_timeout_s,
                            curve_server_cert=cfg.curve_server_cert or None,
-                           curve_clients_dir=cfg.curve_clients_dir or None)
+                           curve_clients_dir=cfg.curve_clients_dir or None, ipc_path=cfg.zmq_ipc or None,
+                           ipc_mode=cfg.ipc_mode)
     zmq_port = zmq_server.start()
     ports = {"grpc_port": grpc_port, "zmq_port": zmq_port, "health_port": health_port, "metrics_port": metrics_port}
+    if zmq_server.ipc_endpoint:
+        ports["zmq_ipc"] = zmq_server.ipc_endpoint
     event("listening", host=cfg.host, **ports)
     log.info("listening", extra={"event": "listening", "host": cfg.host, **ports,
                                  "grpc_tls": bool(cfg.tls_cert), "grpc_mtls": bool(cfg.tls_client_ca),

@@ -13,6 +13,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from drafter.service import schema
@@ -194,8 +195,13 @@ class SessionTable:
 
 
 def _range(name: str, t: torch.Tensor, low: int, high: int) -> None:
-    if t.numel() and (int(t.min()) < low or int(t.max()) >= high):
-        raise invalid(name, f"values must lie in [{low}, {high}), got [{int(t.min())}, {int(t.max())}]")
+    if not t.numel():
+        return
+    # numpy on the (CPU, decoded-from-the-wire) tensor: a fraction of torch's per-op overhead
+    a = t.numpy() if t.device.type == "cpu" and not t.requires_grad else t.detach().cpu().numpy()
+    lo, hi = int(a.min()), int(a.max())
+    if lo < low or hi >= high:
+        raise invalid(name, f"values must lie in [{low}, {high}), got [{lo}, {hi}]")
 
 
 def check_call(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
@@ -243,12 +249,24 @@ def check_call(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
 
 
 def offset_kwargs(s: Session, kwargs: dict) -> dict:
-    """The session's block ids and slots moved into its range of the engine pool (-1 stays -1)."""
+    """The session's block ids and slots moved into its range of the engine pool (-1 stays -1), as int64.
+
+    A group whose range starts at block 0 keeps the caller's tensors as they are (nothing moves;
+    the engine takes int32 as well).  Otherwise numpy does the shift (CPU tensors, as decoded from
+    the wire): a fraction of torch's per-op cost on these small arrays."""
     out = dict(kwargs)
-    out["block_tables"] = [t.to(torch.int64) + base for t, base in zip(kwargs["block_tables"], s.bases)]
-    slots = []
-    for t, base, bs in zip(kwargs["slot_mappings"], s.bases, s.block_sizes):
-        t = t.to(torch.int64)
-        slots.append(torch.where(t >= 0, t + base * bs, t))
-    out["slot_mappings"] = slots
+    out["block_tables"] = [t if base == 0 else _shift(t, base) for t, base in zip(kwargs["block_tables"], s.bases)]
+    out["slot_mappings"] = [t if base == 0 else _shift(t, base * bs, keep_negative=True)
+                            for t, base, bs in zip(kwargs["slot_mappings"], s.bases, s.block_sizes)]
     return out
+
+
+def _shift(t: torch.Tensor, offset: int, keep_negative: bool = False) -> torch.Tensor:
+    if t.device.type != "cpu":
+        t = t.to(torch.int64)
+        return torch.where(t >= 0, t + offset, t) if keep_negative else t + offset
+    a = t.numpy()
+    shifted = np.add(a, offset, dtype=np.int64)
+    if keep_negative:
+        np.copyto(shifted, a, where=a < 0)
+    return torch.from_numpy(shifted)

@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 import torch
 
 from drafter.service import schema
@@ -23,6 +24,7 @@ from drafter.service.errors import invalid
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.frombuffer(b"\0", dtype=torch.uint8)
+    torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
 
 DTYPES = {
     "int32": torch.int32,
@@ -32,6 +34,11 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# wire dtype -> (torch dtype, how numpy reads it (bfloat16: its bits, viewed as bfloat16 by torch
+# afterwards), floating point?, itemsize)
+_NP = {"int32": np.dtype(np.int32), "int64": np.dtype(np.int64), "float32": np.dtype(np.float32),
+       "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.int16)}
+_SPECS = {name: (td, _NP[name], td.is_floating_point, td.itemsize) for name, td in DTYPES.items()}
 INT, FLOAT = "int", "float"
 MAX_DIM = 2**31 - 1
 
@@ -55,32 +62,44 @@ MAX_GROUPS = 16
 
 
 def decode_tensor(name: str, dtype: str, shape, buf, ndim: int, kind: str) -> torch.Tensor:
-    td = DTYPES.get(dtype)
-    if td is None:
+    spec = _SPECS.get(dtype)
+    if spec is None:
         raise invalid(name, f"dtype {dtype!r} not allowed; expected one of {sorted(DTYPES)}")
-    if (kind == INT) == td.is_floating_point:
+    td, npd, is_float, itemsize = spec
+    if (kind == INT) == is_float:
         raise invalid(name, f"dtype {dtype} is not an {'integer' if kind == INT else 'float'} type")
-    shape = list(shape)
+    if type(shape) is not list:
+        shape = list(shape)
     if len(shape) != ndim:
         raise invalid(name, f"expected {ndim} dimensions, got shape {shape}")
-    if any(not 0 <= d <= MAX_DIM for d in shape):
+    if shape and (min(shape) < 0 or max(shape) > MAX_DIM):
         raise invalid(name, f"sizes must lie in [0, {MAX_DIM}], got shape {shape}")
-    itemsize = td.itemsize
-    nbytes = math.prod(shape) * itemsize
-    if nbytes != len(buf):
-        raise invalid(name, f"shape {shape} x {dtype} needs {nbytes} bytes, got {len(buf)}")
+    count = math.prod(shape)
+    nbytes = count * itemsize
+    have = buf.nbytes if type(buf) is memoryview else len(buf) if isinstance(buf, (bytes, bytearray)) \
+        else memoryview(buf).nbytes
+    if nbytes != have:
+        raise invalid(name, f"shape {shape} x {dtype} needs {nbytes} bytes, got {have}")
     if nbytes == 0:
         return torch.empty(shape, dtype=td)
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
-    if raw.data_ptr() % itemsize:  # small ZMQ frames may sit unaligned inside the message struct
-        raw = raw.clone()
-    return raw.view(td).view(shape)
+    # numpy views the buffer (no copy; a fraction of torch's per-call cost), torch views numpy's array
+    a = np.frombuffer(buf, dtype=npd, count=count)
+    if not a.flags.aligned:  # small ZMQ frames may sit unaligned inside the message struct
+        a = a.copy()
+    t = torch.from_numpy(a.reshape(shape) if ndim != 1 else a)
+    return t.view(td) if td is torch.bfloat16 else t
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy where it already is contiguous on the CPU."""
-    t = t.detach().cpu().contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    """The tensor's bytes (a flat byte view) without a copy where it already is contiguous on the CPU."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits travel
+        t = t.view(torch.int16)
+    a = t.detach().numpy()
+    return memoryview(a.reshape(-1)).cast("B") if a.ndim != 1 else memoryview(a).cast("B")
 
 
 def dtype_name(t: torch.Tensor) -> str:
@@ -170,7 +189,7 @@ def call_from_proto(req) -> ProposeCall:
 
 
 def tensor_to_proto(t: torch.Tensor, pb_tensor) -> None:
-    pb_tensor.dtype = dtype_name(t)
+    pb_tensor.dtype = dtype_name(t)  # first: a dtype that cannot travel is refused before any copy
     pb_tensor.shape[:] = list(t.shape)
     pb_tensor.data = tensor_bytes(t).tobytes()
 
@@ -244,8 +263,9 @@ def call_from_frames(header: schema.ProposeRequest, frames: list) -> ProposeCall
 
 
 def tensor_to_frames(t: torch.Tensor, frames: list) -> schema.Tensor:
+    name = dtype_name(t)  # first: a dtype that cannot travel is refused before any copy
     frames.append(tensor_bytes(t))
-    return schema.Tensor(dtype=dtype_name(t), shape=list(t.shape), frame=len(frames) - 1)
+    return schema.Tensor(dtype=name, shape=list(t.shape), frame=len(frames) - 1)
 
 
 def tensor_from_frames(name: str, ref: schema.Tensor, frames: list) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The ZMQ transport: one ROUTER socket, msgspec headers, tensors as separate zero-copy frames.
+"""The ZMQ transport: ROUTER sockets (tcp://, optionally ipc://), msgspec headers, tensors as zero-copy frames.
 
     in:   [identity, b"" (optional delimiter, as REQ/DEALER clients send it), Envelope, body, tensors...]
     out:  [identity, b"" (if the request had one), Envelope, body, tensors...]
@@ -8,6 +8,16 @@ Envelope and body are msgpack (schema.py); the tensor frames are never copied on
 Every message gets exactly one reply, errors included, so a client never waits on a lost one.
 With CURVE configured, a client must know the server's public key, and (with a clients
 directory) hold an authorised key itself; otherwise the handshake fails and it gets nothing.
+CURVE applies to the ipc:// socket as to the tcp:// one; the ipc path follows drafter.service.ipc.
+
+The per-step path has no asyncio task and no thread hop it does not need: the sockets are plain
+(non-blocking) ZMQ sockets watched by the event loop (add_reader on their FD); a Propose message
+is decoded and checked in the reader callback and posted straight to the engine thread, which
+encodes and sends the reply itself as soon as the drafts are on the host.  Each socket is used
+under its own lock (ZMQ sockets are not thread-safe; a lock serialises the loop's reads and the
+engine thread's replies).  The bookkeeping (metrics, in-flight counts) follows in the event loop,
+off the reply's path.  Errors are answered from the event loop.  Attach, Detach and Info run as
+tasks, as they await the core.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 
 import msgspec
@@ -26,11 +37,13 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from drafter.service import probes, schema
 from drafter.service.core import ServiceCore
 from drafter.service.errors import Code, DrafterError, invalid
+from drafter.service.ipc import DEFAULT_MODE, bind_ipc, unlink_ipc
 from drafter.service.wire import call_from_frames, result_to_frames
 
 log = logging.getLogger("drafter.service.zmq")
 
 MAX_FRAMES = 256
+READ_BURST = 64  # messages read per wake-up before the loop gets a turn for others
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _DECODERS = {m: msgspec.msgpack.Decoder(req) for m, (req, _) in schema.METHODS.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -52,72 +65,233 @@ def decode_struct(decoder, buf, what: str):
         raise invalid(field_of(exc, what), f"{what}: {exc}") from None
 
 
+def _check_frames(rest: list, max_message_bytes: int) -> None:
+    if len(rest) + 2 > MAX_FRAMES:
+        raise invalid("frames", f"{len(rest) + 2} frames; at most {MAX_FRAMES}")
+    total = sum(len(f) for f in rest)
+    if total > max_message_bytes:
+        raise invalid("frames", f"{total} bytes exceed max_message_bytes {max_message_bytes}")
+    if not rest:
+        raise invalid("body", "missing body frame")
+
+
+class _Endpoint:
+    """One bound ROUTER socket and its reader state."""
+
+    __slots__ = ("sock", "label", "endpoint", "fd", "reading", "kicked", "lock", "closed")
+
+    def __init__(self, sock: zmq.Socket, label: str, endpoint: str):
+        self.sock, self.label, self.endpoint = sock, label, endpoint
+        self.fd = sock.getsockopt(zmq.FD)
+        self.reading = False
+        self.kicked = False
+        self.lock = threading.Lock()  # every use of sock: the event loop reads, the engine thread replies
+        self.closed = False
+
+    def send(self, frames: list) -> None:
+        """Send one reply (from either thread).  ROUTER never blocks: a peer that is gone or over its
+        high-water mark loses the reply, and nobody is left to tell."""
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:
+                log.debug("zmq reply dropped: %s", exc)
+
+
+class _ProposeReply:
+    """One Propose in flight: its reply leaves from the engine thread, its bookkeeping from the loop."""
+
+    __slots__ = ("server", "ep", "head", "env", "call", "rec", "sent")
+
+    def __init__(self, server: "ZmqServer", ep: _Endpoint, head: list, env: schema.Envelope, call, rec):
+        self.server, self.ep, self.head, self.env, self.call, self.rec = server, ep, head, env, call, rec
+        self.sent = False
+
+    def reply(self, result) -> None:  # engine thread, successful results only
+        probe = self.call.probe
+        if probe is not None:
+            probe.mark("handoff_out")
+        header, tensors = result_to_frames(result)
+        frames = [*self.head, _ENCODER.encode(schema.Envelope(call_id=self.env.call_id, method=self.env.method)),
+                  _ENCODER.encode(header), *tensors]
+        if probe is not None:
+            probe.mark("reply_encode")
+        self.ep.send(frames)
+        self.sent = True
+        if probe is not None:
+            probe.mark("send")
+            probe.finish()
+
+    def done(self, result) -> None:  # event loop, after reply(): answer what was not sent, then account
+        server, core = self.server, self.server.core
+        try:
+            if not self.sent:
+                if isinstance(result, BaseException):
+                    raise result
+                self.reply(result)  # the engine thread could not (a bug of ours): the loop tries once more
+        except BaseException as exc:  # noqa: BLE001
+            err = core.finish(self.rec, exc)
+            server._send_error(self.ep, self.head, self.env, err or exc)
+            server._end()
+            return
+        if not server._closing:
+            server._kick(self.ep)  # the engine thread's send may have taken the FD's edge
+        core.finish(self.rec)
+        server._end()
+        try:
+            core.record_acceptance(self.call)
+        except Exception:  # noqa: BLE001 - metrics only; the answer is out
+            log.exception("acceptance metrics failed")
+
+
 class ZmqServer:
     def __init__(self, core: ServiceCore, *, host: str, port: int, max_message_bytes: int,
                  heartbeat_s: float = 30.0, heartbeat_timeout_s: float = 10.0,
                  curve_server_cert: str | None = None, curve_clients_dir: str | None = None,
-                 max_inflight: int = 1024):
+                 max_inflight: int = 1024, ipc_path: str | None = None, ipc_mode: int = DEFAULT_MODE):
         self.core = core
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
         self.curve_server_cert, self.curve_clients_dir = curve_server_cert, curve_clients_dir
-        self.ctx = zmq.asyncio.Context()
-        self.sock = None
+        self.ipc_path, self.ipc_mode = ipc_path or None, ipc_mode
+        self.ipc_endpoint: str | None = None
+        self.max_inflight = max_inflight
+        self.ctx = zmq.asyncio.Context()  # owns the context; the authenticator's ZAP handler runs on the loop
+        self._plain = zmq.Context.shadow(self.ctx.underlying)  # plain sockets on the same context
+        self.sock: zmq.Socket | None = None  # the tcp:// socket
         self.auth: AsyncioAuthenticator | None = None
-        self._slots = asyncio.Semaphore(max_inflight)
+        self._eps: list[_Endpoint] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inflight = 0  # messages read and not answered yet (backpressure, close)
+        self._paused = False
+        self._closing = False
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._tasks: set[asyncio.Task] = set()
-        self._loop_task: asyncio.Task | None = None
 
-    def start(self) -> int:
-        sock = self.ctx.socket(zmq.ROUTER)
+    # ------------------------------------------------------------------ sockets
+    def _socket(self, tcp: bool) -> zmq.Socket:
+        sock = self._plain.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)  # per frame; the total is checked below
         sock.setsockopt(zmq.HEARTBEAT_IVL, int(self.heartbeat_s * 1000))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.heartbeat_timeout_s * 1000))
-        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        if tcp:
+            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         if self.curve_server_cert:
             public, secret = zmq.auth.load_certificate(self.curve_server_cert)
             if not secret:
                 raise ValueError(f"{self.curve_server_cert} holds no secret key (use the .key_secret file)")
+            sock.curve_secretkey = secret
+            sock.curve_publickey = public
+            sock.curve_server = True
+        return sock
+
+    def start(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        if self.curve_server_cert:
             self.auth = AsyncioAuthenticator(self.ctx)
             self.auth.start()
             # Without a clients directory CURVE still encrypts, but any client key is accepted.
             self.auth.configure_curve(domain="*", location=self.curve_clients_dir or zmq.auth.CURVE_ALLOW_ANY)
-            sock.curve_secretkey = secret
-            sock.curve_publickey = public
-            sock.curve_server = True
+        sock = self._socket(tcp=True)
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         if ":" in self.host:
             sock.setsockopt(zmq.IPV6, 1)
-        sock.bind(f"tcp://{host}:{self.port if self.port else '*'}")
-        self.port = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        try:
+            sock.bind(f"tcp://{host}:{self.port if self.port else '*'}")
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.port = int(endpoint.rsplit(":", 1)[1])
         self.sock = sock
-        self._loop_task = asyncio.get_running_loop().create_task(self._recv_loop(), name="zmq-recv")
+        self._eps.append(_Endpoint(sock, "zmq-tcp", endpoint))
+        if self.ipc_path:
+            ipc = self._socket(tcp=False)
+            try:
+                self.ipc_endpoint = bind_ipc(ipc, self.ipc_path, self.ipc_mode)
+            except Exception:
+                ipc.close(linger=0)
+                raise
+            self._eps.append(_Endpoint(ipc, "zmq-ipc", self.ipc_endpoint))
+        for ep in self._eps:
+            self._watch(ep)
         return self.port
 
-    async def _recv_loop(self) -> None:
-        while True:
-            await self._slots.acquire()  # backpressure: stop reading while too many calls are open
+    def _watch(self, ep: _Endpoint) -> None:
+        if not ep.reading:
+            self._loop.add_reader(ep.fd, self._readable, ep)
+            ep.reading = True
+        self._kick(ep)
+
+    def _kick(self, ep: _Endpoint) -> None:
+        """Look at the socket again soon.  A ZMQ FD is edge-triggered and a send may consume its
+        event: after every send (and on resume) the socket is read until it says EAGAIN."""
+        if not ep.kicked:
+            ep.kicked = True
+            self._loop.call_soon(self._readable, ep)
+
+    def _readable(self, ep: _Endpoint) -> None:
+        ep.kicked = False
+        if self._closing:
+            return
+        for _ in range(READ_BURST):
+            if self._inflight >= self.max_inflight:  # backpressure: stop reading until calls finish
+                self._pause()
+                return
             try:
-                frames = await self.sock.recv_multipart(copy=False)
-            except BaseException:
-                self._slots.release()
-                raise
-            probe = probes.start("zmq-tcp")
-            task = asyncio.get_running_loop().create_task(self._handle(frames, probe))
-            self._tasks.add(task)
-            task.add_done_callback(self._done)
+                with ep.lock:
+                    if ep.closed:
+                        return
+                    frames = ep.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:  # closed under us
+                log.debug("zmq recv failed: %s", exc)
+                return
+            self._on_message(ep, frames)
+        self._kick(ep)  # more may be waiting: continue after the loop's other work
 
-    def _done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        self._slots.release()
-        if not task.cancelled() and task.exception() is not None:
-            log.error("zmq handler failed", exc_info=task.exception())
+    def _pause(self) -> None:
+        self._paused = True
+        for ep in self._eps:
+            if ep.reading:
+                self._loop.remove_reader(ep.fd)
+                ep.reading = False
 
-    async def _handle(self, frames: list, probe=None) -> None:
-        if probe is not None:
-            probe.mark("task_start")
+    def _begin(self) -> None:
+        self._inflight += 1
+        self._idle.clear()
+
+    def _end(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+        if self._paused and not self._closing and self._inflight < self.max_inflight:
+            self._paused = False
+            for ep in self._eps:
+                self._watch(ep)
+
+    def _send(self, ep: _Endpoint, frames: list) -> None:
+        ep.send(frames)
+        if not self._closing:
+            self._kick(ep)
+
+    def _send_error(self, ep: _Endpoint, head: list, env: schema.Envelope, exc: BaseException) -> None:
+        e = exc if isinstance(exc, DrafterError) else DrafterError(Code.INTERNAL, "", repr(exc))
+        if not isinstance(exc, DrafterError):  # a bug of ours: every message still gets a reply
+            log.error("zmq handler failed", exc_info=exc, extra={"event": "internal_error", "transport": "zmq"})
+        err = schema.Error(code=int(e.code), field=e.field, message=e.message)
+        self._send(ep, head + [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method[:64],
+                                                                error=err)), b""])
+
+    # ------------------------------------------------------------------ messages
+    def _on_message(self, ep: _Endpoint, frames: list) -> None:
+        probe = probes.start(ep.label)
         identity = frames[0].bytes
         rest = frames[1:]
         delimited = bool(rest) and len(rest[0]) == 0
@@ -125,79 +299,94 @@ class ZmqServer:
             rest = rest[1:]
         head = [identity, b""] if delimited else [identity]
         env = schema.Envelope()
+        self._begin()
         try:
             if not rest:
                 raise invalid("envelope", "missing envelope frame")
             env = decode_struct(_ENVELOPE, rest[0].buffer, "envelope")
-            out, tensors = await self._dispatch(env, rest[1:], probe)
-            reply = [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method)), _ENCODER.encode(out),
-                     *tensors]
-            if probe is not None:
-                probe.mark("reply_encode")
-        except Exception as exc:  # noqa: BLE001 - every message gets a reply, even after a bug of ours
-            e = exc if isinstance(exc, DrafterError) else DrafterError(Code.INTERNAL, "", repr(exc))
-            if not isinstance(exc, DrafterError):
-                log.error("zmq handler failed", exc_info=exc, extra={"event": "internal_error", "transport": "zmq"})
-            err = schema.Error(code=int(e.code), field=e.field, message=e.message)
-            reply = [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method[:64], error=err)), b""]
-        try:
-            await self.sock.send_multipart(head + reply, copy=False)
-        except zmq.ZMQError as exc:  # the peer went away or the socket closed; nobody to tell
-            log.debug("zmq reply dropped: %s", exc)
-        if probe is not None and env.method == "Propose":
-            probe.mark("send")
-            probe.finish()
+            if env.method == "Propose":
+                self._propose(ep, head, env, rest[1:], probe)
+                return
+        except Exception as exc:  # noqa: BLE001
+            self._send_error(ep, head, env, exc)
+            self._end()
+            return
+        task = self._loop.create_task(self._handle(ep, head, env, rest[1:]))
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
 
-    async def _dispatch(self, env: schema.Envelope, rest: list, probe=None):
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._end()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("zmq handler failed", exc_info=task.exception())
+
+    def _propose(self, ep: _Endpoint, head: list, env: schema.Envelope, rest: list, probe) -> None:
+        """Decode, check and post one Propose; replies (or raises for the caller to answer) exactly once."""
+        rec = self.core.begin("zmq", "Propose")
+        try:
+            _check_frames(rest, self.max_message_bytes)
+            body = rest[0].buffer
+            req = decode_struct(_DECODERS["Propose"], body, "body") if len(body) else schema.ProposeRequest()
+            if probe is not None:
+                probe.mark("header_decode")
+            call = call_from_frames(req, rest[1:])
+            call.probe = probe
+            if probe is not None:
+                probe.request_id = call.request_id
+                probe.mark("tensor_decode")
+            if env.timeout_ms:
+                call.deadline = time.monotonic() + env.timeout_ms / 1000
+            state = _ProposeReply(self, ep, head, env, call, rec)
+            self.core.propose_nowait(call, state.done, state.reply)
+        except BaseException as exc:
+            raise self.core.finish(rec, exc) or exc from None
+
+    async def _handle(self, ep: _Endpoint, head: list, env: schema.Envelope, rest: list) -> None:
+        try:
+            out = await self._dispatch(env, rest)
+            reply = [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method)), _ENCODER.encode(out)]
+        except Exception as exc:  # noqa: BLE001 - every message gets a reply, even after a bug of ours
+            self._send_error(ep, head, env, exc)
+            return
+        self._send(ep, head + reply)
+
+    async def _dispatch(self, env: schema.Envelope, rest: list):
         method = env.method
         async with self.core.serving("zmq", method if method in schema.METHODS else "unknown"):
             if method not in schema.METHODS:
                 raise invalid("method", f"unknown method {method!r}; one of {sorted(schema.METHODS)}")
-            if len(rest) + 2 > MAX_FRAMES:
-                raise invalid("frames", f"{len(rest) + 2} frames; at most {MAX_FRAMES}")
-            total = sum(len(f) for f in rest)
-            if total > self.max_message_bytes:
-                raise invalid("frames", f"{total} bytes exceed max_message_bytes {self.max_message_bytes}")
-            if not rest:
-                raise invalid("body", "missing body frame")
+            _check_frames(rest, self.max_message_bytes)
             body = rest[0].buffer
             req = decode_struct(_DECODERS[method], body, "body") if len(body) else schema.METHODS[method][0]()
-            tensors = rest[1:]
-            if method == "Propose":
-                if probe is not None:
-                    probe.mark("header_decode")
-                call = call_from_frames(req, tensors)
-                call.probe = probe
-                if probe is not None:
-                    probe.request_id = call.request_id
-                    probe.mark("tensor_decode")
-                if env.timeout_ms:
-                    call.deadline = time.monotonic() + env.timeout_ms / 1000
-                result = await self.core.propose(call)
-                if probe is not None:
-                    probe.mark("handoff_out")
-                header, out_frames = result_to_frames(result)
-                return header, out_frames
-            if tensors:
+            if rest[1:]:
                 raise invalid("frames", f"{method} takes no tensor frames")
             if method == "Attach":
-                return await self.core.attach(req), []
+                return await self.core.attach(req)
             if method == "Detach":
-                return await self.core.detach(req), []
-            return self.core.info(), []
+                return await self.core.detach(req)
+            return self.core.info()
 
+    # ------------------------------------------------------------------ shutdown
     async def close(self, timeout: float = 5.0) -> None:
         """Stop reading, let open calls send their replies, then close (lingering to flush them)."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        if self._loop is not None:
+            self._pause()
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        if self._inflight:
             try:
-                await self._loop_task
-            except (asyncio.CancelledError, zmq.ZMQError):
+                await asyncio.wait_for(self._idle.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
                 pass
         if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout)
-        if self.sock is not None:
-            self.sock.close(linger=int(timeout * 1000))
+            await asyncio.wait(set(self._tasks), timeout=max(0.01, deadline - time.monotonic()))
+        for ep in self._eps:
+            with ep.lock:
+                ep.closed = True
+                ep.sock.close(linger=int(timeout * 1000))
+        if self.ipc_endpoint:
+            unlink_ipc(self.ipc_endpoint)
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
