@@ -5,10 +5,13 @@
 The head has EAGLE-3 / Llama-3.1-8B shapes with random weights: only its config.json is written
 (the server process builds the weights on the GPU itself, as `drafter bench` does).  First the
 in-process engine is timed in this process; then it is freed, a `drafter serve` process starts on
-the same GPU, and one client per transport (ZMQ, gRPC unary, gRPC stream) attaches a session and
-sends the same decode-step calls.  Reported per transport: round-trip p50/p90 and the ratio of
-the p50 to the in-process p50 (the call with GPU-resident inputs, drafts copied to the host, which
-is what the client gets), plus the ratio to the in-process call fed CPU tensors as a server is.
+the same GPU (ZMQ on tcp:// and on ipc:// in a private directory), and one client per transport
+(ZMQ tcp, ZMQ ipc, gRPC unary, gRPC stream) attaches a session and sends the same decode-step
+calls.  Reported per transport: round-trip p50/p90 and the ratio of the p50 to the in-process p50
+(the call with GPU-resident inputs, drafts copied to the host, which is what the client gets),
+plus the ratio to the in-process call fed CPU tensors as a server is; and, from the stage probes
+(drafter.service.probes, on in both processes), round trip minus the server's engine time per call
+and the p50/p90 of every client and server stage ("stages" in remote.json).
 """
 
 from __future__ import annotations
@@ -76,12 +79,24 @@ def serve_main(argv: list[str]) -> int:
     cfg = from_args(p.parse_args(argv))
     srv.load_engine = lambda cfg, engine_cfg, hold=None: _build(engine_cfg, cfg.model)
     setup_logging(cfg.log_format, cfg.log_level)
-    return asyncio.run(srv.serve(cfg))
+    code = asyncio.run(srv.serve(cfg))
+    out = os.environ.get("DRAFTER_PROBES_OUT")
+    if out:  # the stage probes of every call, for the bench's breakdown
+        from drafter.service import probes
+
+        if probes.RECORDER is not None:
+            Path(out).write_text(json.dumps(probes.RECORDER.summary(skip=int(os.environ.get("DRAFTER_PROBES_SKIP",
+                                                                                            "0")))))
+    return code
 
 
 def _percentiles(xs: list[float]) -> dict:
     xs = sorted(xs)
     return {"p50_us": statistics.median(xs), "p90_us": xs[int(0.9 * (len(xs) - 1))], "min_us": xs[0]}
+
+
+def _stages(summary: dict) -> dict:
+    return {name: summary["stages"][name] for name in summary.get("order", [])}
 
 
 def _time(fn, iters: int, warmup: int) -> list[float]:
@@ -116,14 +131,24 @@ def in_process(model_dir: str, args, call: dict) -> dict:
             "cpu_inputs": _percentiles(_time(cpu_call, args.iters, 20))}
 
 
+WARMUP = 30
+
+
 def remote(model_dir: str, args, call: dict, log) -> dict:
     from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
-    from drafter.service import schema
+    from drafter.service import probes, schema
 
+    run_dir = tempfile.mkdtemp(prefix="drafter-ipc-")  # 0700: only this user may reach the socket
+    probes_out = Path(run_dir) / "server-probes.json"
     cmd = [sys.executable, "-m", "drafter.bench_remote", "serve",
-           *server_args(model_dir, args.batch, args.k, args.ctx, args.kv_blocks, args.device)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+           *server_args(model_dir, args.batch, args.k, args.ctx, args.kv_blocks, args.device),
+           "--zmq-ipc", f"{run_dir}/drafter.sock"]
+    env = {**os.environ, "DRAFTER_PROBES": "1", "DRAFTER_PROBES_OUT": str(probes_out),
+           "DRAFTER_PROBES_SKIP": str(WARMUP)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    probes.enable()
     results = {}
+    rtts: dict = {}
     try:
         ready = None
         deadline = time.monotonic() + 240
@@ -160,9 +185,10 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
                 return self.stream.propose(**kw)
 
         clients = {"zmq": ZmqDrafterClient(f"tcp://127.0.0.1:{ready['zmq_port']}", timeout_s=30),
+                   "zmq_ipc": ZmqDrafterClient(ready["zmq_ipc"], timeout_s=30),
                    "grpc_unary": GrpcDrafterClient(f"127.0.0.1:{ready['grpc_port']}", timeout_s=30),
                    "grpc_stream": Stream(f"127.0.0.1:{ready['grpc_port']}")}
-        for name, client in clients.items():
+        for t, (name, client) in enumerate(clients.items()):
             info = client.info()
             groups = info.limits.kv_groups
             client.attach(schema.AttachRequest(
@@ -175,8 +201,20 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
                 client_name=f"bench-{name}"))
             session_call = decode_call(args.batch, args.k, args.ctx, per_session, args.head["vocab_size"],
                                        3 * args.head["hidden_size"], torch.bfloat16, seed=7)
-            times = _time(lambda: client.propose(**session_call).draft_token_ids, args.iters, 30)
-            results[name] = _percentiles(times)
+            ids = iter(range((t + 1) * 10**6, (t + 2) * 10**6))
+            per_call = rtts[name] = {}
+
+            def step(record: bool):
+                rid = next(ids)
+                t0 = time.perf_counter()
+                client.propose(request_id=rid, **session_call).draft_token_ids
+                if record:
+                    per_call[rid] = (time.perf_counter() - t0) * 1e6
+            for _ in range(WARMUP):
+                step(False)
+            for _ in range(args.iters):
+                step(True)
+            results[name] = _percentiles(list(per_call.values()))
             log(f"  {name}: p50 {results[name]['p50_us']:.0f} us, p90 {results[name]['p90_us']:.0f} us")
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -184,6 +222,21 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    # per-stage breakdown: server probes (written at exit) and this process's client probes
+    server = json.loads(probes_out.read_text()) if probes_out.exists() else {}
+    client = probes.RECORDER.summary(skip=WARMUP)
+    labels = {"zmq": "zmq-tcp", "zmq_ipc": "zmq-ipc", "grpc_unary": "grpc-unary", "grpc_stream": "grpc-stream"}
+    for name, label in labels.items():
+        if name not in results:
+            continue
+        srv = server.get(label, {})
+        engine = {int(k): v / 1e3 for k, v in srv.get("engine_ns", {}).items()}
+        over = [rtts[name][r] - engine[r] for r in rtts[name] if r in engine]
+        results[name]["minus_engine"] = _percentiles(over) if over else {}
+        results[name]["stages"] = {"client": _stages(client.get(f"client-{label}", {})), "server": _stages(srv)}
+        if over:
+            log(f"  {name}: round trip - engine p50 {results[name]['minus_engine']['p50_us']:.0f} us; server "
+                + ", ".join(f"{k} {v['p50_us']:.0f}" for k, v in results[name]["stages"]["server"].items()))
     return results
 
 

@@ -78,9 +78,9 @@ def _engine_validate(engine, kwargs: dict) -> None:
 # exactly when all its exponent bits are set, i.e. when its bits lie in [exp, sign - 1] (positive) or
 # [sign | exp, all ones] (negative): the top of the signed and of the unsigned range.  So two
 # read-only max() passes decide it, with no temporary array.
-_EXPONENT = {torch.bfloat16: (np.int16, np.uint16, 0x7F80, 0x8000),
-             torch.float16: (np.int16, np.uint16, 0x7C00, 0x8000),
-             torch.float32: (np.int32, np.uint32, 0x7F800000, 0x80000000)}
+_EXPONENT = {torch.bfloat16: (torch.int16, np.uint16, 0x7F80, 0x8000),
+             torch.float16: (torch.int16, np.uint16, 0x7C00, 0x8000),
+             torch.float32: (torch.int32, np.uint32, 0x7F800000, 0x80000000)}
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -92,14 +92,19 @@ def all_finite(t: torch.Tensor) -> bool:
     if t.device.type != "cpu" or spec is None:
         return bool(torch.isfinite(t).all())
     signed, unsigned, exp, sign = spec
-    bits = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return int(bits.view(signed).max()) < exp and int(bits.view(unsigned).max()) < (sign | exp)
+    bits = t.detach().view(signed).numpy()  # same-size views: any strides, no copy
+    return int(bits.max()) < exp and int(bits.view(unsigned).max()) < (sign | exp)
 
 
 def _check_finite(kwargs: dict) -> None:
     # NaN/inf would only poison the sender's own KV, but a drafter should say so rather than draft garbage.
     if not all_finite(kwargs["target_hidden_states"]):
         raise invalid("target_hidden_states", "must be finite")
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (bfloat16 as its int16 bits), any strides."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 class HostStager:
@@ -125,9 +130,9 @@ class HostStager:
             size = min(self.max_bytes, max(nbytes, 2 * (self.buf.numel() if self.buf is not None else 0)))
             self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
             self.allocations += 1
-        dst = self.buf[:nbytes]
-        np.copyto(dst.numpy(), t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-        return dst.view(t.dtype).view(t.shape)
+        dst = self.buf[:nbytes].view(t.dtype).view(t.shape)
+        np.copyto(_bits(dst), _bits(t.detach()))  # numpy's copy: several times torch's copy_ for bf16 here
+        return dst
 
 
 def _default_sample_indices(kw: dict) -> torch.Tensor:  # [batch] int64, the engine's own default
