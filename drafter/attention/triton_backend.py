@@ -5,11 +5,6 @@ Same contract as ReferenceBackend.forward (write k/v at the slot mapping, then a
 writes the cache in the same launch.  Launch parameters (grid, block shapes, number of key
 splits) come from tensor shapes only, so a captured CUDA graph stays valid for any values
 the static buffers later hold.
-
-Split-K attention combines its splits inside the attention kernel: the last split program of
-each (q-block, kv head) to arrive on an int32 counter does it (kernels/paged_attention.py).
-The counters live on the backend, one buffer per device, zeroed when made and left at zero by
-every launch; see TritonBackend.split_counters for when it may grow.
 """
 
 from __future__ import annotations
@@ -18,33 +13,16 @@ import torch
 import triton
 
 from drafter.attention.kernels.kv_write import rope_write_kernel, write_kv_kernel
-from drafter.attention.kernels.paged_attention import paged_attention_kernel
+from drafter.attention.kernels.paged_attention import combine_splits_kernel, paged_attention_kernel
 from drafter.attention.kernels.step_inputs import decode_step_inputs
 from drafter.attention.metadata import AttentionMetadata
 
-# Each split adds its partials to the combining program's serial tail (it reads splits x group x
-# head_dim floats alone), so splits are capped lower than for a separate combine launch: on an
-# H100 (bf16, 32/8 heads, head_dim 128, in a CUDA graph) 16 splits and one program per SM did
-# best of the settings tried.
-MAX_SPLITS = 16
+MAX_SPLITS = 64
 BLOCK_N = 64  # keys per tile: four 16-token pages, 16 KB of bf16 keys at head_dim 128
-# the combining program keeps up to COMBINE_ELEMS partial-result elements in flight (COMBINE_UNROLL
-# splits of [group_pad, head_dim] f32, plus m and l: under the main loop's registers at 4 warps)
-COMBINE_ELEMS = 4096
-MAX_COMBINE_UNROLL = 8
-MIN_COUNTERS = 1024  # the first counter buffer: enough for most grids, so it rarely grows
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, int(n)))
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(1, int(n)).bit_length() - 1)
 
 
 def _check_cache(kv_cache: torch.Tensor, head_dim: int) -> None:
@@ -59,57 +37,19 @@ class TritonBackend:
     # the proposer's chain asks for the next step's positions, seq_lens and slots through this
     decode_step_inputs = staticmethod(decode_step_inputs)
 
-    def __init__(self, num_splits: int | None = None, target_programs: int | None = None,
-                 block_n: int = BLOCK_N):
+    def __init__(self, num_splits: int | None = None, target_programs: int | None = None):
         """num_splits: force the number of key splits (tests); None = pick from the grid size.
-        target_programs: how many programs a launch should have to fill the device.
-        block_n: keys per tile (a power of two >= 16; tests use 16 to get many tiles, and so
-        many splits, out of small caches)."""
+        target_programs: how many programs a launch should have to fill the device."""
         self.num_splits = num_splits
         self._target_programs = target_programs
-        self.block_n = block_n
-        # split-K arrival counters, one buffer per device (see split_counters); buffers replaced
-        # by a larger one stay alive here, since graphs captured earlier still point at them
-        self._counters: dict[torch.device, torch.Tensor] = {}
-        self._retired_counters: list[torch.Tensor] = []
-
-    def split_counters(self, device: torch.device, size: int) -> torch.Tensor:
-        """The int32 arrival counters of split-K attention on `device`: at least `size` of them
-        (one per (q-block, kv head) of a launch), all 0 between launches (each launch's last
-        split program resets its own).
-
-        Made zeroed on the first split launch on a device and replaced by a larger zeroed one
-        when a launch has a larger grid; the old buffer is kept alive, as graphs captured with it
-        still use it.  Making or growing one allocates and zero-fills, which must not happen
-        inside a CUDA-graph capture (the zero-fill would be replayed, the memory would come
-        from the graph's pool): GraphRunner runs every step once eagerly, with the same shapes,
-        before capturing it, and that warm-up run makes or grows the buffer.  A capture that
-        still needs a larger one raises instead.
-
-        Launches that share this backend on one device share the counters: they must not run
-        at the same time (one stream, or streams ordered against each other)."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:  # one key per GPU: "cuda" is "cuda:<current>"
-            device = torch.device("cuda", torch.cuda.current_device())
-        buf = self._counters.get(device)
-        if buf is None or buf.numel() < size:
-            if _capturing(device):
-                raise RuntimeError(
-                    f"TritonBackend: split-K counters must grow to {size} during a CUDA-graph capture; run the "
-                    "same shapes once eagerly before capturing (GraphRunner's warm-up does)")
-            if buf is not None:
-                self._retired_counters.append(buf)
-            buf = torch.zeros(max(MIN_COUNTERS, _pow2(size)), dtype=torch.int32, device=device)
-            self._counters[device] = buf
-        return buf
 
     def target_programs(self, device: torch.device) -> int:
         if self._target_programs is None:
             if device.type == "cuda":
                 sms = torch.cuda.get_device_properties(device).multi_processor_count
-                # one per SM: more programs only add splits to the in-kernel combine's tail
-                # (measured on an H100; MAX_SPLITS above)
-                self._target_programs = sms
+                # two per SM: enough in flight to stream KV at full bandwidth (measured on an H200:
+                # more programs only add splits to combine)
+                self._target_programs = 2 * sms
             else:
                 self._target_programs = 16  # the interpreter: keep the split path exercised
         return self._target_programs
@@ -199,27 +139,30 @@ class TritonBackend:
         if splits > 1:
             part = torch.empty(splits, n, num_heads, head_dim, dtype=torch.float32, device=q.device)
             ml = torch.empty(splits, n, num_heads, 2, dtype=torch.float32, device=q.device)
-            counters = self.split_counters(q.device, num_qblocks * num_kv_heads)
         else:
-            part = ml = counters = out  # unused with one split
-        # splits whose loads the last program of a block keeps in flight: [group_pad, head_dim] f32 each
-        unroll = max(1, min(splits, MAX_COMBINE_UNROLL, _pow2_floor(COMBINE_ELEMS // (group_pad * head_dim))))
+            part = ml = out
         paged_attention_kernel[(num_qblocks, num_kv_heads, splits)](
             q, q.stride(0), q.stride(1),
             kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
             qsl, seq_lens, meta.block_table, meta.block_table.stride(0),
             mask, depths, num_nodes,
-            out, out.stride(0), out.stride(1), part, ml, counters,
+            out, out.stride(0), out.stride(1), part, ml,
             n, num_reqs, num_heads, head_dim ** -0.5, window,
-            BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=self.block_n,
-            HEAD_DIM=head_dim, NUM_SPLITS=splits, COMBINE_UNROLL=unroll, IS_TREE=tree, HAS_WINDOW=window > 0,
+            BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
+            HEAD_DIM=head_dim, NUM_SPLITS=splits, IS_TREE=tree, HAS_WINDOW=window > 0,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=4, num_stages=2)
+        if splits > 1:
+            # the interpreter runs programs one by one: give it few, each over all heads
+            heads = _pow2(num_heads) if q.device.type == "cpu" else 1
+            combine_splits_kernel[(n, triton.cdiv(num_heads, heads))](
+                part, ml, out, out.stride(0), out.stride(1), n, num_heads,
+                NUM_SPLITS=splits, HEAD_DIM=head_dim, HEADS=heads, num_warps=4)
         return out
 
     def _splits(self, device, programs: int, max_keys: int) -> int:
         """Split the key range until the launch has about target_programs programs."""
-        max_tiles = -(-max_keys // self.block_n)
+        max_tiles = -(-max_keys // BLOCK_N)
         if self.num_splits is not None:
             return max(1, min(self.num_splits, _pow2(max_tiles)))
         want = -(-self.target_programs(device) // max(1, programs))

@@ -9,19 +9,8 @@ launch needs no host copy of any tensor value and can live inside a CUDA graph.
 Masking follows drafter.attention.reference.visible_keys: causal in logical key index,
 optional sliding window in positions, optional draft-tree mask over the last nodes.
 
-With one split the output is written directly.  With several (flash-decoding) each program
-writes its unnormalised partial result (acc, max, sum) to scratch and then arrives on a counter
-of its (q-block, kv head); the program that arrives last combines every split's partials and
-writes the output, in the same launch (no second kernel: a launch costs microseconds inside a
-CUDA graph, and the draft loop is latency-bound).  That program also puts the counter back to
-0, so every launch, and every replay of a graph holding one, starts from zeros.
-
-Memory ordering of the arrival (GPU): the CTA barrier before the atomic orders every thread's
-partial stores before it; the atomic is acq_rel at gpu scope (release publishes this program's
-partials, acquire makes the others' visible to the last one); its result reaches the other
-threads through shared memory behind a barrier; the last program reads the partials with
-.cg loads (L2, bypassing an L1 that may hold lines of the same cache line read earlier).
-
+With several splits the programs write unnormalised partial results (acc, max, sum) and a
+second kernel combines them (flash-decoding); with one split the output is written directly.
 The tokens after the last request (padding) form a pseudo-request with no keys, so every
 output row is written by exactly one program and no memset is needed.
 """
@@ -57,15 +46,13 @@ def paged_attention_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     table_ptr, stride_table,  # [num_reqs, max_blocks] int32
     mask_ptr, depths_ptr, num_nodes,  # tree: [query_len, num_nodes] bool/int8, [num_nodes] int
-    out_ptr, stride_ot, stride_oh,  # [num_tokens, num_heads, head_dim]
+    out_ptr, stride_ot, stride_oh,  # NUM_SPLITS == 1: [num_tokens, num_heads, head_dim]
     part_ptr, ml_ptr,  # NUM_SPLITS > 1: [splits, num_tokens, num_heads, head_dim] f32, [splits, num_tokens, num_heads, 2] f32
-    counter_ptr,  # NUM_SPLITS > 1: [>= grid(0) * grid(1)] int32, all 0 before the launch (and after it)
     num_tokens, num_reqs, num_heads,
     scale, window,  # window <= 0: full attention
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, COMBINE_UNROLL: tl.constexpr,  # splits whose loads the combine keeps in flight
-    IS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     qblock = tl.program_id(0)
@@ -159,76 +146,34 @@ def paged_attention_kernel(
         tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
-        # splits past the last key tile hold nothing: they store nothing, the combine reads the first n_active
-        n_active = tl.where(tiles_per_split > 0, tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1)), 0)
-        keep = (tok < tl.where(split < n_active, query_len, 0)) & (head_in_group < GROUP)  # row_ok, if active
         base = (split * num_tokens + rows) * num_heads + head  # [BLOCK_M]
-        tl.store(part_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
-        tl.store(ml_ptr + base * 2, m_i, mask=keep)
-        tl.store(ml_ptr + base * 2 + 1, l_i, mask=keep)
-
-        # Arrive.  Every split of this block gets here (the early return above is the same for
-        # all of them), so the counter reaches NUM_SPLITS exactly once per launch.
-        tl.debug_barrier()  # all threads' partial stores come before the release below
-        counter = counter_ptr + qblock * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == NUM_SPLITS - 1:  # the last one: every split's partials are visible now
-            _combine_splits(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, q_start, local_block, query_len,
-                            kv_head, n_active, num_tokens, num_heads,
-                            GROUP, GROUP_PAD, BLOCK_Q, HEAD_DIM, COMBINE_UNROLL)
-            tl.store(counter, 0)  # clean for the next launch / graph replay (no other split touches it now)
+        tl.store(part_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(ml_ptr + base * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
-def _combine_splits(
+@triton.jit(do_not_specialize=["num_tokens"])
+def combine_splits_kernel(
     part_ptr, ml_ptr,  # [splits, num_tokens, num_heads, head_dim] f32, [splits, num_tokens, num_heads, 2] f32
     out_ptr, stride_ot, stride_oh,  # [num_tokens, num_heads, head_dim]
-    q_start, local_block, query_len, kv_head, n_active, num_tokens, num_heads,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-    COMBINE_UNROLL: tl.constexpr,
+    num_tokens, num_heads,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
 ):
-    """Output rows of one (q-block, kv head) from the partials of its first n_active splits:
-    sum over splits of acc * 2^(m - M) / sum of l * 2^(m - M), M the rows' max over splits
-    (a running max: earlier splits are rescaled when it grows).  Splits that saw no key
-    (l == 0, m == -inf) weigh 0; rows that saw none get zeros.  As combine_splits_kernel did.
-
-    One token at a time (a decode block has one) and one split at a time, on [GROUP_PAD,
-    HEAD_DIM] tiles, m and l loaded broadcast over head_dim: every step is elementwise in one
-    layout (no reduction, no layout change, so no barrier in the loop), and the unrolled loop
-    keeps COMBINE_UNROLL splits' loads in flight.  Loads are .cg: other SMs wrote the partials."""
-    offs_g = tl.arange(0, GROUP_PAD)
-    g_ok = offs_g < GROUP
-    heads = kv_head * GROUP + offs_g  # [GROUP_PAD]
-    # One layout for all the loop's tiles.  A layout change inside the loop is a shared-memory
-    # round trip behind a barrier, and the barrier waits out each split's loads in turn (seen on
-    # an H100 with Triton 3.6: the combine took ~0.3 us a split).  The compiler picks a load's
-    # layout from what it can prove of the addresses, so both the m/l addresses (the same along
-    # head_dim) and the partials' (contiguous along it) are built from offs_d times an opaque
-    # runtime factor (0 and 1): nothing is known of either, and they get the same layout.
-    zero = (num_tokens < 0).to(tl.int32)  # 0, opaque to the compiler
+    tok = tl.program_id(0)
+    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    h_ok = heads < num_heads
+    splits = tl.arange(0, NUM_SPLITS)
+    base = (splits[:, None] * num_tokens + tok) * num_heads + heads[None, :]  # [NUM_SPLITS, HEADS]
+    m = tl.load(ml_ptr + base * 2, mask=h_ok[None, :], other=float("-inf"))
+    l = tl.load(ml_ptr + base * 2 + 1, mask=h_ok[None, :], other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe[None, :])  # splits that saw nothing have m = -inf and weigh 0
+    total = tl.sum(l * w, 0)  # [HEADS]
     offs_d = tl.arange(0, HEAD_DIM)
-    d_part = offs_d[None, :] * (1 - zero)  # [1, HEAD_DIM]: offs_d
-    d_ml = offs_d[None, :] * zero  # [1, HEAD_DIM]: 0
-    ok2 = g_ok[:, None] & (d_part < HEAD_DIM)  # [GROUP_PAD, HEAD_DIM]
-    first = local_block * BLOCK_Q
-    for t in range(0, tl.minimum(query_len - first, BLOCK_Q)):
-        row = q_start + first + t
-        m_run = tl.full([GROUP_PAD, HEAD_DIM], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        o = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for s in tl.range(0, n_active, loop_unroll_factor=COMBINE_UNROLL):
-            base = (s * num_tokens + row) * num_heads + heads  # [GROUP_PAD]
-            ml = ml_ptr + base[:, None] * 2 + d_ml  # [GROUP_PAD, HEAD_DIM], the same address along head_dim
-            m = tl.load(ml, mask=ok2, other=float("-inf"), cache_modifier=".cg")
-            l = tl.load(ml + 1, mask=ok2, other=0.0, cache_modifier=".cg")
-            a = tl.load(part_ptr + base[:, None] * HEAD_DIM + d_part, mask=ok2, other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_run, m)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_run - m_safe)  # earlier splits, rescaled to the new max (0 while none seen)
-            w = tl.where(l > 0, tl.exp2(m - m_safe), 0.0)  # a split that saw nothing weighs 0
-            total = total * alpha + l * w
-            o = o * alpha + tl.where(l > 0, a * w, 0.0)
-            m_run = m_new
-        o = o / tl.where(total > 0, total, 1.0)  # no visible key: zeros, like the reference
-        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+    seen = h_ok[None, :] & (l > 0)  # splits past a short context saw no key: skip their reads
+    acc = tl.load(part_ptr + base[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=seen[:, :, None],
+                  other=0.0)
+    out = tl.sum(acc * w[:, :, None], 0) / tl.where(total > 0, total, 1.0)[:, None]  # [HEADS, HEAD_DIM]
+    tl.store(out_ptr + tok * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
