@@ -43,7 +43,8 @@ def engine_config(cfg: ServerConfig) -> EngineConfig:
         capture_sizes=tuple(int(x) for x in cfg.capture_sizes.split(",") if x),
         token_capture_sizes=tuple(int(x) for x in cfg.token_capture_sizes.split(",") if x),
         padded_drafter_batch=cfg.padded_drafter_batch, device=cfg.resolved_device(), dtype=cfg.resolved_dtype(),
-        use_cuda_graphs=cfg.use_cuda_graphs, attention_backend=cfg.attention_backend, seed=cfg.seed)
+        use_cuda_graphs=cfg.use_cuda_graphs, attention_backend=cfg.attention_backend, skinny_gemm=cfg.skinny_gemm,
+        seed=cfg.seed)
 
 
 def load_engine(cfg: ServerConfig, engine_cfg: EngineConfig, hold: threading.Event | None = None):
@@ -57,6 +58,10 @@ def load_engine(cfg: ServerConfig, engine_cfg: EngineConfig, hold: threading.Eve
         torch.set_num_threads(cfg.torch_threads)
     t0 = time.monotonic()
     engine = DraftEngine.from_dirs(cfg.model, cfg.target_model or None, engine_cfg)
+    if engine.graphs is not None:
+        # every size now, before readiness: captured lazily, the first call would wait out all of it
+        # (seen on an H100: a load test's first 13 s of calls all missed their 1 s deadline)
+        engine.graphs.capture()
     log.info("engine loaded", extra={"event": "engine_loaded", "seconds": round(time.monotonic() - t0, 3),
                                      "method": engine_cfg.method, "device": engine_cfg.device,
                                      "dtype": engine_cfg.dtype, "kv_groups": [vars(g) for g in engine_cfg.kv_groups]})
