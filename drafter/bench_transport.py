@@ -388,7 +388,7 @@ class DrafterLane:
     def result(self, server_stats: dict, client_stats: dict) -> dict:
         srv = server_stats.get(self.name, {})
         engine = {int(k): v for k, v in srv.get("engine_ns", {}).items()}
-        cli = client_stats.get(f"client-{self.name}", {})
+        cli = client_stats.get(f"client-{self.name}") or client_stats.get(f"client-{self.name.split('-')[0]}", {})
         paired = [r for r in self.rtt if r in engine]
         return {"round_trip": _pct(list(self.rtt.values())), "engine": _pct([engine[r] for r in paired]),
                 "overhead": _pct([self.rtt[r] - engine[r] for r in paired]),

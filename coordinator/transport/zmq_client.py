@@ -24,9 +24,15 @@ from coordinator.transport.base import SessionState, as_attach_request, draft_ou
 from drafter.service import probes, schema
 from drafter.service.errors import Code, DrafterError
 from drafter.service.ipc import check_client_path
+from drafter.service.zmqio import NOBLOCK, recv_frames, send_frames
 from drafter.service.wire import call_to_frames, tensor_from_frames
 
 _ENCODER = msgspec.msgpack.Encoder()
+
+
+def _poll(sock: zmq.Socket, event: int, timeout_ms: int) -> bool:
+    """Socket.poll without building a Poller per call."""
+    return bool(zmq.zmq_poll([(sock, event)], timeout_ms))
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _RESPONSES = {m: msgspec.msgpack.Decoder(resp) for m, (_, resp) in schema.METHODS.items()}
 
@@ -81,17 +87,25 @@ class ZmqDrafterClient:
         deadline = time.monotonic() + timeout
         call_id = next(self._call_ids)
         env = schema.Envelope(call_id=call_id, method=method, timeout_ms=max(1, int(timeout * 1000)))
-        if not self.sock.poll(int(timeout * 1000), zmq.POLLOUT):
-            raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no connection to {self.endpoint} within {timeout} s")
-        self.sock.send_multipart([b"", _ENCODER.encode(env), _ENCODER.encode(body), *frames], copy=False)
+        msg = [b"", _ENCODER.encode(env), _ENCODER.encode(body), *frames]
+        try:  # a connected socket takes it at once; otherwise wait for the connection within the timeout
+            send_frames(self.sock, msg, NOBLOCK)
+        except zmq.Again:
+            try:
+                if not _poll(self.sock, zmq.POLLOUT, int(timeout * 1000)):
+                    raise zmq.Again
+                send_frames(self.sock, msg, NOBLOCK)
+            except zmq.Again:
+                raise DrafterError(Code.DEADLINE_EXCEEDED, "",
+                                   f"no connection to {self.endpoint} within {timeout} s") from None
         probe = self._probe
         if probe is not None:
             probe.mark("send")
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+            if left <= 0 or not _poll(self.sock, zmq.POLLIN, max(1, int(left * 1000))):
                 raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no reply from {self.endpoint} within {timeout} s")
-            reply = self.sock.recv_multipart(copy=False)
+            reply = recv_frames(self.sock, NOBLOCK)
             if probe is not None:
                 probe.mark("wait")
             if len(reply) < 3 or len(reply[0]) != 0:

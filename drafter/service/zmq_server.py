@@ -39,6 +39,7 @@ from drafter.service.core import ServiceCore
 from drafter.service.errors import Code, DrafterError, invalid
 from drafter.service.ipc import DEFAULT_MODE, bind_ipc, unlink_ipc
 from drafter.service.wire import call_from_frames, result_to_frames
+from drafter.service.zmqio import NOBLOCK, recv_frames, send_frames
 
 log = logging.getLogger("drafter.service.zmq")
 
@@ -95,7 +96,7 @@ class _Endpoint:
             if self.closed:
                 return
             try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                send_frames(self.sock, frames, NOBLOCK)
             except zmq.ZMQError as exc:
                 log.debug("zmq reply dropped: %s", exc)
 
@@ -244,10 +245,12 @@ class ZmqServer:
                 self._pause()
                 return
             try:
+                # (held by the engine thread only while it sends a reply: microseconds; waiting for it
+                # here sleeps, where returning would leave the FD signalled and the loop spinning)
                 with ep.lock:
                     if ep.closed:
                         return
-                    frames = ep.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = recv_frames(ep.sock, NOBLOCK)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:  # closed under us
