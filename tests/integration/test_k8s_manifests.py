@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import re
 import shutil
@@ -766,6 +767,14 @@ def test_overlays_cover_what_they_promise(kvmod):
     assert of_kind(mon, "ServiceMonitor") and of_kind(mon, "HorizontalPodAutoscaler")
     tw = render("k8s/overlays/target-wiring")
     assert any(is_target(t) for _, t in pods(tw)) and any(is_drafter(t) for _, t in pods(tw))
+    # the target asks vLLM for the head and k that its drafters serve
+    spec_args = [a for a in _target(tw)["spec"]["template"]["spec"]["containers"][0]["args"]
+                 if a.startswith("--speculative-config=")]
+    assert len(spec_args) == 1
+    spec = json.loads(spec_args[0].split("=", 1)[1])
+    served = drafter_env(tw)
+    assert spec["model"] == served["DRAFTER_MODEL"] and spec["method"] == served["DRAFTER_METHOD"]
+    assert spec["num_speculative_tokens"] == int(served.get("DRAFTER_NUM_SPECULATIVE_TOKENS", 3))
     mt = drafter_env(render("k8s/overlays/mtls"))
     for key in ("DRAFTER_TLS_CERT", "DRAFTER_TLS_KEY", "DRAFTER_TLS_CLIENT_CA",
                 "DRAFTER_CURVE_SERVER_CERT", "DRAFTER_CURVE_CLIENTS_DIR"):
