@@ -211,7 +211,8 @@ class EngineRunner:
         limits = getattr(engine, "limits", None)
         self.stager = None
         if device is not None and torch.device(device).type == "cuda" and limits is not None:
-            self.stager = HostStager(cfg.max_num_batched_tokens * limits.hidden_width * cfg.torch_dtype.itemsize)
+            # sized for the largest call the engine accepts, in the widest hidden dtype a session may send
+            self.stager = HostStager(cfg.max_num_batched_tokens * limits.hidden_width * 4)
 
     def flush_records(self) -> None:
         records, self.deferred = self.deferred, []

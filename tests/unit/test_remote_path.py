@@ -485,3 +485,42 @@ def test_runner_metrics_wait_for_the_replies_when_deferred():
 def test_schema_has_no_new_fields():
     """The ZMQ schema and the proto stay equal (the ipc transport changes neither)."""
     assert "frame" in schema.Tensor.__struct_fields__ and len(pb.Tensor.DESCRIPTOR.fields) == 3
+
+
+class _RecordingEngine:
+    """The engine surface EngineRunner needs; records what reached propose()."""
+
+    class config:  # noqa: N801 - mimics EngineConfig's attributes
+        max_num_seqs, max_num_batched_tokens, torch_dtype, kv_groups = 8, 64, torch.bfloat16, (None,)
+
+    device = torch.device("cpu")
+    limits = None
+
+    def __init__(self):
+        self.seen = []
+
+    def propose(self, **kw):
+        from drafter.engine import DraftOutput
+        self.seen.append(kw["target_hidden_states"])
+        b = kw["next_token_ids"].shape[0]
+        return DraftOutput(torch.arange(b * 3).view(b, 3), None, b, kw["target_token_ids"].shape[0])
+
+
+def test_the_runner_stages_hidden_states_and_copies_drafts_to_the_host():
+    """What a GPU engine gets (pin=False here: the logic without a GPU): the staged copy, equal to
+    the request's hidden states, in the one reused buffer."""
+    engine = _RecordingEngine()
+    runner = EngineRunner(engine)
+    runner.stager = HostStager(1 << 20, pin=False)
+    s = Session("x", "c", (0,), (64,), (16,), 96, 8, 64, torch.bfloat16)
+    for rows in (4, 2):
+        hidden = torch.randn(rows, 32).to(torch.bfloat16)
+        kw = {"target_token_ids": torch.zeros(rows, dtype=torch.int64), "target_hidden_states": hidden,
+              "next_token_ids": torch.zeros(1, dtype=torch.int64), "query_start_loc": torch.tensor([0, rows]),
+              "block_tables": [torch.zeros(1, 1, dtype=torch.int32)],
+              "slot_mappings": [torch.zeros(rows, dtype=torch.int64)]}
+        out = runner.run([Pending(s, ProposeCall("x", 0, rows, kw), concurrent.futures.Future())])[0]
+        staged = engine.seen[-1]
+        assert torch.equal(staged, hidden) and staged.data_ptr() == runner.stager.buf.data_ptr()
+        assert out.draft_token_ids.device.type == "cpu" and out.request_id == rows
+    assert runner.stager.allocations == 1
