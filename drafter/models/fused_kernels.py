@@ -48,6 +48,22 @@ def rms_norm_kernel(
 
 
 @triton.jit
+def _store_dual_norm_half(half, tok, row, table_ptr, stride_table, hidden_ptr, stride_hidden, w_embed_ptr,
+                          w_hidden_ptr, out_ptr, stride_out, n_cols, eps, BLOCK: tl.constexpr):
+    """One half of EAGLE-3's layer input row: half 0 = norm(embedding of tok), half 1 = norm(hidden)."""
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    dtype = hidden_ptr.dtype.element_ty
+    if half == 0:
+        x = tl.load(table_ptr + tok * stride_table + cols, mask=ok, other=0.0).to(tl.float32)
+        y = _rms(x, w_embed_ptr, cols, ok, n_cols, eps, dtype)
+    else:
+        x = tl.load(hidden_ptr + row * stride_hidden + cols, mask=ok, other=0.0).to(tl.float32)
+        y = _rms(x, w_hidden_ptr, cols, ok, n_cols, eps, dtype)
+    tl.store(out_ptr + row * stride_out + half * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def embed_dual_norm_kernel(
     ids_ptr,  # [rows] int: token ids
     table_ptr, stride_table,  # [vocab, n_cols] embedding
@@ -60,17 +76,9 @@ def embed_dual_norm_kernel(
     """EAGLE-3's layer input: the embedding gather and both norms in one launch."""
     row = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    dtype = hidden_ptr.dtype.element_ty
-    if half == 0:
-        tok = tl.load(ids_ptr + row).to(tl.int64)
-        x = tl.load(table_ptr + tok * stride_table + cols, mask=ok, other=0.0).to(tl.float32)
-        y = _rms(x, w_embed_ptr, cols, ok, n_cols, eps, dtype)
-    else:
-        x = tl.load(hidden_ptr + row * stride_hidden + cols, mask=ok, other=0.0).to(tl.float32)
-        y = _rms(x, w_hidden_ptr, cols, ok, n_cols, eps, dtype)
-    tl.store(out_ptr + row * stride_out + half * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+    tok = tl.load(ids_ptr + row, mask=half == 0, other=0).to(tl.int64)
+    _store_dual_norm_half(half, tok, row, table_ptr, stride_table, hidden_ptr, stride_hidden, w_embed_ptr,
+                          w_hidden_ptr, out_ptr, stride_out, n_cols, eps, BLOCK)
 
 
 @triton.jit
@@ -242,19 +250,13 @@ def greedy_embed_dual_norm_kernel(
     (the new token's embedding and the carried hidden state, each normed), in one launch."""
     row = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    dtype = hidden_ptr.dtype.element_ty
+    tok = tl.zeros([], tl.int64)
     if half == 0:
         tok = _greedy_token(scores_ptr, stride_s, idx_ptr, stride_idx, row, n, d2t_ptr, BLOCK_V, FROM_PARTS,
                             HAS_D2T)
         tl.store(ids_ptr + row, tok)
-        x = tl.load(table_ptr + tok * stride_table + cols, mask=ok, other=0.0).to(tl.float32)
-        y = _rms(x, w_embed_ptr, cols, ok, n_cols, eps, dtype)
-    else:
-        x = tl.load(hidden_ptr + row * stride_hidden + cols, mask=ok, other=0.0).to(tl.float32)
-        y = _rms(x, w_hidden_ptr, cols, ok, n_cols, eps, dtype)
-    tl.store(out_ptr + row * stride_out + half * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+    _store_dual_norm_half(half, tok, row, table_ptr, stride_table, hidden_ptr, stride_hidden, w_embed_ptr,
+                          w_hidden_ptr, out_ptr, stride_out, n_cols, eps, BLOCK)
 
 
 def greedy_embed_dual_norm(logits: torch.Tensor | ArgmaxParts, d2t: torch.Tensor | None, table: torch.Tensor,
