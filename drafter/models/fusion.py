@@ -34,6 +34,7 @@ from drafter.models.layers import MLP, Attention, DecoderLayer, RMSNorm
 from drafter.models.skinny_gemm import NormedInput
 from drafter.models.weight_gemm import WeightGemm, plan_gemm
 
+
 def _concat_weights(linears: list[nn.Linear]) -> torch.Tensor:
     """One [sum(out), in] matrix whose row blocks are the given layers' weights (now views of it)."""
     fused = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
@@ -105,18 +106,16 @@ def greedy_draft(head: DraftHead, hidden: torch.Tensor | NormedInput, step: int)
     d2t = head.d2t if isinstance(head, Eagle3Head) else None
     if not hasattr(head, "lm_head_gemm"):  # MTP: a norm and a per-layer head
         return K.greedy_ids(head.compute_logits(hidden, step), d2t)
-    logits, parts = head.lm_head_gemm(hidden, argmax=True)  # the argmax candidates, when the GEMM left them
-    return K.greedy_ids(parts if parts is not None else logits, d2t)
+    return K.greedy_ids(head.lm_head_gemm.greedy_scores(hidden), d2t)
 
 
 def greedy_next_inputs(head: Eagle3Head, logit_h: torch.Tensor | NormedInput, carry_h: torch.Tensor, step: int):
     """A greedy chain step that another step follows: (draft ids [rows] int64, the next step's
     layer input [rows, 2 * hidden_size]).  The lm_head GEMM, then argmax + d2t + embedding +
     both input norms in one launch."""
-    logits, parts = head.lm_head_gemm(logit_h, argmax=True)
     first = head.layers[0]
-    return K.greedy_embed_dual_norm(parts if parts is not None else logits, head.d2t, head.embed_tokens.weight, carry_h,
-                                    first.input_layernorm.weight, first.hidden_norm.weight,
+    return K.greedy_embed_dual_norm(head.lm_head_gemm.greedy_scores(logit_h), head.d2t, head.embed_tokens.weight,
+                                    carry_h, first.input_layernorm.weight, first.hidden_norm.weight,
                                     first.input_layernorm.eps)
 
 

@@ -65,6 +65,12 @@ class WeightGemm:
                 y = out.copy_(y)
         return (y, None) if sumsq or argmax else y
 
+    def greedy_scores(self, x: torch.Tensor | NormedInput) -> torch.Tensor | K.ArgmaxParts:
+        """What the greedy kernels reduce for x @ weight.T: the skinny kernel's per-block argmax
+        candidates, or the logits [m, N] where cuBLAS made them."""
+        logits, parts = self(x, argmax=True)
+        return parts if parts is not None else logits
+
 
 def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = False, normed: bool = False,
               argmax: bool = False, mode: str = "auto") -> dict[int, GemmConfig]:
@@ -73,11 +79,10 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
     its SiLU, from normed input when `normed`.  mode "on": every bucket, "off": none."""
     if mode == "off":
         return {}
-    if mode == "on" or weight.device.type != "cuda":
-        return {b: pick_config(b, weight.shape[0] // (2 if silu_mul else 1), weight.shape[1], weight.device,
-                               2 if silu_mul else 1) for b in ROW_BUCKETS}
-    copies = [weight] + [weight.clone() for _ in range(2)]
     n, k = weight.shape[0] // (2 if silu_mul else 1), weight.shape[1]
+    if mode == "on" or weight.device.type != "cuda":
+        return {b: pick_config(b, n, k, weight.device, 2 if silu_mul else 1) for b in ROW_BUCKETS}
+    copies = [weight] + [weight.clone() for _ in range(2)]
     plan = {}
     for bucket in ROW_BUCKETS:
         x = torch.randn(bucket, k, device=weight.device, dtype=weight.dtype)
@@ -101,7 +106,6 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
                 best, best_us = cfg, us
         if best is not None:
             plan[bucket] = best
-    del copies
     return plan
 
 
@@ -109,10 +113,9 @@ def _as_layer_runs_it(gemm: WeightGemm, x, residual, silu_mul: bool, argmax: boo
     """One call with the work each path brings along: after the lm_head the greedy argmax (over
     the logits, or the skinny kernel's candidates); after a residual GEMM the RMSNorm that its
     consumer must run as a launch of its own when cuBLAS left no sums of squares."""
-    out = gemm(x, residual=residual, silu_mul=silu_mul, sumsq=residual is not None, argmax=argmax)
     if argmax:
-        logits, parts = out
-        return K.greedy_ids(parts if parts is not None else logits)
+        return K.greedy_ids(gemm.greedy_scores(x))
+    out = gemm(x, residual=residual, silu_mul=silu_mul, sumsq=residual is not None)
     if residual is not None:
         y, sumsq = out
         if sumsq is None:

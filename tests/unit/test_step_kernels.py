@@ -87,6 +87,8 @@ def test_weight_gemm_routes_by_bucket():
         res = torch.randn(m, 40, generator=g).to(DEVICE)
         a, b = (gemm(x) for gemm in both)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        # candidates (skinny) or logits (cuBLAS, and > 64 rows): the same greedy ids
+        assert torch.equal(*(K.greedy_ids(gemm.greedy_scores(x)) for gemm in both))
         a, b = (gemm(x, residual=res) for gemm in both)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         sumsq = (x * x).sum(1, keepdim=True)  # one "part" per row
