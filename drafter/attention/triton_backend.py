@@ -9,6 +9,8 @@ the static buffers later hold.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -32,16 +34,38 @@ def _check_cache(kv_cache: torch.Tensor, head_dim: int) -> None:
         raise ValueError(f"TritonBackend needs a power-of-two head_dim, got {head_dim}")
 
 
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Tile and pipeline shape of the paged attention kernel."""
+    block_n: int = BLOCK_N  # keys per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
 class TritonBackend:
     name = "triton"
-    # the proposer's chain asks for the next step's positions, seq_lens and slots through this
-    decode_step_inputs = staticmethod(decode_step_inputs)
 
-    def __init__(self, num_splits: int | None = None, target_programs: int | None = None):
+    def __init__(self, num_splits: int | None = None, target_programs: int | None = None, pdl: bool = False,
+                 launch: AttentionLaunch = AttentionLaunch()):
         """num_splits: force the number of key splits (tests); None = pick from the grid size.
-        target_programs: how many programs a launch should have to fill the device."""
+        target_programs: how many programs a launch should have to fill the device.
+        pdl: launch every kernel with programmatic dependent launch (drafter.pdl)."""
         self.num_splits = num_splits
         self._target_programs = target_programs
+        self.pdl = pdl
+        self.launch = launch
+
+    def decode_step_inputs(
+        self,
+        pos: torch.Tensor,  # [batch] int64
+        real_seq_lens: torch.Tensor,  # [batch] int32, 0 = padded row
+        block_tables: list[torch.Tensor],  # per KV group: [batch, max_blocks] int32
+        block_sizes: tuple[int, ...],
+        max_model_len: int,
+        steps: int = 1,
+    ):
+        """The proposer's chain asks for every step's positions, seq_lens and slots through this."""
+        return decode_step_inputs(pos, real_seq_lens, block_tables, block_sizes, max_model_len, steps, pdl=self.pdl)
 
     def target_programs(self, device: torch.device) -> int:
         if self._target_programs is None:
@@ -93,7 +117,7 @@ class TritonBackend:
                 kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
                 slots, num_heads, num_kv_heads,
                 BLOCK_SIZE=meta.block_size, Q_HEADS=q_heads, KV_HEADS_PAD=_pow2(num_kv_heads),
-                HEAD_DIM=head_dim)
+                HEAD_DIM=head_dim, PDL=self.pdl, launch_pdl=self.pdl)
         return self.attend(q, kv_cache, meta, sliding_window)
 
     def write_kv(self, k, v, kv_cache, slot_mapping, block_size: int) -> None:
@@ -107,7 +131,8 @@ class TritonBackend:
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
             slot_mapping.contiguous(), num_kv_heads,
-            BLOCK_SIZE=block_size, HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim)
+            BLOCK_SIZE=block_size, HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim, PDL=self.pdl,
+            launch_pdl=self.pdl)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                sliding_window: int | None) -> torch.Tensor:
@@ -148,21 +173,21 @@ class TritonBackend:
             mask, depths, num_nodes,
             out, out.stride(0), out.stride(1), part, ml,
             n, num_reqs, num_heads, head_dim ** -0.5, window,
-            BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
-            HEAD_DIM=head_dim, NUM_SPLITS=splits, IS_TREE=tree, HAS_WINDOW=window > 0,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=4, num_stages=2)
+            BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
+            BLOCK_N=self.launch.block_n, HEAD_DIM=head_dim, NUM_SPLITS=splits, IS_TREE=tree, HAS_WINDOW=window > 0,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=self.pdl,
+            num_warps=self.launch.num_warps, num_stages=self.launch.num_stages, launch_pdl=self.pdl)
         if splits > 1:
             # the interpreter runs programs one by one: give it few, each over all heads
             heads = _pow2(num_heads) if q.device.type == "cpu" else 1
             combine_splits_kernel[(n, triton.cdiv(num_heads, heads))](
                 part, ml, out, out.stride(0), out.stride(1), n, num_heads,
-                NUM_SPLITS=splits, HEAD_DIM=head_dim, HEADS=heads, num_warps=4)
+                NUM_SPLITS=splits, HEAD_DIM=head_dim, HEADS=heads, PDL=self.pdl, num_warps=4, launch_pdl=self.pdl)
         return out
 
     def _splits(self, device, programs: int, max_keys: int) -> int:
         """Split the key range until the launch has about target_programs programs."""
-        max_tiles = -(-max_keys // BLOCK_N)
+        max_tiles = -(-max_keys // self.launch.block_n)
         if self.num_splits is not None:
             return max(1, min(self.num_splits, _pow2(max_tiles)))
         want = -(-self.target_programs(device) // max(1, programs))
