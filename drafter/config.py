@@ -70,9 +70,6 @@ class EngineConfig:
     # The Triton path's weight GEMMs for <= 64 rows: "auto" times drafter's skinny kernel
     # against cuBLAS per weight at start-up and keeps the faster; "on" / "off" force it.
     skinny_gemm: str = "auto"
-    # Programmatic dependent launch of the Triton path's kernels (drafter.pdl): "auto" = on
-    # where the device supports it (Hopper and newer), "on" = required, "off" = plain launches.
-    pdl: str = "auto"
     seed: int = 0
 
     def __post_init__(self):
@@ -96,8 +93,6 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, reference or triton, got {self.attention_backend!r}")
         if self.skinny_gemm not in ("auto", "on", "off"):
             raise ValueError(f"skinny_gemm must be auto, on or off, got {self.skinny_gemm!r}")
-        if self.pdl not in ("auto", "on", "off"):
-            raise ValueError(f"pdl must be auto, on or off, got {self.pdl!r}")
         object.__setattr__(self, "capture_sizes", _sizes(self.capture_sizes, self.max_num_seqs, "capture_sizes"))
         object.__setattr__(
             self,

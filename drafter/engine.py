@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from drafter import pdl as pdl_mod
 from drafter.attention import ReferenceBackend
 from drafter.buffers import StaticBuffers
 from drafter.config import EngineConfig, pad_to_capture_size
@@ -32,7 +31,7 @@ class DraftOutput:
     draft_logits: torch.Tensor | None = None  # [batch, k, head_vocab] when asked (parity checks, debugging)
 
 
-def make_backend(name: str, device: torch.device, pdl: bool = False):
+def make_backend(name: str, device: torch.device):
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
             from drafter.attention.triton_backend import TritonBackend
@@ -40,7 +39,7 @@ def make_backend(name: str, device: torch.device, pdl: bool = False):
             if name == "triton":
                 raise
         else:
-            return TritonBackend(pdl=pdl)
+            return TritonBackend()
     return ReferenceBackend()
 
 
@@ -51,8 +50,7 @@ class DraftEngine:
         self.head = head
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
-        self.pdl = pdl_mod.resolve(config.pdl, self.device)
-        self.backend = make_backend(config.attention_backend, self.device, self.pdl)
+        self.backend = make_backend(config.attention_backend, self.device)
         if spec.method == "extract_hidden_states":
             self.store = HiddenStateStore(config.kv_groups[0], len(spec.aux_layer_ids), spec.target_width,
                                           self.device, dtype)
@@ -73,7 +71,7 @@ class DraftEngine:
             from drafter.models.fusion import fuse_head
 
             # one q/k/v GEMM, rotary + KV write and norms in fused kernels; skinny GEMMs where faster
-            fuse_head(head, config.skinny_gemm, pdl=self.pdl)
+            fuse_head(head, config.skinny_gemm)
             if config.use_cuda_graphs and self.device.type == "cuda":
                 # the draft loop as CUDA graphs: the Triton path never reads device values on the host
                 self.graphs = GraphRunner(self)

@@ -42,39 +42,29 @@ class AttentionLaunch:
     num_stages: int = 3
 
 
-# Measured on an H100 (bench/probe_pdl.py, 2026-11-24; decode attention, 1k context): a launch
-# of few (request, KV head) programs is latency-bound and fastest with long tiles and a deep
-# pipeline (batch 1: 7.8 us vs 9.2); larger grids stream fastest with 64-key tiles and ~8
-# programs per SM in all (batch 64: 101.7 us, 0.88 of copy bandwidth, vs 109.0 with 16 per SM).
+# Measured on an H100 (bench/probe_attention.py, 2026-11-24; decode attention, 1k context): a
+# launch of few (request, KV head) programs is latency-bound and fastest with long tiles and a
+# deep pipeline (batch 1: 8.3 us vs 9.5 with 64-key tiles); larger grids stream fastest with
+# 64-key tiles and at most ~4 programs per SM, splits included (batch 64: 96.7 us, 0.95 of copy
+# bandwidth, vs 101.7 with 8 and 108.6 with 16 per SM; batch 32: 54.6 vs 59.0 and 59.6).
 SMALL_GRID_LAUNCH = AttentionLaunch(block_n=128, num_warps=4, num_stages=4)
-PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM = 4
 
 
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, num_splits: int | None = None, target_programs: int | None = None, pdl: bool = False,
+    # the proposer's chain asks for the next step's positions, seq_lens and slots through this
+    decode_step_inputs = staticmethod(decode_step_inputs)
+
+    def __init__(self, num_splits: int | None = None, target_programs: int | None = None,
                  launch: AttentionLaunch | None = None):
         """num_splits: force the number of key splits (tests); None = pick from the grid size.
         target_programs: how many programs (splits included) a launch should have to fill the device.
-        pdl: launch every kernel with programmatic dependent launch (drafter.pdl).
         launch: force the attention kernel's tile shape; None = pick from the grid size."""
         self.num_splits = num_splits
         self._target_programs = target_programs
-        self.pdl = pdl
         self.launch = launch
-
-    def decode_step_inputs(
-        self,
-        pos: torch.Tensor,  # [batch] int64
-        real_seq_lens: torch.Tensor,  # [batch] int32, 0 = padded row
-        block_tables: list[torch.Tensor],  # per KV group: [batch, max_blocks] int32
-        block_sizes: tuple[int, ...],
-        max_model_len: int,
-        steps: int = 1,
-    ):
-        """The proposer's chain asks for every step's positions, seq_lens and slots through this."""
-        return decode_step_inputs(pos, real_seq_lens, block_tables, block_sizes, max_model_len, steps, pdl=self.pdl)
 
     def target_programs(self, device: torch.device) -> int:
         if self._target_programs is None:
@@ -124,7 +114,7 @@ class TritonBackend:
                 kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
                 slots, num_heads, num_kv_heads,
                 BLOCK_SIZE=meta.block_size, Q_HEADS=q_heads, KV_HEADS_PAD=_pow2(num_kv_heads),
-                HEAD_DIM=head_dim, PDL=self.pdl, launch_pdl=self.pdl)
+                HEAD_DIM=head_dim)
         return self.attend(q, kv_cache, meta, sliding_window)
 
     def write_kv(self, k, v, kv_cache, slot_mapping, block_size: int) -> None:
@@ -138,8 +128,7 @@ class TritonBackend:
             k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
             kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
             slot_mapping.contiguous(), num_kv_heads,
-            BLOCK_SIZE=block_size, HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim, PDL=self.pdl,
-            launch_pdl=self.pdl)
+            BLOCK_SIZE=block_size, HEADS_PAD=_pow2(num_kv_heads), HEAD_DIM=head_dim)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                sliding_window: int | None) -> torch.Tensor:
@@ -184,14 +173,14 @@ class TritonBackend:
             n, num_reqs, num_heads, head_dim ** -0.5, window,
             BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
             BLOCK_N=launch.block_n, HEAD_DIM=head_dim, NUM_SPLITS=splits, IS_TREE=tree, HAS_WINDOW=window > 0,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=self.pdl,
-            num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=self.pdl)
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=launch.num_warps, num_stages=launch.num_stages)
         if splits > 1:
             # the interpreter runs programs one by one: give it few, each over all heads
             heads = _pow2(num_heads) if q.device.type == "cpu" else 1
             combine_splits_kernel[(n, triton.cdiv(num_heads, heads))](
                 part, ml, out, out.stride(0), out.stride(1), n, num_heads,
-                NUM_SPLITS=splits, HEAD_DIM=head_dim, HEADS=heads, PDL=self.pdl, num_warps=4, launch_pdl=self.pdl)
+                NUM_SPLITS=splits, HEAD_DIM=head_dim, HEADS=heads, num_warps=4)
         return out
 
     def _launch(self, device, programs: int) -> AttentionLaunch:

@@ -34,10 +34,6 @@ from drafter.models.layers import MLP, Attention, DecoderLayer, RMSNorm
 from drafter.models.skinny_gemm import NormedInput
 from drafter.models.weight_gemm import WeightGemm, plan_gemm
 
-# Bytes of its weight a skinny GEMM launched with PDL pulls into L2 before it waits for the
-# kernel before it (per GEMM of the layer; 0 = none).  See drafter.pdl.
-PREFETCH_BYTES: dict[str, int] = {}
-
 
 def _concat_weights(linears: list[nn.Linear]) -> torch.Tensor:
     """One [sum(out), in] matrix whose row blocks are the given layers' weights (now views of it)."""
@@ -50,45 +46,38 @@ def _concat_weights(linears: list[nn.Linear]) -> torch.Tensor:
     return fused
 
 
-def fuse_head(head: DraftHead, skinny: str = "auto", pdl: bool = False,
-              prefetch: dict[str, int] | None = None) -> DraftHead:
+def fuse_head(head: DraftHead, skinny: str = "auto") -> DraftHead:
     """Switch a head (already on its device and dtype) to the fused path; returns it.
     skinny: "auto" (time the skinny kernel against cuBLAS per weight), "on" or "off".
-    pdl: launch the fused kernels with programmatic dependent launch (drafter.pdl).
-    prefetch: with pdl, bytes of its weight a skinny GEMM pulls into L2 while the kernel before
-    it drains, by GEMM ("qkv", "o", "gate_up", "down", "lm_head"; see PREFETCH_BYTES).
     Idempotent: engines sharing one head (several k in a benchmark) fuse it once."""
     if getattr(head, "fused", False):
         return head
     head.fused = True
-    prefetch = PREFETCH_BYTES if prefetch is None else prefetch
 
-    def gemm(role, weight, **fused_work):
-        return WeightGemm(weight, plan_gemm(weight, mode=skinny, pdl=pdl, **fused_work), pdl=pdl,
-                          prefetch_bytes=prefetch.get(role, 0) if pdl else 0)
+    def gemm(weight, **fused_work):
+        return WeightGemm(weight, plan_gemm(weight, mode=skinny, **fused_work))
 
     for m in head.modules():
-        m.pdl = pdl  # read by the fused forwards below when they launch kernels
         if isinstance(m, Attention):
             if any(p.bias is not None for p in (m.q_proj, m.k_proj, m.v_proj)):
                 raise ValueError("fused attention expects bias-free q/k/v projections")
             m.qkv_weight = _concat_weights([m.q_proj, m.k_proj, m.v_proj])
-            m.qkv_gemm = gemm("qkv", m.qkv_weight)
-            m.o_gemm = gemm("o", m.o_proj.weight, residual=True)
+            m.qkv_gemm = gemm(m.qkv_weight)
+            m.o_gemm = gemm(m.o_proj.weight, residual=True)
             d = m.shape.head_dim
             # the same table apply_rope computes on every call
             m.inv_freq = 1.0 / (m.shape.rope_theta ** (
                 torch.arange(0, d, 2, device=m.qkv_weight.device, dtype=torch.float32) / d))
         elif isinstance(m, MLP):
             m.gate_up_weight = _concat_weights([m.gate_proj, m.up_proj])
-            m.gate_up_gemm = gemm("gate_up", m.gate_up_weight, silu_mul=True, normed=True)
-            m.down_gemm = gemm("down", m.down_proj.weight, residual=True)
+            m.gate_up_gemm = gemm(m.gate_up_weight, silu_mul=True, normed=True)
+            m.down_gemm = gemm(m.down_proj.weight, residual=True)
         for cls, fn in _FORWARDS:
             if isinstance(m, cls):
                 m.forward = types.MethodType(fn, m)
                 break
     if isinstance(head, (EagleHead, Eagle3Head)):
-        head.lm_head_gemm = gemm("lm_head", head.lm_head.weight, normed=isinstance(head, Eagle3Head), argmax=True)
+        head.lm_head_gemm = gemm(head.lm_head.weight, normed=isinstance(head, Eagle3Head), argmax=True)
         head.compute_logits = types.MethodType(compute_logits, head)
     head.greedy_draft = types.MethodType(greedy_draft, head)
     if isinstance(head, Eagle3Head) and len(head.layers) == 1:
@@ -116,8 +105,8 @@ def greedy_draft(head: DraftHead, hidden: torch.Tensor | NormedInput, step: int)
     one launch (torch needs three).  hidden [rows, hidden_size] -> [rows] int64."""
     d2t = head.d2t if isinstance(head, Eagle3Head) else None
     if not hasattr(head, "lm_head_gemm"):  # MTP: a norm and a per-layer head
-        return K.greedy_ids(head.compute_logits(hidden, step), d2t, pdl=head.pdl)
-    return K.greedy_ids(head.lm_head_gemm.greedy_scores(hidden), d2t, pdl=head.pdl)
+        return K.greedy_ids(head.compute_logits(hidden, step), d2t)
+    return K.greedy_ids(head.lm_head_gemm.greedy_scores(hidden), d2t)
 
 
 def greedy_next_inputs(head: Eagle3Head, logit_h: torch.Tensor | NormedInput, carry_h: torch.Tensor, step: int):
@@ -127,13 +116,13 @@ def greedy_next_inputs(head: Eagle3Head, logit_h: torch.Tensor | NormedInput, ca
     first = head.layers[0]
     return K.greedy_embed_dual_norm(head.lm_head_gemm.greedy_scores(logit_h), head.d2t, head.embed_tokens.weight,
                                     carry_h, first.input_layernorm.weight, first.hidden_norm.weight,
-                                    first.input_layernorm.eps, pdl=head.pdl)
+                                    first.input_layernorm.eps)
 
 
 def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:  # [..., hidden]
     if x.dim() != 2 or x.stride(-1) != 1:
-        return K.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), norm.weight, norm.eps, pdl=norm.pdl).view(x.shape)
-    return K.rms_norm(x, norm.weight, norm.eps, pdl=norm.pdl)
+        return K.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), norm.weight, norm.eps).view(x.shape)
+    return K.rms_norm(x, norm.weight, norm.eps)
 
 
 def attention(attn: Attention, x: torch.Tensor, positions, kv_cache, meta, backend) -> torch.Tensor:
@@ -163,8 +152,7 @@ def _attention_then_mlp(layer, attn_in, residual, positions, kv_cache, meta, bac
     s, sumsq = attn.o_gemm(attention(attn, attn_in, positions, kv_cache, meta, backend), residual=residual,
                            sumsq=True)
     norm = layer.post_attention_layernorm
-    h = NormedInput(s, sumsq, norm.weight, norm.eps) if sumsq is not None else K.rms_norm(s, norm.weight, norm.eps,
-                                                                                           pdl=norm.pdl)
+    h = NormedInput(s, sumsq, norm.weight, norm.eps) if sumsq is not None else K.rms_norm(s, norm.weight, norm.eps)
     act = layer.mlp.gate_up_gemm(h, silu_mul=True)
     return layer.mlp.down_gemm(act, residual=s, out=s, sumsq=True)  # s is ours: accumulate in place
 
@@ -191,7 +179,7 @@ def eagle3_head(head: Eagle3Head, input_ids, positions, hidden, kv_caches, metas
     first, *rest = head.layers
     attn_in = layer_input if layer_input is not None else K.embed_dual_norm(
         input_ids, head.embed_tokens.weight, hidden, first.input_layernorm.weight, first.hidden_norm.weight,
-        first.input_layernorm.eps, pdl=head.pdl)
+        first.input_layernorm.eps)
     residual = attn_in[:, hidden.shape[1]:] if first.norm_before_residual else hidden
     x, sumsq = _attention_then_mlp(first, attn_in, residual, positions, kv_caches[0],
                                    metas[head.kv_group_of_layer[0]], backend)

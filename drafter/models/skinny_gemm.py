@@ -33,7 +33,6 @@ import triton
 import triton.language as tl
 
 from drafter.models.fused_kernels import ArgmaxParts
-from drafter.pdl import allow_next_kernel, prefetch_rows_l2, wait_previous_kernel
 
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL = 0, 1, 2
 MAX_ROWS = 64  # above this the product is no longer weight-streaming: cuBLAS
@@ -59,7 +58,6 @@ def skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EPILOGUE: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr, SUMSQ_OUT: tl.constexpr,
     ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_BYTES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -71,13 +69,6 @@ def skinny_gemm_kernel(
     dtype = out_ptr.dtype.element_ty
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    allow_next_kernel(PDL)
-    if PREFETCH_BYTES > 0:  # launched early (PDL): stream our weights into L2 while the last kernel drains
-        w_starts = w_ptr + offs_n.to(tl.int64) * stride_w
-        prefetch_rows_l2(w_starts, n_ok & (pid_m == 0), PREFETCH_BYTES)
-        if EPILOGUE == 2:
-            prefetch_rows_l2(w_starts + N.to(tl.int64) * stride_w, n_ok & (pid_m == 0), PREFETCH_BYTES)
-    wait_previous_kernel(PDL)  # x, the sums of squares and the residual come from earlier kernels
     if NORM_IN:  # layers.RMSNorm: (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight, cast to dtype
         parts = tl.arange(0, BLOCK_P)
         ss = tl.load(sumsq_in_ptr + offs_m[:, None] * stride_sin + parts[None, :],
@@ -153,15 +144,6 @@ def pick_config(m: int, n: int, k: int, device: torch.device, weight_tiles: int 
     return GemmConfig(block_n=block_n, block_k=block_k, num_stages=max(2, min(4, (96 << 10) // stage_bytes)))
 
 
-def _prefetch_row_bytes(requested: int, k: int, weight: torch.Tensor) -> int:
-    """Bytes per weight row for the L2 prefetch: at most the row, a multiple of 16 (the bulk
-    prefetch's unit), and 0 where rows are not 16-byte aligned."""
-    row = k * weight.element_size()
-    if weight.data_ptr() % 16 or (weight.stride(0) * weight.element_size()) % 16:
-        return 0
-    return min(requested, row) // 16 * 16
-
-
 @dataclass
 class NormedInput:
     """Rows whose RMSNorm the consuming GEMM applies on the fly: x [m, K] and the per-row
@@ -182,8 +164,6 @@ def skinny_gemm(
     sumsq: bool = False,  # also return the per-row partial sums of squares of out
     argmax: bool = False,  # also return the per-row argmax candidates of out (ArgmaxParts)
     config: GemmConfig | None = None,
-    pdl: bool = False,  # launch with programmatic dependent launch (drafter.pdl)
-    prefetch_bytes: int = 0,  # with pdl: bytes of each weight row to pull into L2 before waiting
 ):
     """-> out [m, N]; with sumsq: (out, sums of squares [m, parts] f32); with argmax: (out, ArgmaxParts)."""
     if sumsq and argmax:
@@ -223,8 +203,7 @@ def skinny_gemm(
             BLOCK_P=triton.next_power_of_2(norm.sumsq.shape[1]) if norm is not None else 1, SUMSQ_OUT=sumsq,
             ARGMAX_OUT=argmax,
             DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            PDL=pdl, PREFETCH_BYTES=_prefetch_row_bytes(prefetch_bytes, k, weight) if pdl else 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if argmax:
         return out, cand
     return (out, partial) if sumsq else out

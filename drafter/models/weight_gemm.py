@@ -40,8 +40,6 @@ class WeightGemm:
     Either way the same function, up to the GEMM's summation order."""
     weight: torch.Tensor  # [N, K]; silu_mul: [2 * N', K] = [gate; up]
     configs: dict[int, GemmConfig] = field(default_factory=dict)
-    pdl: bool = False  # the skinny kernel launches with programmatic dependent launch (drafter.pdl)
-    prefetch_bytes: int = 0  # with pdl: bytes of the weight it pulls into L2 before waiting (spread over rows)
 
     def __call__(self, x: torch.Tensor | NormedInput, *, residual: torch.Tensor | None = None,
                  silu_mul: bool = False, out: torch.Tensor | None = None, sumsq: bool = False,
@@ -54,16 +52,15 @@ class WeightGemm:
         cfg = self.configs.get(block_m_for(m)) if m <= MAX_ROWS and rows.stride(1) == 1 else None
         if cfg is not None:
             return skinny_gemm(x, self.weight, residual=residual, silu_mul=silu_mul, out=out, sumsq=sumsq,
-                               argmax=argmax, config=cfg, pdl=self.pdl,
-                               prefetch_bytes=self.prefetch_bytes // self.weight.shape[0])
+                               argmax=argmax, config=cfg)
         if isinstance(x, NormedInput):
-            x = K.rms_norm(x.x, x.weight, x.eps, pdl=self.pdl)
+            x = K.rms_norm(x.x, x.weight, x.eps)
         if residual is not None:
             y = residual.addmm_(x, self.weight.t()) if out is residual else torch.addmm(
                 residual, x, self.weight.t(), out=out)
         else:
             y = F.linear(x, self.weight)
-            y = K.silu_mul(y, pdl=self.pdl) if silu_mul else y
+            y = K.silu_mul(y) if silu_mul else y
             if out is not None:
                 y = out.copy_(y)
         return (y, None) if sumsq or argmax else y
@@ -76,11 +73,10 @@ class WeightGemm:
 
 
 def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = False, normed: bool = False,
-              argmax: bool = False, mode: str = "auto", pdl: bool = False) -> dict[int, GemmConfig]:
+              argmax: bool = False, mode: str = "auto") -> dict[int, GemmConfig]:
     """Row bucket -> skinny config, for the buckets where the skinny kernel is faster here.
     The candidates run the GEMM as the layer will: with its residual (and sums of squares) or
-    its SiLU, from normed input when `normed`, launched as the engine will (pdl).  mode "on": every
-    bucket, "off": none."""
+    its SiLU, from normed input when `normed`.  mode "on": every bucket, "off": none."""
     if mode == "off":
         return {}
     n, k = weight.shape[0] // (2 if silu_mul else 1), weight.shape[1]
@@ -96,7 +92,7 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
         norm_w = torch.ones(n, device=weight.device, dtype=weight.dtype)
 
         def time_of(configs):
-            gemms = [WeightGemm(w, configs, pdl=pdl) for w in copies]
+            gemms = [WeightGemm(w, configs) for w in copies]
             try:
                 return graph_time_us(lambda i: _as_layer_runs_it(gemms[i % 3], inp, res, silu_mul, argmax, norm_w),
                                      calls=6)
@@ -118,10 +114,10 @@ def _as_layer_runs_it(gemm: WeightGemm, x, residual, silu_mul: bool, argmax: boo
     the logits, or the skinny kernel's candidates); after a residual GEMM the RMSNorm that its
     consumer must run as a launch of its own when cuBLAS left no sums of squares."""
     if argmax:
-        return K.greedy_ids(gemm.greedy_scores(x), pdl=gemm.pdl)
+        return K.greedy_ids(gemm.greedy_scores(x))
     out = gemm(x, residual=residual, silu_mul=silu_mul, sumsq=residual is not None)
     if residual is not None:
         y, sumsq = out
         if sumsq is None:
-            return K.rms_norm(y, norm_w, 1e-5, pdl=gemm.pdl)
+            return K.rms_norm(y, norm_w, 1e-5)
     return out

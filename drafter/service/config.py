@@ -58,9 +58,6 @@ class ServerConfig:
     use_cuda_graphs: bool = _opt(_bool, True, "capture the draft loop in CUDA graphs on a GPU")
     skinny_gemm: str = _opt(str, "auto", "step GEMMs of <= 64 rows: drafter's skinny kernel where timed faster "
                             "at start-up (auto), always (on) or cuBLAS (off)", choices=("auto", "on", "off"))
-    pdl: str = _opt(str, "auto", "programmatic dependent launch of the GPU kernels: where the device has it "
-                                  "(auto, Hopper and newer), required (on) or never (off)",
-                    choices=("auto", "on", "off"))
     seed: int = _opt(int, 0, "seed of the sampling generator")
     torch_threads: int = _opt(int, 0, "torch CPU threads (0 = torch's default); on a small CPU host 1 avoids "
                                       "OpenMP threads spinning against the transports")

@@ -11,8 +11,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from drafter.pdl import allow_next_kernel, wait_previous_kernel
-
 
 @triton.jit
 def write_kv_kernel(
@@ -21,10 +19,8 @@ def write_kv_kernel(
     cache_ptr, stride_cb, stride_cs, stride_ch, v_offset,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_ptr,  # [num_tokens] int64, -1 = write nothing
     num_kv_heads,
-    BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    allow_next_kernel(PDL)
-    wait_previous_kernel(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -58,13 +54,10 @@ def rope_write_kernel(
     slot_ptr,  # [num_tokens] int64, -1 = write nothing
     num_heads, num_kv_heads,
     BLOCK_SIZE: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Program (t, j): query heads [j * Q_HEADS, (j + 1) * Q_HEADS) of token t, or, for the last j,
     its keys (rotated) and values, written into the cache."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    allow_next_kernel(PDL)
-    wait_previous_kernel(PDL)
     t = tl.program_id(0)
     j = tl.program_id(1)
     row = qkv_ptr + t.to(tl.int64) * stride_t

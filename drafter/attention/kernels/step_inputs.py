@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from drafter.attention.metadata import PADDING_SLOT_ID, AttentionMetadata
-from drafter.pdl import allow_next_kernel, wait_previous_kernel
 
 PAD_SLOT = tl.constexpr(PADDING_SLOT_ID)  # globals a kernel reads must be constexpr
 
@@ -31,10 +30,8 @@ def decode_step_inputs_kernel(
     qsl_ptr,  # [batch + 1] int32 out: one query row per request (the same for every step)
     slot_ptr,  # [steps, batch] int64 out
     batch, max_model_len,
-    BLOCK_SIZE: tl.constexpr, WRITE_COMMON: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, WRITE_COMMON: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    allow_next_kernel(PDL)
-    wait_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     step = tl.program_id(1)
     ok = rows < batch
@@ -65,7 +62,6 @@ def decode_step_inputs(
     block_sizes: tuple[int, ...],
     max_model_len: int,
     steps: int = 1,
-    pdl: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]]:
     """Per step s = 1 .. steps: (position, fed position, one AttentionMetadata per KV group)."""
     batch = pos.shape[0]
@@ -81,8 +77,7 @@ def decode_step_inputs(
         slots.append(torch.empty(steps, batch, dtype=torch.int64, device=dev))
         decode_step_inputs_kernel[(triton.cdiv(batch, block), steps)](
             pos, real_seq_lens, table, table.stride(0), next_pos, fed, seq_lens, qsl, slots[g],
-            batch, max_model_len, BLOCK_SIZE=bs, WRITE_COMMON=g == 0, BLOCK=block, PDL=pdl, num_warps=1,
-            launch_pdl=pdl)
+            batch, max_model_len, BLOCK_SIZE=bs, WRITE_COMMON=g == 0, BLOCK=block, num_warps=1)
     return [(next_pos[s], fed[s], [
         AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens[s], block_table=table, slot_mapping=slots[g][s],
                           block_size=bs) for g, (table, bs) in enumerate(zip(block_tables, block_sizes))])
