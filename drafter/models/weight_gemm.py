@@ -25,11 +25,17 @@ from drafter.models.skinny_gemm import MAX_ROWS, GemmConfig, NormedInput, block_
 
 ROW_BUCKETS = (16, 32, 64)  # the skinny kernel's row-block sizes: one decision per bucket
 # (block_n, block_k, warps, stages): the fastest configurations of an H100 sweep over the Llama-8B
-# step shapes (bench/probe_step_gemms.py, 2026-11-22); timing picks among them per weight
+# step shapes (bench/probe_step_gemms.py, 2026-11-22), and the same with the K range split in
+# slices for weights whose column blocks do not fill the SMs (q/k/v, o, down); timing picks
+# among them per weight
 CANDIDATES = {
-    16: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 256, 4, 3), GemmConfig(32, 512, 4, 3)),
-    32: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6)),
-    64: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6)),
+    16: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 256, 4, 3), GemmConfig(32, 512, 4, 3),
+         GemmConfig(32, 256, 4, 3, split_k=2), GemmConfig(64, 256, 4, 3, split_k=2),
+         GemmConfig(32, 256, 4, 3, split_k=4)),
+    32: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6),
+         GemmConfig(32, 128, 4, 4, split_k=2), GemmConfig(64, 128, 4, 3, split_k=2)),
+    64: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6),
+         GemmConfig(32, 128, 4, 4, split_k=2), GemmConfig(64, 128, 4, 3, split_k=2)),
 }
 
 
@@ -40,6 +46,9 @@ class WeightGemm:
     Either way the same function, up to the GEMM's summation order."""
     weight: torch.Tensor  # [N, K]; silu_mul: [2 * N', K] = [gate; up]
     configs: dict[int, GemmConfig] = field(default_factory=dict)
+    # split-K tickets, one per column block of the narrowest config: zeros that every launch
+    # leaves zero, allocated at the first split call (a warm-up, before any graph capture)
+    tickets: torch.Tensor | None = field(default=None, repr=False)
 
     def __call__(self, x: torch.Tensor | NormedInput, *, residual: torch.Tensor | None = None,
                  silu_mul: bool = False, out: torch.Tensor | None = None, sumsq: bool = False,
@@ -51,8 +60,12 @@ class WeightGemm:
         m = rows.shape[0]
         cfg = self.configs.get(block_m_for(m)) if m <= MAX_ROWS and rows.stride(1) == 1 else None
         if cfg is not None:
+            if cfg.split_k > 1 and self.tickets is None:
+                narrowest = min(c.block_n for c in self.configs.values())
+                self.tickets = torch.zeros(triton.cdiv(self.weight.shape[0], narrowest), dtype=torch.int32,
+                                           device=self.weight.device)
             return skinny_gemm(x, self.weight, residual=residual, silu_mul=silu_mul, out=out, sumsq=sumsq,
-                               argmax=argmax, config=cfg)
+                               argmax=argmax, config=cfg, tickets=self.tickets)
         if isinstance(x, NormedInput):
             x = K.rms_norm(x.x, x.weight, x.eps)
         if residual is not None:
