@@ -382,6 +382,19 @@ def gemm_sweep(device, bw: float, log) -> list[dict]:
     return rows
 
 
+def gemm_plans(head) -> dict[str, dict[int, str]]:
+    """Which kernel and block sizes each fused weight GEMM took per row bucket (the start-up timing's choice)."""
+    from drafter.models.weight_gemm import WeightGemm
+
+    plans = {}
+    for mod_name, mod in head.named_modules():
+        for attr, gemm in vars(mod).items():
+            if isinstance(gemm, WeightGemm):
+                plans[f"{mod_name}.{attr}".lstrip(".")] = {
+                    b: f"{c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}/{c.split_k}" for b, c in gemm.configs.items()}
+    return plans
+
+
 # ---------------------------------------------------------------------- profile
 def kernel_profile(engine, call: dict, use_graphs: bool, reps: int = 3) -> list[dict]:
     """Device time per kernel name over `reps` calls (diagnostics: what the step spends on)."""
@@ -536,6 +549,9 @@ def run(args) -> dict:
             t0 = time.perf_counter()
             engine = build_engine(head, spec, k, args.batches, max(args.contexts), device, args.skinny_gemm)
             log(f" k={k}: engine built in {time.perf_counter() - t0:.1f}s")
+            meta.setdefault("gemm_plans", {})[f"{head_name} k={k}"] = plans = gemm_plans(head)
+            log("  GEMM plan (rows bucket: block_n/block_k/warps/stages/split_k; absent = cuBLAS): " + "; ".join(
+                f"{name} " + ",".join(f"{b}:{c}" for b, c in plan.items()) for name, plan in plans.items()))
             rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, peak,
                                  args.iters, not args.no_eager, log)
             if head_name == "eagle3-8b":
