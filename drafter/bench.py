@@ -386,12 +386,16 @@ def gemm_plans(head) -> dict[str, dict[int, str]]:
     """Which kernel and block sizes each fused weight GEMM took per row bucket (the start-up timing's choice)."""
     from drafter.models.weight_gemm import WeightGemm
 
+    def name(c) -> str:
+        return c if isinstance(c, str) else f"{c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}/{c.split_k}"
+
     plans = {}
     for mod_name, mod in head.named_modules():
         for attr, gemm in vars(mod).items():
             if isinstance(gemm, WeightGemm):
                 plans[f"{mod_name}.{attr}".lstrip(".")] = {
-                    b: f"{c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}/{c.split_k}" for b, c in gemm.configs.items()}
+                    "picked": {b: name(c) for b, c in gemm.configs.items()},
+                    "timings_us": {b: {name(c): us for c, us in t.items()} for b, t in gemm.plan_us.items()}}
     return plans
 
 
@@ -550,8 +554,10 @@ def run(args) -> dict:
             engine = build_engine(head, spec, k, args.batches, max(args.contexts), device, args.skinny_gemm)
             log(f" k={k}: engine built in {time.perf_counter() - t0:.1f}s")
             meta.setdefault("gemm_plans", {})[f"{head_name} k={k}"] = plans = gemm_plans(head)
-            log("  GEMM plan (rows bucket: block_n/block_k/warps/stages/split_k; absent = cuBLAS): " + "; ".join(
-                f"{name} " + ",".join(f"{b}:{c}" for b, c in plan.items()) for name, plan in plans.items()))
+            for name, plan in plans.items():
+                log(f"  GEMM plan {name} (row bucket: us of cuBLAS and of each block_n/block_k/warps/stages/split_k): "
+                    + " | ".join(f"{b}: " + ", ".join(f"{c} {us:.1f}" for c, us in t.items())
+                                 for b, t in plan["timings_us"].items()))
             rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, peak,
                                  args.iters, not args.no_eager, log)
             if head_name == "eagle3-8b":

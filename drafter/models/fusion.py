@@ -55,7 +55,8 @@ def fuse_head(head: DraftHead, skinny: str = "auto") -> DraftHead:
     head.fused = True
 
     def gemm(weight, **fused_work):
-        return WeightGemm(weight, plan_gemm(weight, mode=skinny, **fused_work))
+        timings = {}
+        return WeightGemm(weight, plan_gemm(weight, mode=skinny, timings=timings, **fused_work), plan_us=timings)
 
     for m in head.modules():
         if isinstance(m, Attention):

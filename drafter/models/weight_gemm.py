@@ -49,6 +49,7 @@ class WeightGemm:
     # split-K tickets, one per column block of the narrowest config: zeros that every launch
     # leaves zero, allocated at the first split call (a warm-up, before any graph capture)
     tickets: torch.Tensor | None = field(default=None, repr=False)
+    plan_us: dict = field(default_factory=dict, repr=False)  # plan_gemm's timings, for diagnostics
 
     def __call__(self, x: torch.Tensor | NormedInput, *, residual: torch.Tensor | None = None,
                  silu_mul: bool = False, out: torch.Tensor | None = None, sumsq: bool = False,
@@ -86,10 +87,13 @@ class WeightGemm:
 
 
 def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = False, normed: bool = False,
-              argmax: bool = False, mode: str = "auto") -> dict[int, GemmConfig]:
+              argmax: bool = False, mode: str = "auto", timings: dict | None = None,
+              candidates: dict[int, tuple[GemmConfig, ...]] = CANDIDATES) -> dict[int, GemmConfig]:
     """Row bucket -> skinny config, for the buckets where the skinny kernel is faster here.
     The candidates run the GEMM as the layer will: with its residual (and sums of squares) or
-    its SiLU, from normed input when `normed`.  mode "on": every bucket, "off": none."""
+    its SiLU, from normed input when `normed`.  mode "on": every bucket, "off": none.
+    timings: filled with {bucket: {"cublas" or the config: device us}} (diagnostics).
+    candidates: the skinny configs to time per bucket (probes try others)."""
     if mode == "off":
         return {}
     n, k = weight.shape[0] // (2 if silu_mul else 1), weight.shape[1]
@@ -113,12 +117,15 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
                 return float("inf")
 
         best, best_us = None, time_of({})
-        for cfg in CANDIDATES[bucket]:
-            us = time_of({bucket: cfg})
+        seen = {"cublas": best_us}
+        for cfg in candidates[bucket]:
+            us = seen[cfg] = time_of({bucket: cfg})
             if us < best_us:
                 best, best_us = cfg, us
         if best is not None:
             plan[bucket] = best
+        if timings is not None:
+            timings[bucket] = seen
     return plan
 
 
