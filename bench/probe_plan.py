@@ -26,13 +26,14 @@ SHAPES = {  # name: (rows of the weight, K, plan_gemm's fused work)
     "gate_up": (28672, 4096, {"silu_mul": True, "normed": True}), "down": (4096, 14336, {"residual": True}),
     "lm_head": (32000, 4096, {"normed": True, "argmax": True}),
 }
-EXTRA = {
-    16: (GemmConfig(32, 256, 4, 3, 3), GemmConfig(16, 256, 4, 4), GemmConfig(16, 256, 4, 4, 2),
-         GemmConfig(32, 128, 4, 6, 2), GemmConfig(32, 256, 4, 4, 2)),
-    32: (GemmConfig(32, 256, 4, 3), GemmConfig(32, 256, 4, 3, 2), GemmConfig(16, 256, 4, 4, 2),
-         GemmConfig(64, 64, 4, 6), GemmConfig(32, 64, 4, 8, 2)),
-    64: (GemmConfig(32, 256, 4, 3), GemmConfig(32, 256, 4, 3, 2), GemmConfig(16, 256, 4, 4, 2),
-         GemmConfig(64, 64, 4, 6), GemmConfig(32, 64, 4, 8, 2), GemmConfig(128, 64, 8, 4)),
+EXTRA = {  # wide column blocks cut the activation re-reads (each program reads all of x's rows from
+    # L2: m / block_n of the weight's bytes again); K slices give those few blocks enough programs
+    16: (GemmConfig(128, 128, 8, 4), GemmConfig(128, 128, 8, 4, 2), GemmConfig(128, 64, 8, 4, 2),
+         GemmConfig(64, 256, 4, 3, 4)),
+    32: (GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 4, 2), GemmConfig(256, 64, 8, 3, 2),
+         GemmConfig(128, 128, 8, 3, 2)),
+    64: (GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 4, 2), GemmConfig(128, 64, 8, 4, 4),
+         GemmConfig(256, 64, 8, 3, 2), GemmConfig(256, 64, 8, 3, 4), GemmConfig(256, 32, 8, 4, 2)),
 }
 
 
