@@ -19,15 +19,9 @@ This kernel streams W once and fuses the step's elementwise work:
 
     x [m, K] (row stride free), W [N, K] row-major (K contiguous), m <= 64.
 
-Each program owns BLOCK_N output columns of BLOCK_M rows and walks the whole K, or with
-SPLIT_K > 1 one of SPLIT_K slices of it.  A weight with few column blocks (an o or down
-projection: 128 blocks of 32 columns on 132 SMs) leaves SMs idle or runs a thin last wave; its
-K slices give every SM work.  The slices of a tile meet without a second launch: each writes
-its f32 partial sums to a workspace and takes a ticket from the tile's counter; the last to
-arrive adds the partials up in slice order (so the result does not depend on who came last),
-resets the counter for the next launch (or graph replay) and runs the epilogue.  Block sizes
-and slices are chosen per weight and row bucket by timing candidates at start-up
-(drafter.models.weight_gemm.plan_gemm).
+Each program owns BLOCK_N output columns of BLOCK_M rows and walks the whole K: no split-K, no
+partial outputs, no second launch.  Block sizes are chosen per weight and row bucket by timing
+candidates at start-up (drafter.models.weight_gemm.plan_gemm).
 """
 
 from __future__ import annotations
@@ -51,33 +45,6 @@ def _load_tile(rows, k, row_ok, K, EVEN_K: tl.constexpr):
     return tl.load(rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
 
 
-@triton.jit
-def _meet_slices(acc, acc_u, ws_ptr, tickets_ptr, tile, pid_k, tiles, SPLIT_K: tl.constexpr, TWO: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Split-K fixup: (this program arrived last, the tile's summed acc, acc_u).  Partials go
-    through L2 (.cg): the other slices ran on other SMs, whose L1 caches are not coherent."""
-    TILE: tl.constexpr = BLOCK_M * BLOCK_N
-    ACCS: tl.constexpr = 2 if TWO else 1
-    cells = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    mine = ws_ptr + ((pid_k * tiles + tile) * ACCS).to(tl.int64) * TILE
-    tl.store(mine + cells, acc, cache_modifier=".cg")
-    if TWO:
-        tl.store(mine + TILE + cells, acc_u, cache_modifier=".cg")
-    tl.debug_barrier()  # every thread's partials are written before the ticket says so
-    ticket = tl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel")
-    last = ticket == SPLIT_K - 1
-    if last:
-        tl.atomic_xchg(tickets_ptr + tile, 0)  # ready for the next launch
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in range(SPLIT_K):
-            part = ws_ptr + ((s * tiles + tile) * ACCS).to(tl.int64) * TILE
-            acc += tl.load(part + cells, cache_modifier=".cg")
-            if TWO:
-                acc_u += tl.load(part + TILE + cells, cache_modifier=".cg")
-    return last, acc, acc_u
-
-
 @triton.jit(do_not_specialize=["m", "n_parts_in"])
 def skinny_gemm_kernel(
     x_ptr, stride_x,  # [m, K]
@@ -87,15 +54,13 @@ def skinny_gemm_kernel(
     norm_w_ptr, sumsq_in_ptr, stride_sin, n_parts_in, eps,  # NORM_IN: [K], [m, n_parts_in] f32
     sumsq_out_ptr, stride_sout,  # SUMSQ_OUT: [m, cdiv(N, BLOCK_N)] f32
     amax_val_ptr, amax_idx_ptr, stride_amax,  # ARGMAX_OUT: [m, cdiv(N, BLOCK_N)] f32 and int32
-    ws_ptr, tickets_ptr,  # SPLIT_K > 1: [SPLIT_K, tiles, ACCS, BLOCK_M * BLOCK_N] f32, [tiles] int32 (zeros)
     m, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EPILOGUE: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr, SUMSQ_OUT: tl.constexpr,
-    ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
+    ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -110,11 +75,10 @@ def skinny_gemm_kernel(
                      mask=m_ok[:, None] & (parts < n_parts_in)[None, :], other=0.0)
         inv_rms = tl.rsqrt(tl.sum(ss, 1) / K + eps)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL's up half (unused otherwise)
-    u_rows = w_rows + N.to(tl.int64) * stride_w
-    k_step = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K  # whole tiles per slice
-    k_lo = pid_k * k_step
-    for k0 in range(k_lo, tl.minimum(k_lo + k_step, K), BLOCK_K):
+    if EPILOGUE == 2:
+        u_rows = w_rows + N.to(tl.int64) * stride_w
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         x = _load_tile(x_rows, k, m_ok, K, EVEN_K)
         w = _load_tile(w_rows, k, n_ok, K, EVEN_K)
@@ -130,13 +94,6 @@ def skinny_gemm_kernel(
             if DOT_F32:
                 wu = wu.to(tl.float32)
             acc_u += tl.dot(x, tl.trans(wu), input_precision=PRECISION)
-    if SPLIT_K > 1:
-        tile = pid_m * tl.num_programs(0) + pid_n
-        last, acc, acc_u = _meet_slices(acc, acc_u, ws_ptr, tickets_ptr, tile, pid_k,
-                                        tl.num_programs(0) * tl.num_programs(1), SPLIT_K, EPILOGUE == 2,
-                                        BLOCK_M, BLOCK_N)
-        if not last:
-            return
     ok = m_ok[:, None] & n_ok[None, :]
     if EPILOGUE == 1:
         res = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_res + offs_n[None, :], mask=ok, other=0.0)
@@ -165,7 +122,6 @@ class GemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
-    split_k: int = 1  # K slices per column block (see the module doc)
 
 
 def block_m_for(m: int) -> int:
@@ -208,11 +164,8 @@ def skinny_gemm(
     sumsq: bool = False,  # also return the per-row partial sums of squares of out
     argmax: bool = False,  # also return the per-row argmax candidates of out (ArgmaxParts)
     config: GemmConfig | None = None,
-    tickets: torch.Tensor | None = None,  # split-K: >= column blocks x row blocks int32 zeros, reset by each launch
 ):
-    """-> out [m, N]; with sumsq: (out, sums of squares [m, parts] f32); with argmax: (out, ArgmaxParts).
-    A split-K config needs `tickets`: zeros the kernel leaves zero again (a caller that launches
-    often keeps one tensor; without it each call allocates zeros)."""
+    """-> out [m, N]; with sumsq: (out, sums of squares [m, parts] f32); with argmax: (out, ArgmaxParts)."""
     if sumsq and argmax:
         raise ValueError("skinny_gemm: one of sumsq / argmax")
     norm = x if isinstance(x, NormedInput) else None
@@ -235,32 +188,21 @@ def skinny_gemm(
     cand = ArgmaxParts(partial, torch.empty(m, parts, dtype=torch.int32, device=x.device)) if argmax else None
     if m:
         block_m = block_m_for(m)
-        split = cfg.split_k
-        tiles = parts * triton.cdiv(m, block_m)
-        if split > 1:
-            ws = torch.empty(split * tiles * (2 if silu_mul else 1) * block_m * cfg.block_n, dtype=torch.float32,
-                             device=x.device)
-            if tickets is None:
-                tickets = torch.zeros(tiles, dtype=torch.int32, device=x.device)
-            elif tickets.numel() < tiles or tickets.dtype != torch.int32:
-                raise ValueError(f"skinny_gemm: tickets must be >= {tiles} int32 zeros")
-        else:
-            ws = tickets = out  # unused
         epilogue = EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_RESIDUAL if residual is not None else EPILOGUE_NONE
         res = residual if residual is not None else out
         s_in = norm.sumsq if norm is not None else out
         s_out = partial if sumsq else out
         a_val, a_idx = (cand.values, cand.indices) if argmax else (out, out)
-        skinny_gemm_kernel[(parts, triton.cdiv(m, block_m), split)](
+        skinny_gemm_kernel[(parts, triton.cdiv(m, block_m))](
             x, x.stride(0), weight, weight.stride(0), out, out.stride(0), res, res.stride(0),
             norm.weight if norm is not None else weight, s_in, s_in.stride(0),
             norm.sumsq.shape[1] if norm is not None else 0, norm.eps if norm is not None else 0.0,
-            s_out, s_out.stride(0), a_val, a_idx, a_val.stride(0), ws, tickets, m, n, k,
+            s_out, s_out.stride(0), a_val, a_idx, a_val.stride(0), m, n, k,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
             EPILOGUE=epilogue, NORM_IN=norm is not None,
             BLOCK_P=triton.next_power_of_2(norm.sumsq.shape[1]) if norm is not None else 1, SUMSQ_OUT=sumsq,
             ARGMAX_OUT=argmax,
-            DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_K=split,
+            DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if argmax:
         return out, cand

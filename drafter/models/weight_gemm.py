@@ -24,18 +24,14 @@ from drafter.models import fused_kernels as K
 from drafter.models.skinny_gemm import MAX_ROWS, GemmConfig, NormedInput, block_m_for, pick_config, skinny_gemm
 
 ROW_BUCKETS = (16, 32, 64)  # the skinny kernel's row-block sizes: one decision per bucket
-# (block_n, block_k, warps, stages): the fastest configurations of an H100 sweep over the Llama-8B
-# step shapes (bench/probe_step_gemms.py, 2026-11-22), and the same with the K range split in
-# slices for weights whose column blocks do not fill the SMs (q/k/v, o, down); timing picks
-# among them per weight
+# (block_n, block_k, warps, stages): the fastest configurations of H100 sweeps over the Llama-8B
+# step shapes (bench/probe_step_gemms.py 2026-11-22, bench/probe_plan.py 2026-11-24: the wide
+# 8-warp tile is what beats cuBLAS on gate/up and the lm_head at 64 rows); timing picks among
+# them per weight
 CANDIDATES = {
-    16: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 256, 4, 3), GemmConfig(32, 512, 4, 3),
-         GemmConfig(32, 256, 4, 3, split_k=2), GemmConfig(64, 256, 4, 3, split_k=2),
-         GemmConfig(32, 256, 4, 3, split_k=4)),
-    32: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6),
-         GemmConfig(32, 128, 4, 4, split_k=2), GemmConfig(64, 128, 4, 3, split_k=2)),
-    64: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6),
-         GemmConfig(32, 128, 4, 4, split_k=2), GemmConfig(64, 128, 4, 3, split_k=2)),
+    16: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 256, 4, 3), GemmConfig(32, 512, 4, 3)),
+    32: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6)),
+    64: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6), GemmConfig(128, 64, 8, 4)),
 }
 
 
@@ -46,9 +42,6 @@ class WeightGemm:
     Either way the same function, up to the GEMM's summation order."""
     weight: torch.Tensor  # [N, K]; silu_mul: [2 * N', K] = [gate; up]
     configs: dict[int, GemmConfig] = field(default_factory=dict)
-    # split-K tickets, one per column block of the narrowest config: zeros that every launch
-    # leaves zero, allocated at the first split call (a warm-up, before any graph capture)
-    tickets: torch.Tensor | None = field(default=None, repr=False)
     plan_us: dict = field(default_factory=dict, repr=False)  # plan_gemm's timings, for diagnostics
 
     def __call__(self, x: torch.Tensor | NormedInput, *, residual: torch.Tensor | None = None,
@@ -61,12 +54,8 @@ class WeightGemm:
         m = rows.shape[0]
         cfg = self.configs.get(block_m_for(m)) if m <= MAX_ROWS and rows.stride(1) == 1 else None
         if cfg is not None:
-            if cfg.split_k > 1 and self.tickets is None:
-                narrowest = min(c.block_n for c in self.configs.values())
-                self.tickets = torch.zeros(triton.cdiv(self.weight.shape[0], narrowest), dtype=torch.int32,
-                                           device=self.weight.device)
             return skinny_gemm(x, self.weight, residual=residual, silu_mul=silu_mul, out=out, sumsq=sumsq,
-                               argmax=argmax, config=cfg, tickets=self.tickets)
+                               argmax=argmax, config=cfg)
         if isinstance(x, NormedInput):
             x = K.rms_norm(x.x, x.weight, x.eps)
         if residual is not None:

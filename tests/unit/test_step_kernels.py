@@ -75,50 +75,6 @@ def test_skinny_gemm_block_sizes_do_not_change_the_result(cfg):
     torch.testing.assert_close(skinny_gemm(x, w, config=cfg), x @ w.t(), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("split", [2, 3])
-@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_mul", "sumsq", "argmax", "normed"])
-def test_split_k_gives_the_whole_k_result_and_leaves_its_tickets_at_zero(epilogue, split):
-    """K in slices that meet in the last-arriving program: the unsplit kernel's numbers (up to the
-    f32 summation order), every epilogue, the K tail masked (K = 200 is not a multiple of 32)."""
-    g = torch.Generator().manual_seed(split * 10 + len(epilogue))
-    m, n, k = 5, 48, 200
-    x = torch.randn(m, k, generator=g).to(DEVICE)
-    w = torch.randn(2 * n if epilogue == "silu_mul" else n, k, generator=g).to(DEVICE)
-    res = torch.randn(m, n, generator=g).to(DEVICE)
-    norm_w = torch.rand(k, generator=g).to(DEVICE)
-    tickets = torch.zeros(8, dtype=torch.int32, device=DEVICE)
-
-    def run(cfg):
-        kw = dict(config=cfg, tickets=tickets if cfg.split_k > 1 else None)
-        if epilogue == "residual":
-            return skinny_gemm(x, w, residual=res.clone(), **kw)
-        if epilogue == "silu_mul":
-            return skinny_gemm(x, w, silu_mul=True, **kw)
-        if epilogue == "sumsq":
-            return torch.cat(skinny_gemm(x, w, residual=res.clone(), sumsq=True, **kw), dim=1)
-        if epilogue == "argmax":
-            out, parts = skinny_gemm(x, w, argmax=True, **kw)
-            return torch.cat([out, parts.values, parts.indices.float()], dim=1)
-        if epilogue == "normed":
-            return skinny_gemm(NormedInput(x, (x * x).sum(1, keepdim=True), norm_w, 1e-5), w, **kw)
-        return skinny_gemm(x, w, **kw)
-
-    whole = run(GemmConfig(16, 32, 4, 1))
-    for _ in range(2):  # a second launch finds its tickets reset
-        torch.testing.assert_close(run(GemmConfig(16, 32, 4, 1, split_k=split)), whole, atol=1e-4, rtol=1e-4)
-        assert int(tickets.abs().sum()) == 0
-
-
-def test_weight_gemm_keeps_one_ticket_tensor_for_its_split_configs():
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(40, 96, generator=g).to(DEVICE)
-    gemm = WeightGemm(w, {16: GemmConfig(16, 32, 4, 1, split_k=2), 32: GemmConfig(32, 32, 4, 1, split_k=3)})
-    for m in (3, 20, 7):
-        x = torch.randn(m, 96, generator=g).to(DEVICE)
-        torch.testing.assert_close(gemm(x), x @ w.t(), atol=1e-4, rtol=1e-4)
-    assert gemm.tickets is not None and gemm.tickets.numel() >= 3 and int(gemm.tickets.abs().sum()) == 0
-
-
 def test_weight_gemm_routes_by_bucket():
     """Rows in a planned bucket take the skinny kernel, others cuBLAS / torch: same numbers."""
     g = torch.Generator().manual_seed(3)
