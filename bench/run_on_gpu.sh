@@ -1,31 +1,35 @@
 #!/usr/bin/env bash
-# One call on a GPU host: the GPU tests, `drafter bench`, then the remote-vs-in-process run;
-# everything lands in $OUT.
+# Issue 6's record in one device call: the GPU tests, `drafter bench` over the issue's grid, then
+# the remote-vs-in-process run.  Everything lands in $OUT (a device call returns at most 8 files:
+# gpu.txt, gpu_tests.txt, bench_log.txt, bench.json, bench.png, remote.json, remote_log.txt).
 #   OUT=/tmp/out bash bench/run_on_gpu.sh [drafter bench arguments...]
-# Carried alongside when present: .triton_cache.tgz (an earlier call's kernel compiles) and
-# ../.whl (wheels the host lacks: pyzmq, msgspec, grpcio matching the generated stubs).
+# Carried when present: .whl/ (wheels the host lacks: pyzmq, msgspec, grpcio-health-checking,
+# grpcio-reflection, and grpcio + protobuf as new as the generated stubs need) and the generated
+# stubs drafter/_proto/drafter/v1/*_pb2*.py (`python -m drafter._proto.build` on any machine).
+# Knobs: SKIP_TESTS, SKIP_REMOTE, TEST_TIMEOUT, BENCH_TIMEOUT, REMOTE_TIMEOUT, REMOTE_ARGS.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
 OUT=${OUT:-/tmp/drafter-out}
 mkdir -p "$OUT"
-if [ -d ../.whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../.whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
 fi
-export TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p "$TRITON_CACHE_DIR"
-[ -f .triton_cache.tgz ] && tar xzf .triton_cache.tgz -C "$TRITON_CACHE_DIR"
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; date -u +%FT%TZ
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
+cat "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_triton_kernels.py \
-    2>&1 | tee "$OUT/gpu_tests.log" | tail -8
+    tests/unit/test_step_kernels.py > "$OUT/gpu_tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -8
 fi
-timeout "${BENCH_TIMEOUT:-420}" python3 -m drafter.bench --out "$OUT/bench" "$@" 2>&1 | tee "$OUT/bench_stdout.log" \
-  | grep -E "summary|^  (eagle|host|gemm)|^NVIDIA|^bf16|TFLOP" | cut -c1-400 | tail -60
+timeout "${BENCH_TIMEOUT:-420}" python3 -m drafter.bench --out "$OUT" "$@" > "$OUT/bench_log.txt" 2>&1
+grep -E "summary|^  (eagle|host)|k=. ctx=|^NVIDIA|TFLOP" "$OUT/bench_log.txt" | cut -c1-300 | tail -45
+rm -f "$OUT/bench.log"  # the same lines as bench_log.txt
 if [ -z "${SKIP_REMOTE:-}" ]; then
-  timeout "${REMOTE_TIMEOUT:-240}" python3 -m drafter.bench_remote --out "$OUT/bench" 2>&1 | tail -15
+  timeout "${REMOTE_TIMEOUT:-300}" python3 -m drafter.bench_remote --out "$OUT" ${REMOTE_ARGS:-} > "$OUT/remote_log.txt" 2>&1
+  tail -20 "$OUT/remote_log.txt"
 fi
-# at most 8 files come back from a device call: the cache only when asked for
-[ -n "${KEEP_CACHE:-}" ] && tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
-ls -la "$OUT" "$OUT/bench"
+ls -la "$OUT"
