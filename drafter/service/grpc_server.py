@@ -95,7 +95,7 @@ class DrafterGrpcService:
 
     async def _propose_one(self, raw: bytes, context, probe=None):
         call = call_from_raw(raw)  # tensors view `raw`: protobuf never copies the payloads
-        call.probe = probe
+        call.probe = probes.labelled(probe, call)
         if probe is not None:
             probe.request_id = call.request_id
             probe.mark("tensor_decode")

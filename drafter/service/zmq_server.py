@@ -334,7 +334,7 @@ class ZmqServer:
             if probe is not None:
                 probe.mark("header_decode")
             call = call_from_frames(req, rest[1:])
-            call.probe = probe
+            call.probe = probes.labelled(probe, call)
             if probe is not None:
                 probe.request_id = call.request_id
                 probe.mark("tensor_decode")
