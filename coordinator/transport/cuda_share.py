@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
+import msgspec
 import torch
 
 from drafter.service import cuda_support
@@ -36,6 +37,7 @@ from drafter.service.errors import Code, DrafterError
 
 log = logging.getLogger("coordinator.transport.cuda_share")
 MAX_BUFFERS = 8  # the drafter keeps as many open per session
+CAPABLE = "cuda_ipc_capable"  # the request flag that asks a drafter for its CudaIpcSupport
 
 
 class CudaShare:
@@ -72,6 +74,21 @@ class CudaShare:
         if device not in self._uuids:
             self._uuids[device] = self._device_uuid(device)
         return self._uuids[device]
+
+    # ------------------------------------------------------------------ asking
+    def ask(self, req, send):
+        """send(req) for an AttachRequest or InfoRequest, flagged cuda_ipc_capable while sharing is on (the
+        drafter answers with its CudaIpcSupport only when asked).  A drafter older than CUDA IPC refuses
+        the flag by name over ZMQ: then sharing stops and the request goes again without it."""
+        if not self.enabled:
+            return send(req)
+        try:
+            return send(msgspec.structs.replace(req, cuda_ipc_capable=True))
+        except DrafterError as err:
+            if err.code != Code.INVALID_ARGUMENT or err.field != CAPABLE:
+                raise
+            self.stop("the drafter predates CUDA IPC")
+        return send(req)
 
     # ------------------------------------------------------------------ the call
     def propose(self, kwargs: dict, support, send: Callable, timeout: float):

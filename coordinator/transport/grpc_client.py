@@ -105,8 +105,8 @@ class GrpcDrafterClient:
             raise error_from_rpc(exc) from None
 
     def attach(self, layout, *, timeout: float | None = None) -> schema.AttachResponse:
-        req = struct_to_proto(as_attach_request(layout), pb.AttachRequest())
-        resp = struct_from_proto(self._call(self._attach, req, timeout), schema.AttachResponse)
+        resp = struct_from_proto(self.cuda.ask(as_attach_request(layout), lambda req: self._call(
+            self._attach, struct_to_proto(req, pb.AttachRequest()), timeout)), schema.AttachResponse)
         self.session.set(resp)
         return resp
 
@@ -146,7 +146,9 @@ class GrpcDrafterClient:
         return resp.blocks_released
 
     def info(self, *, timeout: float | None = None) -> schema.InfoResponse:
-        return struct_from_proto(self._call(self._info, pb.InfoRequest(), timeout), schema.InfoResponse)
+        resp = self.cuda.ask(schema.InfoRequest(), lambda req: self._call(
+            self._info, struct_to_proto(req, pb.InfoRequest()), timeout))
+        return struct_from_proto(resp, schema.InfoResponse)
 
     def stream(self) -> "GrpcProposeStream":
         """A bidi stream for the per-step path, on this client's session."""

@@ -132,7 +132,7 @@ class ZmqDrafterClient:
                 raise DrafterError(Code.INTERNAL, "body", f"undecodable reply: {exc}") from None
 
     def attach(self, layout, *, timeout: float | None = None) -> schema.AttachResponse:
-        resp, _ = self._roundtrip("Attach", as_attach_request(layout), [], timeout)
+        resp, _ = self.cuda.ask(as_attach_request(layout), lambda req: self._roundtrip("Attach", req, [], timeout))
         self.session.set(resp)
         return resp
 
@@ -176,7 +176,7 @@ class ZmqDrafterClient:
         return resp.blocks_released
 
     def info(self, *, timeout: float | None = None) -> schema.InfoResponse:
-        resp, _ = self._roundtrip("Info", schema.InfoRequest(), [], timeout)
+        resp, _ = self.cuda.ask(schema.InfoRequest(), lambda req: self._roundtrip("Info", req, [], timeout))
         return resp
 
     def send_raw(self, frames: list, *, timeout: float | None = None) -> list:

@@ -283,7 +283,7 @@ class ServiceCore:
             session_id=s.id, epoch=self.epoch, capture_sizes=list(d.capture_sizes),
             token_capture_sizes=list(d.token_capture_sizes), limits=limits, aux_layer_ids=list(d.aux_layer_ids),
             num_speculative_tokens=d.num_speculative_tokens, speculative_token_tree=self._tree(),
-            protocol_version=PROTOCOL_VERSION, cuda_ipc=self.cuda_ipc)
+            protocol_version=PROTOCOL_VERSION, cuda_ipc=self.cuda_ipc if req.cuda_ipc_capable else None)
 
     def check(self, call: ProposeCall) -> Session:
         """Everything that can be decided in the event loop, cheaply, before queueing."""
@@ -347,8 +347,9 @@ class ServiceCore:
                     self.sessions.detach(s.id)
                     await self._release(s, "idle")
 
-    def info(self) -> schema.InfoResponse:
+    def info(self, req: schema.InfoRequest | None = None) -> schema.InfoResponse:
         d = self.desc
+        asked = req is not None and req.cuda_ipc_capable
         return schema.InfoResponse(
             protocol_version=PROTOCOL_VERSION, epoch=self.epoch, state=self.state, method=d.method,
             num_speculative_tokens=d.num_speculative_tokens, speculative_token_tree=self._tree(), dtype=d.dtype,
@@ -356,4 +357,4 @@ class ServiceCore:
             limits=self._limits(), capture_sizes=list(d.capture_sizes),
             token_capture_sizes=list(d.token_capture_sizes), num_sessions=len(self.sessions),
             max_sessions=self.max_sessions, free_blocks=self.sessions.free_blocks(), version=VERSION,
-            cuda_ipc=self.cuda_ipc)
+            cuda_ipc=self.cuda_ipc if asked else None)

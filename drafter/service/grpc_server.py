@@ -89,8 +89,8 @@ class DrafterGrpcService:
 
     async def info(self, raw: bytes, context):
         async def work():
-            _parse(pb.InfoRequest, raw)
-            return struct_to_proto(self.core.info(), pb.InfoResponse())
+            req = struct_from_proto(_parse(pb.InfoRequest, raw), schema.InfoRequest)
+            return struct_to_proto(self.core.info(req), pb.InfoResponse())
         return await self._unary("Info", context, work)
 
     async def _propose_one(self, raw: bytes, context, probe=None):

@@ -92,6 +92,7 @@ class AttachRequest(_Msg):
     max_num_batched_tokens: U32 = 0
     kv_groups: Groups = []
     client_name: str = ""
+    cuda_ipc_capable: bool = False
 
 
 class Limits(_Msg):
@@ -161,7 +162,7 @@ class DetachResponse(_Msg):
 
 
 class InfoRequest(_Msg):
-    pass
+    cuda_ipc_capable: bool = False
 
 
 class InfoResponse(_Msg):

@@ -368,7 +368,7 @@ class ZmqServer:
                 return await self.core.attach(req)
             if method == "Detach":
                 return await self.core.detach(req)
-            return self.core.info()
+            return self.core.info(req)
 
     # ------------------------------------------------------------------ shutdown
     async def close(self, timeout: float = 5.0) -> None:

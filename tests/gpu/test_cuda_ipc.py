@@ -104,8 +104,8 @@ def test_the_driver_reports_an_allocation_extent():
 
 
 def test_the_drafter_advertises_this_host_and_gpu(gpu_server):
-    with ZmqDrafterClient(gpu_server.zmq_endpoint, timeout_s=60) as client:
-        support = client.info().cuda_ipc
+    with ZmqDrafterClient(gpu_server.zmq_endpoint, timeout_s=60, share_cuda=True) as client:
+        support = client.info().cuda_ipc  # asked for: share_cuda clients flag cuda_ipc_capable
     assert support.enabled, support.reason
     assert support.host_id == cuda_support.host_id()
     assert support.device_uuids[0] == cuda_support.device_uuid("cuda:0")

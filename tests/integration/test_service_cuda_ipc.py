@@ -71,3 +71,15 @@ def test_a_reference_sent_to_a_cpu_drafter_is_refused_clearly(eagle3_server, tin
     client.detach()
     client.close()
     assert eagle3_server.proc.poll() is None
+
+
+@pytest.mark.parametrize("transport", ["zmq", "grpc-unary"])
+def test_clients_that_do_not_share_see_no_new_field(eagle3_server, transport):
+    """What an older client sees: no cuda_ipc in Attach or Info (an older ZMQ client would refuse it)."""
+    client = (ZmqDrafterClient(eagle3_server.zmq_endpoint, timeout_s=30) if transport == "zmq"
+              else GrpcDrafterClient(eagle3_server.grpc_target, timeout_s=30))
+    info = client.info()
+    assert info.cuda_ipc is None
+    assert client.attach(layout_for(info, SESSION_BLOCKS, client_name="no-share")).cuda_ipc is None
+    client.detach()
+    client.close()

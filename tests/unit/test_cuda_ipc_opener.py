@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
+import msgspec
 import pytest
 import torch
 
@@ -135,12 +136,12 @@ def _scenario(engine, seed=3):
                     hidden_width=engine.spec.hidden_input_width, k=3, max_model_len=MML, seed=seed)
 
 
-def _layout(engine):
+def _layout(engine, capable: bool = True):
     d = describe_engine(engine, 1 << 26)
     return schema.AttachRequest(protocol_version=1, method="eagle3", num_speculative_tokens=3, hidden_dtype="float32",
                                 hidden_size=d.hidden_size, num_aux_layers=d.num_aux_layers, max_model_len=MML,
                                 max_num_seqs=4, max_num_batched_tokens=128,
-                                kv_groups=[schema.KVGroup(block_size=16, num_blocks=BLOCKS)])
+                                kv_groups=[schema.KVGroup(block_size=16, num_blocks=BLOCKS)], cuda_ipc_capable=capable)
 
 
 def _shared(kwargs: dict, seed: int = 0):
@@ -200,7 +201,7 @@ def test_a_cpu_drafter_advertises_no_support_and_refuses_references_clearly(engi
     async def body(core):
         a = await core.attach(_layout(engines[0]))
         assert not a.cuda_ipc.enabled and reason in a.cuda_ipc.reason
-        assert core.info().cuda_ipc == a.cuda_ipc
+        assert core.info(schema.InfoRequest(cuda_ipc_capable=True)).cuda_ipc == a.cuda_ipc
         kw, r, _ = _shared(_scenario(engines[0]).call([(0, 4, 0)]).kwargs)
         with pytest.raises(DrafterError) as err:
             await core.propose(ProposeCall(a.session_id, core.epoch, 1, kw, hidden_ipc=r))
@@ -232,6 +233,19 @@ def test_the_core_opens_references_and_detach_releases_them(engines, monkeypatch
         gc.collect()
         return backends[0].released(r.storage_key)
     assert _with_core(engines[0], body), "detach must release what the session opened"
+
+
+def test_clients_that_do_not_ask_see_no_new_field(engines, monkeypatch):
+    """An older ZMQ client refuses a response with a field it does not know: only askers get cuda_ipc."""
+    monkeypatch.setattr(core_mod.cuda_support, "advertise", lambda device, allow, why: SUPPORT)
+    monkeypatch.setattr(cuda_ipc, "TorchCudaIpc", FakeCudaIpc)
+
+    async def body(core):
+        a = await core.attach(_layout(engines[0], capable=False))
+        for resp in (a, core.info(), core.info(schema.InfoRequest())):
+            assert resp.cuda_ipc is None and b"cuda_ipc" not in msgspec.msgpack.encode(resp)
+        assert (await core.attach(_layout(engines[0]))).cuda_ipc == SUPPORT
+    _with_core(engines[0], body)
 
 
 def test_policy_auto_means_loopback_only():

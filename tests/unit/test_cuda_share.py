@@ -95,3 +95,23 @@ def test_a_tensor_torch_cannot_share_goes_as_bytes():
     send = Recorder()
     share.propose(_kwargs(), SUPPORT, send, 1.0)
     assert send.sent[0][1] is None and not share.enabled
+
+
+def test_the_client_asks_for_support_only_while_sharing_and_copes_with_older_drafters():
+    sent = []
+
+    def drafter(req):  # an older drafter over ZMQ: an unknown field is refused by name
+        sent.append(req.cuda_ipc_capable)
+        if req.cuda_ipc_capable:
+            raise DrafterError(Code.INVALID_ARGUMENT, "cuda_ipc_capable", "unknown field `cuda_ipc_capable`")
+        return "answer"
+    assert _share(enabled=False).ask(schema.InfoRequest(), drafter) == "answer" and sent == [False]
+    share = _share()
+    assert share.ask(schema.AttachRequest(method="eagle3"), drafter) == "answer"
+    assert sent[1:] == [True, False] and not share.enabled and "predates" in share.reason
+    def draining(req):
+        raise DrafterError(Code.UNAVAILABLE, "", "draining")
+    share = _share()
+    with pytest.raises(DrafterError):
+        share.ask(schema.InfoRequest(), draining)
+    assert share.enabled, "only the flag's refusal says the drafter predates CUDA IPC"
