@@ -274,9 +274,10 @@ class EngineRunner:
             kw["target_hidden_states"] = self._shared_hidden(it)
             if call.probe is not None:
                 call.probe.mark("ipc_open")
+        # first in both paths (alone or fused), so a request's error never depends on its batch
         _check_finite(kw, IPC_FIELD if call.hidden_ipc is not None else "target_hidden_states")
         if call.probe is not None:
-            call.probe.mark("finite_check")  # first in both paths, so a request's error never depends on its batch
+            call.probe.mark("finite_check")
         if not alone:
             _engine_validate(self.engine, kw)
         return kw

@@ -54,7 +54,7 @@ class TorchCudaIpc:
             torch.UntypedStorage._new_shared_device
         event = ref.event_handle if ref.event_sync_required else bytes(64)
         with torch.cuda.device(device):  # opened into THIS GPU's context (the producer's index means nothing here)
-            return new_shared(device.index, ref.handle, ref.storage_size_bytes, ref.storage_offset_bytes,
+            return new_shared(device.index, ref.cuda_malloc_handle, ref.storage_size_bytes, ref.storage_offset_bytes,
                               ref.ref_counter_handle.encode(), ref.ref_counter_offset, event,
                               ref.event_sync_required)
 

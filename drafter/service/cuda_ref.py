@@ -11,8 +11,9 @@ What is accepted, and why:
   * storage_size_bytes covering storage_offset + the tensor's extent (checked again against the
     driver's mapping after opening: a size is only a claim);
   * handle: torch's cudaMalloc-kind handle only, legacy (64 bytes) or versioned (version byte, 'c',
-    64 bytes).  Expandable segments' handles ('e') carry process ids and file descriptors that the
-    opener would fetch from another process: a peer must not steer that;
+    64 bytes), opened as the bare 64 bytes (readable by every torch version).  Expandable segments'
+    handles ('e') carry process ids and file descriptors that the opener would fetch from another
+    process: a peer must not steer that;
   * ref_counter_handle: torch's own file name pattern, ref_counter_offset inside torch's counter
     file: on release the drafter decrements the int64 at that offset of that file, so both are
     bounded to what torch itself produces;
@@ -34,7 +35,7 @@ HIDDEN_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 HIDDEN_DTYPE_NAMES = {v: k for k, v in HIDDEN_DTYPES.items()}
 IPC_HANDLE_BYTES = 64  # CUDA_IPC_HANDLE_SIZE: cudaIpcMemHandle_t and cudaIpcEventHandle_t
 CUDA_MALLOC_KIND = ord("c")  # torch's ShareableHandleType SHAREABLE_CUDA_MALLOC
-MAX_HANDLE_VERSION = 8  # torch writes 1 or 2; a later layout of the same kind is still 'c' + 64 bytes
+MAX_HANDLE_VERSION = 8  # torch 2.11 writes 2, 2.13 writes 3: the same 'c' + 64 bytes
 REF_COUNTER_SLOTS = 10000  # torch::CUDA_IPC_REF_COUNTER_FILE_SIZE: int64 counters per file
 REF_COUNTER_NAME = re.compile(r"/torch_\d{1,10}_\d{1,20}_\d{1,20}")  # at::NewProcessWideShmHandle()
 MAX_DIM = 2**31 - 1
@@ -65,6 +66,13 @@ class CudaIpcRef:
         """One shared storage (torch's own cache key, plus the counter that share created)."""
         return (self.handle, self.storage_offset_bytes, self.storage_size_bytes, self.ref_counter_handle,
                 self.ref_counter_offset)
+
+    @property
+    def cuda_malloc_handle(self) -> bytes:
+        """The bare cudaIpcMemHandle_t: every torch reads a 64-byte handle as one (its versioned form only
+        adds a version byte, which torch 2.13 bumped to 3 and torch 2.11 refuses, and the kind 'c'), so the
+        drafter opens what a target of another torch version shares."""
+        return self.handle[-IPC_HANDLE_BYTES:]
 
     @property
     def bytes_needed(self) -> int:

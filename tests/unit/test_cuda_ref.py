@@ -118,6 +118,15 @@ def test_what_torch_produces_is_accepted(override):
     assert r.bytes_needed <= r.storage_size_bytes
 
 
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_the_opened_handle_is_the_bare_cuda_one_whatever_the_torch_version(version):
+    payload = bytes(range(64))
+    message = ref_message(ROWS, WIDTH)
+    versioned = decode_ref(msgspec.structs.replace(message, handle=bytes([version, ord("c")]) + payload))
+    legacy = decode_ref(msgspec.structs.replace(message, handle=payload))
+    assert versioned.cuda_malloc_handle == legacy.cuda_malloc_handle == payload
+
+
 def test_bytes_needed_counts_strides_and_offset():
     r = ref(3, 4, torch.float16, row_stride=10, storage_offset=2)
     assert r.bytes_needed == (2 + 2 * 10 + 4) * 2
