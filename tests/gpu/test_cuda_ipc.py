@@ -158,7 +158,7 @@ def test_nan_and_forged_references_are_refused_and_harm_no_session(gpu_server):
             # a storage claimed far past the real allocation: the driver's extent check refuses it (the
             # counter slot is an unused one: a refused storage's release decrements it)
             err = _refusal(shared, kwargs, lambda r: dataclasses.replace(
-                r, storage_offset=2**30, storage_size_bytes=(2**30 + r.shape[0] * r.stride[0]) * 2,
+                r, storage_offset=2**30, storage_size_bytes=(2**30 + r.shape[0] * r.stride[0]) * r.dtype.itemsize,
                 ref_counter_offset=9999))
             assert err.field == f"{FIELD}.storage_size_bytes", err.message
         got = shared.propose(kwargs)
