@@ -8,7 +8,8 @@ in-process engine is timed in this process; then it is freed, a `drafter serve` 
 the same GPU (ZMQ on tcp:// and on ipc:// in a private directory), and one client per transport
 (ZMQ tcp, ZMQ ipc, gRPC unary, gRPC stream; on a GPU also ZMQ tcp and gRPC stream with the hidden
 states left on the GPU in one static buffer and sent as CUDA IPC references: zmq_cuda_ipc,
-grpc_stream_cuda_ipc) attaches a session and sends the same decode-step calls.  --clients picks them.  Reported per transport: round-trip p50/p90 and the ratio of the p50 to the in-process p50
+grpc_stream_cuda_ipc) attaches a session and sends the same decode-step calls (--clients picks them).
+Reported per transport: round-trip p50/p90 and the ratio of the p50 to the in-process p50
 (the call with GPU-resident inputs, drafts copied to the host, which is what the client gets),
 plus the ratio to the in-process call fed CPU tensors as a server is; and, from the stage probes
 (drafter.service.probes, on in both processes), round trip minus the server's engine time per call

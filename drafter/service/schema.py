@@ -205,5 +205,6 @@ METHODS = {
 }
 # proto message name -> Struct, for the schema-equality test and the generic proto conversion
 MESSAGES = {cls.__name__: cls for cls in (
-    Error, Tensor, CudaIpcTensor, CudaIpcSupport, KVGroup, TreePath, AttachRequest, AttachResponse, Limits, ProposeRequest, ProposeResponse,
+    Error, Tensor, CudaIpcTensor, CudaIpcSupport, KVGroup, TreePath, AttachRequest, AttachResponse, Limits,
+    ProposeRequest, ProposeResponse,
     DetachRequest, DetachResponse, InfoRequest, InfoResponse)}
