@@ -15,17 +15,20 @@ from coordinator.session import PROTOCOL_VERSION, SessionInfo, SessionSpec
 
 
 class ServiceTransport:
-    def __init__(self, endpoint: Endpoint, *, timeout_s: float = 1.0, stream: bool = True):
+    def __init__(self, endpoint: Endpoint, *, timeout_s: float = 1.0, stream: bool = True, share_cuda: bool = False):
+        """share_cuda: CUDA hidden states go as CUDA IPC references to a drafter on this host that
+        accepts them (coordinator.transport.cuda_share), e.g.
+        RemoteProposer(..., connect=functools.partial(ServiceTransport, share_cuda=True))."""
         self.name = endpoint.scheme
         self.endpoint = endpoint
         if endpoint.scheme == "grpc":
             from coordinator.transport.grpc_client import GrpcDrafterClient
 
-            self.client = GrpcDrafterClient(endpoint.address, timeout_s=timeout_s)
+            self.client = GrpcDrafterClient(endpoint.address, timeout_s=timeout_s, share_cuda=share_cuda)
         elif endpoint.scheme == "zmq":
             from coordinator.transport.zmq_client import ZmqDrafterClient
 
-            self.client = ZmqDrafterClient(f"tcp://{endpoint.address}", timeout_s=timeout_s)
+            self.client = ZmqDrafterClient(f"tcp://{endpoint.address}", timeout_s=timeout_s, share_cuda=share_cuda)
         else:
             raise ValueError(f"ServiceTransport speaks grpc or zmq, not {endpoint.scheme}")
         self.use_stream = stream and endpoint.scheme == "grpc"

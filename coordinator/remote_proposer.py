@@ -22,7 +22,9 @@ Guarantees:
   * the previous step's rejected counts travel in every call (num_rejected_tokens), so the
     drafter knows its own acceptance.
 Tensors go to the transport as they are (CPU tensors are framed without copies by the network
-clients); drafts come back on the device of next_token_ids.
+clients; with `connect=functools.partial(ServiceTransport, share_cuda=True)` CUDA hidden states go
+as CUDA IPC references to a drafter on the same host that accepts them: see
+coordinator/transport/cuda_share.py); drafts come back on the device of next_token_ids.
 """
 
 from __future__ import annotations

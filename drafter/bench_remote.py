@@ -6,8 +6,10 @@ The head has EAGLE-3 / Llama-3.1-8B shapes with random weights: only its config.
 (the server process builds the weights on the GPU itself, as `drafter bench` does).  First the
 in-process engine is timed in this process; then it is freed, a `drafter serve` process starts on
 the same GPU (ZMQ on tcp:// and on ipc:// in a private directory), and one client per transport
-(ZMQ tcp, ZMQ ipc, gRPC unary, gRPC stream) attaches a session and sends the same decode-step
-calls.  Reported per transport: round-trip p50/p90 and the ratio of the p50 to the in-process p50
+(ZMQ tcp, ZMQ ipc, gRPC unary, gRPC stream; on a GPU also ZMQ tcp and gRPC stream with the hidden
+states left on the GPU in one static buffer and sent as CUDA IPC references: zmq_cuda_ipc,
+grpc_stream_cuda_ipc) attaches a session and sends the same decode-step calls (--clients picks them).
+Reported per transport: round-trip p50/p90 and the ratio of the p50 to the in-process p50
 (the call with GPU-resident inputs, drafts copied to the host, which is what the client gets),
 plus the ratio to the in-process call fed CPU tensors as a server is; and, from the stage probes
 (drafter.service.probes, on in both processes), round trip minus the server's engine time per call
@@ -55,7 +57,7 @@ def server_args(model_dir: str, batch: int, k: int, ctx: int, kv_blocks: int, de
             "--token-capture-sizes", str(batch * (k + 1)), "--attention-backend", "triton" if gpu else "reference",
             "--use-cuda-graphs", "true", "--batch-window-us", "0", "--grpc-port", "0", "--zmq-port", "0",
             "--health-port", "0", "--metrics-port", "0", "--max-sessions", "4", "--log-format", "text",
-            "--log-level", "warning"]
+            "--log-level", "warning", "--allow-cuda-ipc", "true"]
 
 
 def _build(engine_cfg, model_dir: str):
@@ -132,6 +134,8 @@ def in_process(model_dir: str, args, call: dict) -> dict:
 
 
 WARMUP = 30
+CLIENTS = ("zmq", "zmq_ipc", "grpc_unary", "grpc_stream", "zmq_cuda_ipc", "grpc_stream_cuda_ipc")
+CUDA_IPC_CLIENTS = ("zmq_cuda_ipc", "grpc_stream_cuda_ipc")
 
 
 def remote(model_dir: str, args, call: dict, log) -> dict:
@@ -170,8 +174,8 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
         per_session = args.kv_blocks // 4
 
         class Stream:
-            def __init__(self, target):
-                self.client = GrpcDrafterClient(target, timeout_s=30)
+            def __init__(self, target, share_cuda=False):
+                self.client = GrpcDrafterClient(target, timeout_s=30, share_cuda=share_cuda)
                 self.stream = None
 
             def info(self):
@@ -184,10 +188,22 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
             def propose(self, **kw):
                 return self.stream.propose(**kw)
 
-        clients = {"zmq": ZmqDrafterClient(f"tcp://127.0.0.1:{ready['zmq_port']}", timeout_s=30),
-                   "zmq_ipc": ZmqDrafterClient(ready["zmq_ipc"], timeout_s=30),
-                   "grpc_unary": GrpcDrafterClient(f"127.0.0.1:{ready['grpc_port']}", timeout_s=30),
-                   "grpc_stream": Stream(f"127.0.0.1:{ready['grpc_port']}")}
+            @property
+            def cuda(self):
+                return self.client.cuda
+
+            def detach(self):
+                self.stream.close()
+                return self.client.detach()
+
+        zmq_tcp, grpc_target = f"tcp://127.0.0.1:{ready['zmq_port']}", f"127.0.0.1:{ready['grpc_port']}"
+        make = {"zmq": lambda: ZmqDrafterClient(zmq_tcp, timeout_s=30),
+                "zmq_ipc": lambda: ZmqDrafterClient(ready["zmq_ipc"], timeout_s=30),
+                "grpc_unary": lambda: GrpcDrafterClient(grpc_target, timeout_s=30),
+                "grpc_stream": lambda: Stream(grpc_target),
+                "zmq_cuda_ipc": lambda: ZmqDrafterClient(zmq_tcp, timeout_s=30, share_cuda=True),
+                "grpc_stream_cuda_ipc": lambda: Stream(grpc_target, share_cuda=True)}
+        clients = {name: make[name]() for name in args.clients}
         for t, (name, client) in enumerate(clients.items()):
             info = client.info()
             groups = info.limits.kv_groups
@@ -201,6 +217,8 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
                 client_name=f"bench-{name}"))
             session_call = decode_call(args.batch, args.k, args.ctx, per_session, args.head["vocab_size"],
                                        3 * args.head["hidden_size"], torch.bfloat16, seed=7)
+            if name in CUDA_IPC_CLIENTS:  # the target's hidden states stay in one static GPU buffer
+                session_call["target_hidden_states"] = session_call["target_hidden_states"].to(args.device)
             ids = iter(range((t + 1) * 10**6, (t + 2) * 10**6))
             per_call = rtts[name] = {}
 
@@ -216,6 +234,11 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
                 step(True)
             results[name] = _percentiles(list(per_call.values()))
             log(f"  {name}: p50 {results[name]['p50_us']:.0f} us, p90 {results[name]['p90_us']:.0f} us")
+            if name in CUDA_IPC_CLIENTS:
+                results[name]["cuda_ipc_used"] = client.cuda.enabled
+                if not client.cuda.enabled:
+                    log(f"  {name}: FELL BACK TO BYTES: {client.cuda.reason}")
+            client.detach()  # its KV blocks (and shared buffers) go back before the next client attaches
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -225,7 +248,8 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
     # per-stage breakdown: server probes (written at exit) and this process's client probes
     server = json.loads(probes_out.read_text()) if probes_out.exists() else {}
     client = probes.RECORDER.summary(skip=WARMUP)
-    labels = {"zmq": "zmq-tcp", "zmq_ipc": "zmq-ipc", "grpc_unary": "grpc-unary", "grpc_stream": "grpc-stream"}
+    labels = {"zmq": "zmq-tcp", "zmq_ipc": "zmq-ipc", "grpc_unary": "grpc-unary", "grpc_stream": "grpc-stream",
+              "zmq_cuda_ipc": "zmq-tcp-cuda", "grpc_stream_cuda_ipc": "grpc-stream-cuda"}
     for name, label in labels.items():
         if name not in results:
             continue
@@ -238,6 +262,16 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
             log(f"  {name}: round trip - engine p50 {results[name]['minus_engine']['p50_us']:.0f} us; server "
                 + ", ".join(f"{k} {v['p50_us']:.0f}" for k, v in results[name]["stages"]["server"].items()))
     return results
+
+
+def _clients(text: str, device: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = set(names) - set(CLIENTS)
+    if unknown:
+        raise SystemExit(f"--clients: unknown {sorted(unknown)}; choose from {CLIENTS}")
+    if not device.startswith("cuda"):  # CUDA IPC needs hidden states on a GPU
+        names = [n for n in names if n not in CUDA_IPC_CLIENTS]
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--tiny", action="store_true", help="a tiny head (a smoke test of this script on a CPU)")
+    p.add_argument("--clients", default=",".join(CLIENTS),
+                   help=f"comma-separated, of {','.join(CLIENTS)} (the *_cuda_ipc ones need a CUDA --device)")
     args = p.parse_args(argv)
+    args.clients = _clients(args.clients, args.device)
     args.head = {**HEAD_CONFIG, **(TINY if args.tiny else {})}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,9 @@
     out = client.propose(**engine_kwargs)               # drafter.engine.DraftOutput, drafts [batch, k]
     client.detach(); client.close()
 
+share_cuda=True (either client) sends CUDA hidden states as CUDA IPC references to a drafter on the
+same host that accepts them, bytes otherwise (cuda_share.py).
+
 Every failure raises drafter.service.errors.DrafterError(code, field, message) with the server's
 code and field; a client-side timeout is DEADLINE_EXCEEDED, an unreachable server UNAVAILABLE
 (gRPC) or DEADLINE_EXCEEDED (ZMQ cannot tell a dead server from a slow one).  No retries and no

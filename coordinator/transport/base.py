@@ -36,6 +36,11 @@ class SessionState:
     def clear(self) -> None:
         self.session_id, self.epoch, self.attach = "", 0, None
 
+    @property
+    def cuda_ipc(self) -> schema.CudaIpcSupport | None:
+        """What the drafter said about CUDA IPC when this session attached (None: nothing)."""
+        return self.attach.cuda_ipc if self.attach is not None else None
+
     def next_id(self) -> int:
         return next(self._ids)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from coordinator.transport.base import SessionState, as_attach_request, draft_output, split_kwargs
+from coordinator.transport.cuda_share import CudaShare
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.service import probes, schema
 from drafter.service.errors import FIELD_METADATA_KEY, Code, DrafterError
@@ -79,7 +80,9 @@ class GrpcDrafterClient:
     """One target worker's connection to one drafter. Not for concurrent use from several threads."""
 
     def __init__(self, target: str, *, timeout_s: float = 1.0, tls: TlsConfig | None = None,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, share_cuda: bool = False):
+        """share_cuda: send CUDA hidden states as CUDA IPC references where the drafter is on this host
+        and says it can open them (coordinator.transport.cuda_share); bytes otherwise."""
         self.target = target
         self.timeout_s = timeout_s
         self.tls = tls
@@ -93,6 +96,7 @@ class GrpcDrafterClient:
         self._detach = self.channel.unary_unary(SERVICE + "Detach", ser, pb.DetachResponse.FromString)
         self._info = self.channel.unary_unary(SERVICE + "Info", ser, pb.InfoResponse.FromString)
         self.session = SessionState()
+        self.cuda = CudaShare(share_cuda)
 
     def _call(self, method, request, timeout):
         try:
@@ -101,8 +105,8 @@ class GrpcDrafterClient:
             raise error_from_rpc(exc) from None
 
     def attach(self, layout, *, timeout: float | None = None) -> schema.AttachResponse:
-        req = struct_to_proto(as_attach_request(layout), pb.AttachRequest())
-        resp = struct_from_proto(self._call(self._attach, req, timeout), schema.AttachResponse)
+        resp = struct_from_proto(self.cuda.ask(as_attach_request(layout), lambda req: self._call(
+            self._attach, struct_to_proto(req, pb.AttachRequest()), timeout)), schema.AttachResponse)
         self.session.set(resp)
         return resp
 
@@ -111,12 +115,17 @@ class GrpcDrafterClient:
                 timeout: float | None = None, **engine_kwargs):
         """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
         self.session.require()
-        probe = probes.start("client-grpc-unary")
-        req = encode_propose_request(self.session.session_id, self.session.epoch,
-                                     self.session.next_id() if request_id is None else request_id,
-                                     split_kwargs(engine_kwargs), return_probs=return_probs,
-                                     batch_padded=batch_padded, tokens_padded=tokens_padded,
-                                     accepted_counts=accepted_counts)
+        rid = self.session.next_id() if request_id is None else request_id
+        options = dict(return_probs=return_probs, batch_padded=batch_padded, tokens_padded=tokens_padded,
+                       accepted_counts=accepted_counts)
+        return self.cuda.propose(split_kwargs(engine_kwargs), self.session.cuda_ipc,
+                                 lambda kw, ipc, left: self._propose_unary(rid, kw, ipc, left, options),
+                                 self.timeout_s if timeout is None else timeout)
+
+    def _propose_unary(self, request_id: int, kwargs: dict, hidden_ipc, timeout: float, options: dict):
+        probe = probes.start("client-grpc-unary" + ("-cuda" if hidden_ipc is not None else ""))
+        req = encode_propose_request(self.session.session_id, self.session.epoch, request_id, kwargs,
+                                     hidden_ipc=hidden_ipc, **options)
         if probe is not None:
             probe.request_id = req.request_id
             probe.mark("encode")
@@ -137,7 +146,9 @@ class GrpcDrafterClient:
         return resp.blocks_released
 
     def info(self, *, timeout: float | None = None) -> schema.InfoResponse:
-        return struct_from_proto(self._call(self._info, pb.InfoRequest(), timeout), schema.InfoResponse)
+        resp = self.cuda.ask(schema.InfoRequest(), lambda req: self._call(
+            self._info, struct_to_proto(req, pb.InfoRequest()), timeout))
+        return struct_from_proto(resp, schema.InfoResponse)
 
     def stream(self) -> "GrpcProposeStream":
         """A bidi stream for the per-step path, on this client's session."""
@@ -226,15 +237,21 @@ class GrpcProposeStream:
                 timeout: float | None = None, **engine_kwargs):
         c = self.client
         c.session.require()
-        probe = probes.start("client-grpc-stream")
         rid = c.session.next_id() if request_id is None else request_id
-        req = encode_propose_request(c.session.session_id, c.session.epoch, rid, split_kwargs(engine_kwargs),
-                                     return_probs=return_probs, batch_padded=batch_padded,
-                                     tokens_padded=tokens_padded, accepted_counts=accepted_counts)
+        options = dict(return_probs=return_probs, batch_padded=batch_padded, tokens_padded=tokens_padded,
+                       accepted_counts=accepted_counts)
+        return c.cuda.propose(split_kwargs(engine_kwargs), c.session.cuda_ipc,
+                              lambda kw, ipc, left: self._propose(rid, kw, ipc, left, options),
+                              c.timeout_s if timeout is None else timeout)
+
+    def _propose(self, rid: int, kwargs: dict, hidden_ipc, timeout: float, options: dict):
+        c = self.client
+        probe = probes.start("client-grpc-stream" + ("-cuda" if hidden_ipc is not None else ""))
+        req = encode_propose_request(c.session.session_id, c.session.epoch, rid, kwargs, hidden_ipc=hidden_ipc,
+                                     **options)
         if probe is not None:
             probe.request_id = rid
             probe.mark("encode")
-        timeout = c.timeout_s if timeout is None else timeout
         resp = self._run(self._step_with_timeout(req, timeout))
         if probe is not None:
             probe.mark("wait")

@@ -21,6 +21,7 @@ import zmq
 import zmq.auth
 
 from coordinator.transport.base import SessionState, as_attach_request, draft_output, split_kwargs
+from coordinator.transport.cuda_share import CudaShare
 from drafter.service import probes, schema
 from drafter.service.errors import Code, DrafterError
 from drafter.service.ipc import check_client_path
@@ -63,7 +64,9 @@ class ZmqDrafterClient:
     """One target worker's connection to one drafter. Not thread-safe (neither are ZMQ sockets)."""
 
     def __init__(self, endpoint: str, *, timeout_s: float = 1.0, curve: CurveConfig | None = None,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, share_cuda: bool = False):
+        """share_cuda: send CUDA hidden states as CUDA IPC references where the drafter is on this host
+        and says it can open them (coordinator.transport.cuda_share); bytes otherwise."""
         if endpoint.startswith("ipc://"):
             check_client_path(endpoint)  # raises IpcPathError (a ValueError) for a path anyone could hijack
         self.endpoint = endpoint
@@ -81,6 +84,7 @@ class ZmqDrafterClient:
         self._call_ids = itertools.count(1)
         self._probe = None  # the stage probe of the propose call in flight (drafter.service.probes)
         self.session = SessionState()
+        self.cuda = CudaShare(share_cuda)
 
     def _roundtrip(self, method: str, body: msgspec.Struct, frames: list, timeout: float | None):
         timeout = self.timeout_s if timeout is None else timeout
@@ -128,7 +132,7 @@ class ZmqDrafterClient:
                 raise DrafterError(Code.INTERNAL, "body", f"undecodable reply: {exc}") from None
 
     def attach(self, layout, *, timeout: float | None = None) -> schema.AttachResponse:
-        resp, _ = self._roundtrip("Attach", as_attach_request(layout), [], timeout)
+        resp, _ = self.cuda.ask(as_attach_request(layout), lambda req: self._roundtrip("Attach", req, [], timeout))
         self.session.set(resp)
         return resp
 
@@ -137,11 +141,17 @@ class ZmqDrafterClient:
                 timeout: float | None = None, **engine_kwargs):
         """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
         self.session.require()
-        probe = probes.start(self._probe_label)
-        header, frames = call_to_frames(
-            self.session.session_id, self.session.epoch, self.session.next_id() if request_id is None else request_id,
-            split_kwargs(engine_kwargs), return_probs=return_probs, batch_padded=batch_padded,
-            tokens_padded=tokens_padded, accepted_counts=accepted_counts)
+        rid = self.session.next_id() if request_id is None else request_id
+        options = dict(return_probs=return_probs, batch_padded=batch_padded, tokens_padded=tokens_padded,
+                       accepted_counts=accepted_counts)
+        return self.cuda.propose(split_kwargs(engine_kwargs), self.session.cuda_ipc,
+                                 lambda kw, ipc, left: self._propose(rid, kw, ipc, left, options),
+                                 self.timeout_s if timeout is None else timeout)
+
+    def _propose(self, request_id: int, kwargs: dict, hidden_ipc, timeout: float, options: dict):
+        probe = probes.start(self._probe_label + ("-cuda" if hidden_ipc is not None else ""))
+        header, frames = call_to_frames(self.session.session_id, self.session.epoch, request_id, kwargs,
+                                        hidden_ipc=hidden_ipc, **options)
         if probe is not None:
             probe.request_id = header.request_id
             probe.mark("encode")
@@ -166,7 +176,7 @@ class ZmqDrafterClient:
         return resp.blocks_released
 
     def info(self, *, timeout: float | None = None) -> schema.InfoResponse:
-        resp, _ = self._roundtrip("Info", schema.InfoRequest(), [], timeout)
+        resp, _ = self.cuda.ask(schema.InfoRequest(), lambda req: self._roundtrip("Info", req, [], timeout))
         return resp
 
     def send_raw(self, frames: list, *, timeout: float | None = None) -> list:

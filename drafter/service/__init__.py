@@ -14,8 +14,11 @@ Files, one concept each:
     grpc_server.py  grpc.aio server, grpc.health.v1, reflection, limits, keepalive, mTLS
     zmq_server.py   ROUTER sockets (tcp://, ipc://), zero-copy tensor frames, CURVE, replies from the
                     engine thread;  zmqio.py: multipart send/recv;  ipc.py: ipc:// path rules
+    cuda_ref.py     a CUDA IPC reference to a target's GPU hidden states: decode, field-by-field checks
+    cuda_ipc.py     opening references in the engine thread: torch's IPC, driver extent check, LRU per session
+    cuda_support.py who may share: host boot id, GPU uuids, --allow-cuda-ipc, what Attach/Info advertise
     probes.py       opt-in per-stage timing of propose calls (drafter.bench_transport, bench_remote)
     metrics.py      Prometheus metrics on /metrics
     server.py       process wiring, ready line, SIGTERM drain;  config.py / serve_cli.py: settings
-Clients (target side): coordinator/transport/{grpc_client,zmq_client}.py.
+Clients (target side): coordinator/transport/{grpc_client,zmq_client}.py (cuda_share.py: share_cuda=True).
 """

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from drafter.inputs import ProposeInputs, as_group_list, validate
+from drafter.service.cuda_ref import FIELD as IPC_FIELD
 from drafter.service.errors import Code, DrafterError, from_exception, invalid
 from drafter.service.sessions import Session, offset_kwargs
 from drafter.service.wire import ProposeCall, ProposeResult
@@ -96,10 +97,11 @@ def all_finite(t: torch.Tensor) -> bool:
     return int(bits.max()) < exp and int(bits.view(unsigned).max()) < (sign | exp)
 
 
-def _check_finite(kwargs: dict) -> None:
+def _check_finite(kwargs: dict, name: str = "target_hidden_states") -> None:
     # NaN/inf would only poison the sender's own KV, but a drafter should say so rather than draft garbage.
+    # (A CUDA IPC tensor is checked on the GPU: one reduction, one flag read back, before any KV write.)
     if not all_finite(kwargs["target_hidden_states"]):
-        raise invalid("target_hidden_states", "must be finite")
+        raise invalid(name, "must be finite")
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -158,10 +160,13 @@ def fuse(kws: list[dict], pads: list[tuple[int, ...]], hidden_dtype: torch.dtype
     cat = lambda name: torch.cat([kw[name].to(torch.int64) for kw in kws])  # noqa: E731
     qsl = [torch.zeros(1, dtype=torch.int64)] + [kw["query_start_loc"][1:].to(torch.int64) + off
                                                  for kw, off in zip(kws, token_offsets)]
+    hidden = [kw["target_hidden_states"] for kw in kws]
+    # shared (CUDA IPC) states live on the GPU: a batch that has any is concatenated there
+    device = next((h.device for h in hidden if h.device.type != "cpu"), hidden[0].device)
     fused = {
         "target_token_ids": cat("target_token_ids"),
         "target_positions": cat("target_positions"),
-        "target_hidden_states": torch.cat([kw["target_hidden_states"].to(hidden_dtype) for kw in kws]),
+        "target_hidden_states": torch.cat([h.to(device, hidden_dtype) for h in hidden]),
         "next_token_ids": cat("next_token_ids"),
         "query_start_loc": torch.cat(qsl),
         "seq_lens": cat("seq_lens"),
@@ -196,8 +201,10 @@ def fuse(kws: list[dict], pads: list[tuple[int, ...]], hidden_dtype: torch.dtype
 class EngineRunner:
     """The worker-thread side: validate each request, fuse what fits, run, split."""
 
-    def __init__(self, engine, on_engine_call=None):
+    def __init__(self, engine, on_engine_call=None, cuda_ipc=None):
+        """cuda_ipc: a drafter.service.cuda_ipc.CudaIpcOpener where references are accepted, else None."""
         self.engine = engine
+        self.cuda_ipc = cuda_ipc
         cfg = engine.config
         self.max_batch = cfg.max_num_seqs
         self.max_tokens = cfg.max_num_batched_tokens
@@ -248,20 +255,42 @@ class EngineRunner:
                 results[i] = DrafterError(Code.DEADLINE_EXCEEDED, "", "deadline passed before the engine was free")
             else:
                 try:
-                    kw = offset_kwargs(it.session, it.call.kwargs)
-                    if it.call.probe is not None:
-                        it.call.probe.mark("session_offsets")
-                    _check_finite(kw)  # first in both paths, so a request's error never depends on its batch
-                    if it.call.probe is not None:
-                        it.call.probe.mark("finite_check")
-                    if not alone:
-                        _engine_validate(self.engine, kw)
-                    ready.append((i, kw))
+                    ready.append((i, self._prepare(it, alone)))
                 except Exception as exc:  # noqa: BLE001 - every failure becomes that request's answer
-                    results[i] = from_exception(exc)
+                    # without its traceback: its frames hold the request's tensors (a CUDA IPC view must be
+                    # released in this thread, not wherever the error ends up)
+                    results[i] = from_exception(exc).with_traceback(None)
         for group in self._plan(items, ready):
             self._run_group(items, group, results)
         return results
+
+    def _prepare(self, it: Pending, alone: bool) -> dict:
+        """The request's engine kwargs, its shared hidden states opened, checked before any KV write."""
+        call = it.call
+        kw = offset_kwargs(it.session, call.kwargs)
+        if call.probe is not None:
+            call.probe.mark("session_offsets")
+        if call.hidden_ipc is not None:
+            kw["target_hidden_states"] = self._shared_hidden(it)
+            if call.probe is not None:
+                call.probe.mark("ipc_open")
+        # first in both paths (alone or fused), so a request's error never depends on its batch
+        _check_finite(kw, IPC_FIELD if call.hidden_ipc is not None else "target_hidden_states")
+        if call.probe is not None:
+            call.probe.mark("finite_check")
+        if not alone:
+            _engine_validate(self.engine, kw)
+        return kw
+
+    def _shared_hidden(self, it: Pending) -> torch.Tensor:  # [num_tokens, hidden_width] on the GPU
+        if self.cuda_ipc is None:  # ServiceCore.check refuses these first; kept for direct callers
+            raise invalid(IPC_FIELD, "this drafter does not open CUDA IPC references")
+        return self.cuda_ipc.tensor(it.session.id, it.call.hidden_ipc)
+
+    def forget_session(self, session_id: str) -> None:
+        """Engine thread: release what the session opened (CUDA IPC storages and events)."""
+        if self.cuda_ipc is not None:
+            self.cuda_ipc.forget(session_id)
 
     def _plan(self, items, ready) -> list[list[tuple[int, dict]]]:
         """Greedy packing up to the engine's limits; agreed padded sizes (DP) run alone."""

@@ -68,6 +68,9 @@ class ServerConfig:
     zmq_ipc: str = _opt(str, "", "also serve ZMQ on ipc://PATH for targets on this host (an absolute path in a "
                                  "directory others cannot write, e.g. /run/drafter/zmq.sock); empty = tcp only")
     zmq_ipc_mode: str = _opt(str, "0600", "permissions of the ipc socket file (octal; 0660 lets the group connect)")
+    allow_cuda_ipc: str = _opt(str, "auto", "accept hidden states as CUDA IPC references from targets on this host "
+                                            "(auto: only when --host is loopback; never on a CPU device)",
+                               choices=("auto", "true", "false"))
     health_port: int = _opt(int, 50052, "plaintext grpc.health.v1-only port for probes (0 = a free one)")
     metrics_port: int = _opt(int, 9400, "Prometheus /metrics port (0 = a free one)")
     max_message_bytes: int = _opt(int, 256 * MiB, "largest request or reply on either transport")

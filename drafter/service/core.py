@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.service import schema
+from drafter.service import cuda_support, schema
 from drafter.service.batcher import Batcher, EngineRunner, EngineThread
-from drafter.service.errors import Code, DrafterError, from_exception
+from drafter.service.cuda_ref import FIELD as IPC_FIELD
+from drafter.service.errors import Code, DrafterError, from_exception, invalid
 from drafter.service.metrics import Metrics, accepted_from_report
 from drafter.service.sessions import PROTOCOL_VERSION, EngineDescription, Session, SessionTable, check_call
 from drafter.service.wire import ProposeCall, ProposeResult
@@ -42,6 +43,12 @@ def describe_engine(engine, max_message_bytes: int) -> EngineDescription:
         max_num_batched_tokens=cfg.max_num_batched_tokens, block_sizes=tuple(g.block_size for g in cfg.kv_groups),
         pool_blocks=tuple(g.num_blocks for g in cfg.kv_groups), capture_sizes=tuple(cfg.capture_sizes),
         token_capture_sizes=tuple(cfg.token_capture_sizes), max_message_bytes=max_message_bytes)
+
+
+def release_session(engine, runner: EngineRunner, s: Session) -> None:
+    """Runs in the engine thread: wipe the session's blocks, close what it shared with us."""
+    runner.forget_session(s.id)
+    zero_session_blocks(engine, s)
 
 
 def zero_session_blocks(engine, s: Session) -> None:
@@ -86,8 +93,12 @@ class CallRecord:
 
 class ServiceCore:
     def __init__(self, *, metrics: Metrics, max_sessions: int, batch_window_s: float, max_message_bytes: int,
-                 session_idle_timeout_s: float = 0.0):
+                 session_idle_timeout_s: float = 0.0, allow_cuda_ipc: tuple[bool, str] = (False, "not enabled")):
+        """allow_cuda_ipc: (allowed, why not) from drafter.service.cuda_support.allowed; the engine's
+        device decides the rest."""
         self.metrics = metrics
+        self.allow_cuda_ipc = allow_cuda_ipc
+        self.cuda_ipc = schema.CudaIpcSupport(enabled=False, reason="loading")
         self.max_sessions = max_sessions
         self.batch_window_s = batch_window_s
         self.max_message_bytes = max_message_bytes
@@ -117,7 +128,8 @@ class ServiceCore:
         self.engine = engine
         self.desc = describe_engine(engine, self.max_message_bytes)
         self.sessions = SessionTable(self.desc, self.max_sessions)
-        self.runner = EngineRunner(engine, self._on_engine_call)
+        self.cuda_ipc = cuda_support.advertise(getattr(engine, "device", "cpu"), *self.allow_cuda_ipc)
+        self.runner = EngineRunner(engine, self._on_engine_call, self._cuda_ipc_opener(engine))
         self.batcher = Batcher(self.runner, self.executor, self.batch_window_s)
         self.batcher.start()
         if self.session_idle_timeout_s > 0:
@@ -128,6 +140,15 @@ class ServiceCore:
         self._update_gauges()
         self.state = SERVING
         self.metrics.state.set(1)
+
+    def _cuda_ipc_opener(self, engine):
+        log.info("cuda ipc", extra={"event": "cuda_ipc", "enabled": self.cuda_ipc.enabled,
+                                    "reason": self.cuda_ipc.reason, "gpus": list(self.cuda_ipc.device_uuids)})
+        if not self.cuda_ipc.enabled:
+            return None
+        from drafter.service.cuda_ipc import CudaIpcOpener
+
+        return CudaIpcOpener(engine.device, self.cuda_ipc)
 
     def start_draining(self) -> None:
         if self.state != DRAINING:
@@ -262,12 +283,15 @@ class ServiceCore:
             session_id=s.id, epoch=self.epoch, capture_sizes=list(d.capture_sizes),
             token_capture_sizes=list(d.token_capture_sizes), limits=limits, aux_layer_ids=list(d.aux_layer_ids),
             num_speculative_tokens=d.num_speculative_tokens, speculative_token_tree=self._tree(),
-            protocol_version=PROTOCOL_VERSION)
+            protocol_version=PROTOCOL_VERSION, cuda_ipc=self.cuda_ipc if req.cuda_ipc_capable else None)
 
     def check(self, call: ProposeCall) -> Session:
         """Everything that can be decided in the event loop, cheaply, before queueing."""
         self._check_epoch(call.epoch)
         s = self.sessions.get(call.session_id)
+        if call.hidden_ipc is not None and not self.cuda_ipc.enabled:
+            raise invalid(IPC_FIELD, f"this drafter does not open CUDA IPC references: {self.cuda_ipc.reason}; "
+                                     f"send target_hidden_states")
         check_call(s, call, self.desc)
         return s
 
@@ -306,7 +330,8 @@ class ServiceCore:
     async def _release(self, s: Session, reason: str) -> None:
         try:
             # Behind any batch of this session already in the engine thread (it is FIFO).
-            await asyncio.get_running_loop().run_in_executor(self.executor, zero_session_blocks, self.engine, s)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.executor, release_session, self.engine, self.runner, s)
         finally:
             self.sessions.release(s)
             self._update_gauges()
@@ -322,12 +347,14 @@ class ServiceCore:
                     self.sessions.detach(s.id)
                     await self._release(s, "idle")
 
-    def info(self) -> schema.InfoResponse:
+    def info(self, req: schema.InfoRequest | None = None) -> schema.InfoResponse:
         d = self.desc
+        asked = req is not None and req.cuda_ipc_capable
         return schema.InfoResponse(
             protocol_version=PROTOCOL_VERSION, epoch=self.epoch, state=self.state, method=d.method,
             num_speculative_tokens=d.num_speculative_tokens, speculative_token_tree=self._tree(), dtype=d.dtype,
             hidden_size=d.hidden_size, num_aux_layers=d.num_aux_layers, aux_layer_ids=list(d.aux_layer_ids),
             limits=self._limits(), capture_sizes=list(d.capture_sizes),
             token_capture_sizes=list(d.token_capture_sizes), num_sessions=len(self.sessions),
-            max_sessions=self.max_sessions, free_blocks=self.sessions.free_blocks(), version=VERSION)
+            max_sessions=self.max_sessions, free_blocks=self.sessions.free_blocks(), version=VERSION,
+            cuda_ipc=self.cuda_ipc if asked else None)

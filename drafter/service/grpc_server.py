@@ -89,13 +89,13 @@ class DrafterGrpcService:
 
     async def info(self, raw: bytes, context):
         async def work():
-            _parse(pb.InfoRequest, raw)
-            return struct_to_proto(self.core.info(), pb.InfoResponse())
+            req = struct_from_proto(_parse(pb.InfoRequest, raw), schema.InfoRequest)
+            return struct_to_proto(self.core.info(req), pb.InfoResponse())
         return await self._unary("Info", context, work)
 
     async def _propose_one(self, raw: bytes, context, probe=None):
         call = call_from_raw(raw)  # tensors view `raw`: protobuf never copies the payloads
-        call.probe = probe
+        call.probe = probes.labelled(probe, call)
         if probe is not None:
             probe.request_id = call.request_id
             probe.mark("tensor_decode")

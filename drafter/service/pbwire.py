@@ -21,9 +21,10 @@ from google.protobuf.message import DecodeError
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.service.errors import Code, DrafterError
+from drafter.service.cuda_ref import CudaIpcRef
 from drafter.service.wire import (LIST_FIELDS, REQUIRED_FIELDS, TENSOR_FIELDS, ProposeCall, _build_call,
                                   _check_list, _flat_fields, call_from_proto, decode_tensor, dtype_name,
-                                  tensor_bytes)
+                                  ipc_from_proto, tensor_bytes)
 
 _FIELDS = pb.ProposeRequest.DESCRIPTOR.fields_by_name
 _TENSOR_NUMBERS = {_FIELDS[n].number: n for n in (*TENSOR_FIELDS, *LIST_FIELDS)}
@@ -67,12 +68,16 @@ class EncodedRequest:
 
 
 def encode_propose_request(session_id: str, epoch: int, request_id: int, kwargs: dict, *, return_probs=False,
-                           batch_padded=0, tokens_padded=0, accepted_counts=None) -> EncodedRequest:
+                           batch_padded=0, tokens_padded=0, accepted_counts=None,
+                           hidden_ipc: CudaIpcRef | None = None) -> EncodedRequest:
     """Client side: engine-style kwargs -> the bytes protobuf would produce for call_to_proto's message
-    (up to field order, which no parser minds), with each payload copied once."""
+    (up to field order, which no parser minds), with each payload copied once.  hidden_ipc (no payload)
+    goes with the scalars."""
     scalars = pb.ProposeRequest(session_id=session_id, epoch=epoch, request_id=request_id,
                                 return_probs=bool(return_probs), batch_padded=batch_padded or 0,
-                                tokens_padded=tokens_padded or 0).SerializeToString()
+                                tokens_padded=tokens_padded or 0,
+                                target_hidden_states_ipc=None if hidden_ipc is None else
+                                hidden_ipc.to_wire(pb.CudaIpcTensor)).SerializeToString()
     parts: list = [scalars]
     for name, value in _flat_fields(kwargs, accepted_counts):
         key = _KEYS[_FIELDS[name].number]
@@ -211,7 +216,7 @@ def call_from_raw(raw: bytes) -> ProposeCall:
                 for i, m in enumerate(items)]
 
     return _build_call(req.session_id, req.epoch, req.request_id, req.return_probs, req.batch_padded,
-                       req.tokens_padded, get_tensor, get_list)
+                       req.tokens_padded, get_tensor, get_list, ipc_from_proto(req))
 
 
 __all__ = ["EncodedRequest", "encode_propose_request", "call_from_raw", "parse_request", "REQUIRED_FIELDS"]

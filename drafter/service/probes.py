@@ -112,5 +112,13 @@ def start(label: str, t0: int | None = None) -> Probe | None:
     return None if RECORDER is None else Probe(label, t0)
 
 
+def labelled(probe: Probe | None, call) -> Probe | None:
+    """A server probe relabelled "<transport>-cuda" for a call whose hidden states came by CUDA IPC
+    reference, so that its stages are summarised apart from the byte-carrying calls."""
+    if probe is not None and getattr(call, "hidden_ipc", None) is not None:
+        probe.label += "-cuda"
+    return probe
+
+
 if os.environ.get("DRAFTER_PROBES", "") not in ("", "0"):
     enable()

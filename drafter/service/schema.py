@@ -3,7 +3,7 @@
 Field names, order and value ranges equal the proto's (tests/unit/test_service_schema.py checks
 them field by field).  The one difference: a Tensor's bytes never sit inside the msgpack header;
 `Tensor.frame` is the index of the zero-copy frame that holds them (0 = the first frame after
-the body).  A ZMQ message is
+the body).  (CudaIpcTensor's handles are a few dozen bytes: they stay in the header.)  A ZMQ message is
 
     request:  [identity (added by ROUTER), b"", Envelope, body, tensor frame 0, tensor frame 1, ...]
     reply:    [identity (consumed by ROUTER), b"", Envelope, body, tensor frames...]
@@ -40,6 +40,31 @@ class Tensor(_Msg):
     frame: U32 = 0  # proto: bytes data
 
 
+class CudaIpcTensor(_Msg):
+    """proto CudaIpcTensor: hidden states in the target's GPU memory (drafter.service.cuda_ref checks it)."""
+
+    dtype: str = ""
+    shape: Annotated[list[I64], msgspec.Meta(max_length=8)] = []
+    stride: Annotated[list[I64], msgspec.Meta(max_length=8)] = []
+    storage_offset: U64 = 0
+    device_uuid: str = ""
+    handle: bytes = b""
+    storage_size_bytes: U64 = 0
+    storage_offset_bytes: U64 = 0
+    ref_counter_handle: str = ""
+    ref_counter_offset: U64 = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+    step_event_handle: bytes = b""
+
+
+class CudaIpcSupport(_Msg):
+    enabled: bool = False
+    host_id: str = ""
+    device_uuids: Annotated[list[str], msgspec.Meta(max_length=64)] = []
+    reason: str = ""
+
+
 class KVGroup(_Msg):
     block_size: U32 = 0
     num_blocks: U32 = 0
@@ -67,6 +92,7 @@ class AttachRequest(_Msg):
     max_num_batched_tokens: U32 = 0
     kv_groups: Groups = []
     client_name: str = ""
+    cuda_ipc_capable: bool = False
 
 
 class Limits(_Msg):
@@ -89,6 +115,7 @@ class AttachResponse(_Msg):
     num_speculative_tokens: U32 = 0
     speculative_token_tree: Trees = []
     protocol_version: U32 = 0
+    cuda_ipc: CudaIpcSupport | None = None
 
 
 Tensors = Annotated[list[Tensor], msgspec.Meta(max_length=64)]
@@ -113,6 +140,7 @@ class ProposeRequest(_Msg):
     return_probs: bool = False
     batch_padded: U32 = 0
     tokens_padded: U32 = 0
+    target_hidden_states_ipc: CudaIpcTensor | None = None
 
 
 class ProposeResponse(_Msg):
@@ -134,7 +162,7 @@ class DetachResponse(_Msg):
 
 
 class InfoRequest(_Msg):
-    pass
+    cuda_ipc_capable: bool = False
 
 
 class InfoResponse(_Msg):
@@ -155,6 +183,7 @@ class InfoResponse(_Msg):
     max_sessions: U32 = 0
     free_blocks: Sizes = []
     version: str = ""
+    cuda_ipc: CudaIpcSupport | None = None
 
 
 # ---------------------------------------------------------------- ZMQ only
@@ -176,5 +205,6 @@ METHODS = {
 }
 # proto message name -> Struct, for the schema-equality test and the generic proto conversion
 MESSAGES = {cls.__name__: cls for cls in (
-    Error, Tensor, KVGroup, TreePath, AttachRequest, AttachResponse, Limits, ProposeRequest, ProposeResponse,
+    Error, Tensor, CudaIpcTensor, CudaIpcSupport, KVGroup, TreePath, AttachRequest, AttachResponse, Limits,
+    ProposeRequest, ProposeResponse,
     DetachRequest, DetachResponse, InfoRequest, InfoResponse)}

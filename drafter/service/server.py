@@ -18,6 +18,7 @@ import threading
 import time
 
 from drafter.config import EngineConfig, KVGroupSpec
+from drafter.service import cuda_support
 from drafter.service.config import ServerConfig
 from drafter.service.core import ServiceCore
 from drafter.service.grpc_server import DrafterGrpcService, HealthState, build_health_server, build_main_server
@@ -97,7 +98,8 @@ async def serve(cfg: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     metrics = Metrics(method=cfg.method)
     core = ServiceCore(metrics=metrics, max_sessions=cfg.max_sessions, batch_window_s=cfg.batch_window_us / 1e6,
-                       max_message_bytes=cfg.max_message_bytes, session_idle_timeout_s=cfg.session_idle_timeout_s)
+                       max_message_bytes=cfg.max_message_bytes, session_idle_timeout_s=cfg.session_idle_timeout_s,
+                       allow_cuda_ipc=cuda_support.allowed(cfg.allow_cuda_ipc, cfg.host))
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from drafter.service import schema
+from drafter.service.cuda_ref import FIELD as IPC_FIELD
 from drafter.service.errors import Code, DrafterError, invalid
 from drafter.service.wire import DTYPES, ProposeCall
 
@@ -215,9 +216,7 @@ def check_call(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
     if n > s.max_num_batched_tokens:
         raise invalid("target_token_ids",
                       f"{n} tokens exceed the session's max_num_batched_tokens {s.max_num_batched_tokens}")
-    if kw["target_hidden_states"].dtype != s.hidden_dtype:
-        raise invalid("target_hidden_states", f"dtype {kw['target_hidden_states'].dtype}, the session attached "
-                                              f"with {s.hidden_dtype}")
+    _check_hidden(s, call, eng)
     _range("target_positions", kw["target_positions"], 0, s.max_model_len)
     _range("seq_lens", kw["seq_lens"], 1, s.max_model_len + 1)
     groups = len(s.num_blocks)
@@ -246,6 +245,21 @@ def check_call(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
             raise invalid("return_probs", f"probabilities of {b} x {eng.num_speculative_tokens} x "
                                           f"{eng.vocab_size} float32 exceed max_message_bytes "
                                           f"{eng.max_message_bytes}")
+
+
+def _check_hidden(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
+    """The hidden states' dtype; for a CUDA IPC reference also its shape, before anything opens it."""
+    ref = call.hidden_ipc
+    if ref is None:
+        dtype = call.kwargs["target_hidden_states"].dtype
+        if dtype != s.hidden_dtype:
+            raise invalid("target_hidden_states", f"dtype {dtype}, the session attached with {s.hidden_dtype}")
+        return
+    if ref.dtype != s.hidden_dtype:
+        raise invalid(f"{IPC_FIELD}.dtype", f"dtype {ref.dtype}, the session attached with {s.hidden_dtype}")
+    if ref.shape != (call.num_tokens, eng.hidden_width):
+        raise invalid(f"{IPC_FIELD}.shape", f"shape {list(ref.shape)}, expected [num_tokens={call.num_tokens}, "
+                                            f"hidden_width={eng.hidden_width}]")
 
 
 def offset_kwargs(s: Session, kwargs: dict) -> dict:

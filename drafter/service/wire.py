@@ -17,6 +17,8 @@ import numpy as np
 import torch
 
 from drafter.service import schema
+from drafter.service.cuda_ref import FIELD as IPC_FIELD
+from drafter.service.cuda_ref import CudaIpcRef, decode_ref
 from drafter.service.errors import invalid
 
 # Request buffers are read-only (protobuf bytes, received frames) and nothing downstream writes into
@@ -124,6 +126,9 @@ class ProposeCall:
     accepted_counts: torch.Tensor | None = None  # [batch] int, -1 = no report for that row
     deadline: float | None = None  # time.monotonic() after which the result is useless
     probe: object = None  # drafter.service.probes.Probe when stage timing is on
+    # target_hidden_states in the target's GPU memory instead of kwargs["target_hidden_states"]; the
+    # engine thread opens it and puts the tensor into the kwargs (drafter.service.cuda_ipc)
+    hidden_ipc: CudaIpcRef | None = None
 
     @property
     def batch_size(self) -> int:
@@ -145,11 +150,18 @@ class ProposeResult:
 
 
 def _build_call(session_id, epoch, request_id, return_probs, batch_padded, tokens_padded, get_tensor,
-                get_list) -> ProposeCall:
+                get_list, ipc_message) -> ProposeCall:
+    """ipc_message: the request's CudaIpcTensor (either representation), None when unset."""
     kwargs = {}
     accepted = None
+    hidden_ipc = None
     for name, (ndim, kind) in TENSOR_FIELDS.items():
         t = get_tensor(name, ndim, kind)
+        if name == "target_hidden_states" and ipc_message is not None:
+            if t is not None:
+                raise invalid(IPC_FIELD, "set target_hidden_states or target_hidden_states_ipc, not both")
+            hidden_ipc = decode_ref(ipc_message)
+            continue
         if t is None:
             if name in REQUIRED_FIELDS:
                 raise invalid(name, "missing")
@@ -161,7 +173,7 @@ def _build_call(session_id, epoch, request_id, return_probs, batch_padded, token
     for name, (ndim, kind) in LIST_FIELDS.items():
         kwargs[name] = get_list(name, ndim, kind)
     return ProposeCall(session_id, epoch, request_id, kwargs, bool(return_probs), batch_padded, tokens_padded,
-                       accepted)
+                       accepted, hidden_ipc=hidden_ipc)
 
 
 def _check_list(name: str, items) -> None:
@@ -185,7 +197,12 @@ def call_from_proto(req) -> ProposeCall:
         return [decode_tensor(f"{name}[{i}]", m.dtype, m.shape, m.data, ndim, kind) for i, m in enumerate(items)]
 
     return _build_call(req.session_id, req.epoch, req.request_id, req.return_probs, req.batch_padded,
-                       req.tokens_padded, get_tensor, get_list)
+                       req.tokens_padded, get_tensor, get_list, ipc_from_proto(req))
+
+
+def ipc_from_proto(req):
+    """The request's CudaIpcTensor message, None when unset."""
+    return req.target_hidden_states_ipc if req.HasField(IPC_FIELD) else None
 
 
 def tensor_to_proto(t: torch.Tensor, pb_tensor) -> None:
@@ -211,10 +228,12 @@ def result_to_proto(result: ProposeResult, pb_cls):
 
 
 def call_to_proto(pb_cls, session_id: str, epoch: int, request_id: int, kwargs: dict, *, return_probs=False,
-                  batch_padded=0, tokens_padded=0, accepted_counts=None):
-    """Client side: engine-style kwargs -> ProposeRequest."""
+                  batch_padded=0, tokens_padded=0, accepted_counts=None, hidden_ipc: CudaIpcRef | None = None):
+    """Client side: engine-style kwargs -> ProposeRequest (hidden_ipc instead of kwargs' hidden states)."""
     req = pb_cls(session_id=session_id, epoch=epoch, request_id=request_id, return_probs=bool(return_probs),
                  batch_padded=batch_padded or 0, tokens_padded=tokens_padded or 0)
+    if hidden_ipc is not None:
+        req.target_hidden_states_ipc.CopyFrom(hidden_ipc.to_wire(type(req.target_hidden_states_ipc)))
     for name, value in _flat_fields(kwargs, accepted_counts):
         if isinstance(value, list):
             for t in value:
@@ -259,7 +278,7 @@ def call_from_frames(header: schema.ProposeRequest, frames: list) -> ProposeCall
                 for i, r in enumerate(items)]
 
     return _build_call(header.session_id, header.epoch, header.request_id, header.return_probs,
-                       header.batch_padded, header.tokens_padded, get_tensor, get_list)
+                       header.batch_padded, header.tokens_padded, get_tensor, get_list, header.target_hidden_states_ipc)
 
 
 def tensor_to_frames(t: torch.Tensor, frames: list) -> schema.Tensor:
@@ -287,10 +306,14 @@ def result_to_frames(result: ProposeResult) -> tuple[schema.ProposeResponse, lis
 
 
 def call_to_frames(session_id: str, epoch: int, request_id: int, kwargs: dict, *, return_probs=False,
-                   batch_padded=0, tokens_padded=0, accepted_counts=None) -> tuple[schema.ProposeRequest, list]:
-    """Client side: engine-style kwargs -> (header Struct, tensor frames)."""
+                   batch_padded=0, tokens_padded=0, accepted_counts=None,
+                   hidden_ipc: CudaIpcRef | None = None) -> tuple[schema.ProposeRequest, list]:
+    """Client side: engine-style kwargs -> (header Struct, tensor frames); hidden_ipc instead of the
+    kwargs' hidden states rides in the header (a few hundred bytes: no frame)."""
     frames: list = []
     values = {}
+    if hidden_ipc is not None:
+        values[IPC_FIELD] = hidden_ipc.to_wire(schema.CudaIpcTensor)
     for name, value in _flat_fields(kwargs, accepted_counts):
         if isinstance(value, list):
             values[name] = [tensor_to_frames(t, frames) for t in value]

@@ -334,7 +334,7 @@ class ZmqServer:
             if probe is not None:
                 probe.mark("header_decode")
             call = call_from_frames(req, rest[1:])
-            call.probe = probe
+            call.probe = probes.labelled(probe, call)
             if probe is not None:
                 probe.request_id = call.request_id
                 probe.mark("tensor_decode")
@@ -368,7 +368,7 @@ class ZmqServer:
                 return await self.core.attach(req)
             if method == "Detach":
                 return await self.core.detach(req)
-            return self.core.info()
+            return self.core.info(req)
 
     # ------------------------------------------------------------------ shutdown
     async def close(self, timeout: float = 5.0) -> None:

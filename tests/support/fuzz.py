@@ -18,7 +18,9 @@ import torch
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.service import schema
+from drafter.service.cuda_ref import FIELD as IPC
 from drafter.service.wire import DTYPE_NAMES, DTYPES, LIST_FIELDS, TENSOR_FIELDS, tensor_bytes
+from tests.support.cuda_refs import ref_message
 
 IA, FP, NF = "INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND"
 
@@ -35,6 +37,7 @@ class Ctx:
     max_num_seqs: int  # the session's
     max_tokens: int  # the session's
     hidden_width: int
+    cuda_ipc: bool = False  # whether the server opens CUDA IPC references (never on a CPU server)
 
 
 @dataclass
@@ -47,11 +50,14 @@ class Msg:
     return_probs: bool = False
     batch_padded: int = 0
     tokens_padded: int = 0
+    ipc: dict | None = None  # target_hidden_states_ipc's fields (CudaIpcTensor)
 
     def to_proto(self) -> bytes:
         req = pb.ProposeRequest(session_id=self.session_id, epoch=self.epoch, request_id=self.request_id,
                                 return_probs=self.return_probs, batch_padded=self.batch_padded,
                                 tokens_padded=self.tokens_padded)
+        if self.ipc is not None:
+            req.target_hidden_states_ipc.CopyFrom(pb.CudaIpcTensor(**self.ipc))
         for name, (dt, shape, data) in self.tensors.items():
             t = getattr(req, name)
             t.dtype, t.data = dt, data
@@ -76,6 +82,8 @@ class Msg:
             header[name] = ref(item)
         for name, items in self.lists.items():
             header[name] = [ref(i) for i in items]
+        if self.ipc is not None:
+            header[IPC] = dict(self.ipc)
         return header, frames
 
 
@@ -418,12 +426,61 @@ def kv_shape_bad(msg, rnd, ctx):
     return IA, "slot_mappings[0]"
 
 
+# ------------------------------------------------------------------ CUDA IPC references
+def _ipc_for(msg, rnd) -> dict:
+    """A well-formed reference for the message's hidden states (its handle: random bytes)."""
+    dt, shape, _ = msg.tensors["target_hidden_states"]
+    m = ref_message(*shape, DTYPES[dt], seed=rnd.randrange(256))
+    handle = rnd.choice([bytes(rnd.getrandbits(8) for _ in range(64)), bytes([2, ord("c")]) + bytes(64)])
+    return {**msgspec.structs.asdict(m), "handle": handle}
+
+
+def _unsupported(ctx) -> tuple[str, str]:
+    # a CPU server refuses any well-formed reference (after epoch and session); a GPU server cannot
+    # read the made-up GPU the reference names
+    return IA, (f"{IPC}.device_uuid" if ctx.cuda_ipc else IPC)
+
+
+def ipc_and_bytes(msg, rnd, ctx):
+    msg.ipc = _ipc_for(msg, rnd)
+    return IA, IPC
+
+
+def ipc_instead_of_bytes(msg, rnd, ctx):
+    msg.ipc = _ipc_for(msg, rnd)
+    del msg.tensors["target_hidden_states"]
+    if rnd.random() < 0.3:  # rows that disagree with the call: still the refusal of the reference first
+        msg.ipc["shape"] = [msg.ipc["shape"][0] + 1, msg.ipc["shape"][1]]
+        msg.ipc["storage_size_bytes"] *= 2
+    return _unsupported(ctx)
+
+
+IPC_BREAKS = [  # (field, value); every one makes the reference malformed on its own
+    ("dtype", "int32"), ("dtype", ""), ("shape", [1, 2, 3]), ("shape", [-1, 8]), ("stride", [1, 1]),
+    ("stride", [8]), ("storage_size_bytes", 1), ("storage_offset", 2**40), ("handle", b""), ("handle", bytes(65)),
+    ("handle", bytes([2, ord("e")]) + bytes(64)), ("ref_counter_handle", "/dev/shm/x"),
+    ("ref_counter_handle", ""), ("ref_counter_offset", 10**4), ("ref_counter_offset", 2**63),
+    ("event_handle", bytes(3)), ("step_event_handle", bytes(100)), ("device_uuid", ""),
+]
+
+
+def ipc_malformed(msg, rnd, ctx):
+    msg.ipc = _ipc_for(msg, rnd)
+    del msg.tensors["target_hidden_states"]
+    name, value = rnd.choice(IPC_BREAKS)
+    msg.ipc[name] = value
+    if rnd.random() < 0.3:
+        msg.epoch ^= 1  # the reference is decoded (and refused) before the epoch is looked at
+    return IA, f"{IPC}.{name}"
+
+
 MUTATIONS = [
     bad_dtype, wrong_kind, byte_mismatch, wrong_ndim, negative_dim, missing_required, bad_group_list,
     bad_epoch, unknown_session, empty_batch, too_many_seqs, too_many_tokens, hidden_dtype_mismatch,
     position_out_of_range, seq_len_out_of_range, extra_group, block_id_out_of_range, slot_out_of_range,
     accepted_bad, bad_padded_sizes, token_id_out_of_range, positions_inconsistent, qsl_bad, seq_lens_inconsistent,
     hidden_bad, rejected_bad, sample_index_bad, temperatures_bad, kv_shape_bad,
+    ipc_and_bytes, ipc_instead_of_bytes, ipc_malformed,
 ]
 
 
@@ -444,10 +501,12 @@ WRONG_VALUES = {
     "tensor": [5, "x", [], True, {"dtype": 5}, {"shape": "x"}, {"shape": [1.5]}, {"frame": -1}, {"frame": "0"},
                {"bogus": 1}, {"shape": [0] * 9}],
     "list": ["x", 5, {}, True, [5], ["x"], [{"dtype": []}], [{"shape": {}}]],
+    "ipc": [5, "x", [], True, b"\x00" * 64, {"handle": 5}, {"handle": "x"}, {"shape": "x"}, {"bogus": 1},
+            {"event_sync_required": "yes"}, {"storage_size_bytes": -1}, {"ref_counter_offset": -1}],
 }
 KINDS = {"session_id": "str", "epoch": "int", "request_id": "int", "return_probs": "bool",
          "batch_padded": "u32", "tokens_padded": "u32",
-         **{n: "tensor" for n in TENSOR_FIELDS}, **{n: "list" for n in LIST_FIELDS}}
+         **{n: "tensor" for n in TENSOR_FIELDS}, **{n: "list" for n in LIST_FIELDS}, IPC: "ipc"}
 
 
 def confuse_header(header: dict, rnd: random.Random) -> tuple[dict, str]:

@@ -40,7 +40,10 @@ def _check_type(msg: str, fd, t) -> None:
         assert t.cls.__name__ == fd.message_type.name, f"{where}: {t.cls.__name__} vs {fd.message_type.name}"
         return
     if fd.type == FD.TYPE_BYTES:
-        raise AssertionError(f"{where}: bytes may only appear as Tensor.data")
+        # tensor payloads travel in frames; only CudaIpcTensor's small handles may sit in a header
+        assert msg == "CudaIpcTensor", f"{where}: bytes may only appear as Tensor.data or in CudaIpcTensor"
+        assert isinstance(t, msgspec.inspect.BytesType), f"{where}: bytes in the proto, {t} in msgspec"
+        return
     py, low, high = SCALARS[fd.type]
     expected_type = {int: msgspec.inspect.IntType, str: msgspec.inspect.StrType,
                      bool: msgspec.inspect.BoolType}[py]
