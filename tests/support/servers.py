@@ -32,7 +32,9 @@ class DrafterServer:
                 self.args += ["--" + key.replace("_", "-"), str(value)]
         # the caller's DRAFTER_* only: nothing of this shell's environment leaks into the settings
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTER_")}
-        self.env.update({"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})})
+        # the repo first, then whatever the caller's PYTHONPATH holds (packages a GPU host carries)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        self.env.update({"PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.cwd = cwd
         self.log_path = log_path
         self.events: queue.Queue = queue.Queue()
