@@ -110,12 +110,13 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 
 class HostStager:
-    """One reusable host buffer the engine thread copies a call's hidden states into (pinned for a GPU).
+    """One reusable host buffer the engine thread copies a call's tensors into (pinned for a GPU).
 
-    Pinned memory makes the engine's host-to-device copy an asynchronous DMA instead of a staged
-    pageable copy; it is allocated once (grown geometrically, up to the largest call the engine
-    accepts) and reused by every call: the engine thread runs one call at a time and waits for
-    its drafts on the host before the next, so the GPU has read the buffer by then.
+    Pinned memory is mapped into the GPU's address space: the engine's captured loader reads a
+    staged call in place (no copy launches, no synchronous pageable copies), and a copy from it
+    is an asynchronous DMA.  It is allocated once (grown geometrically, up to the largest call
+    the engine accepts) and reused by every call: the engine thread runs one call at a time and
+    waits for its drafts on the host before the next, so the GPU has read the buffer by then.
     """
 
     def __init__(self, max_bytes: int, pin: bool = True):
@@ -125,16 +126,38 @@ class HostStager:
         self.allocations = 0
 
     def stage(self, t: torch.Tensor) -> torch.Tensor:
-        nbytes = t.numel() * t.element_size()
-        if t.device.type != "cpu" or nbytes == 0 or nbytes > self.max_bytes:
-            return t  # the engine refuses what does not fit; never allocate for it
+        """t alone at the start of the buffer (t itself where it is not a CPU tensor or does not fit)."""
+        return self.stage_call({"t": t})["t"]
+
+    def stage_call(self, kw: dict) -> dict:
+        """kw with every CPU tensor (lists of them too) replaced by a copy in the buffer, each at a
+        64-byte boundary; kw unchanged where it does not fit (the engine refuses such calls anyway)."""
+        tensors = [t for v in kw.values() for t in (v if isinstance(v, list) else [v])
+                   if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+        nbytes = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+        if not tensors or nbytes > self.max_bytes:
+            return kw
         if self.buf is None or self.buf.numel() < nbytes:
             size = min(self.max_bytes, max(nbytes, 2 * (self.buf.numel() if self.buf is not None else 0)))
             self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
             self.allocations += 1
-        dst = self.buf[:nbytes].view(t.dtype).view(t.shape)
-        np.copyto(_bits(dst), _bits(t.detach()))  # numpy's copy: several times torch's copy_ for bf16 here
-        return dst
+        offset = 0
+
+        def place(t):
+            nonlocal offset
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                return t
+            size = t.numel() * t.element_size()
+            dst = self.buf[offset:offset + size].view(t.dtype).view(t.shape)
+            np.copyto(_bits(dst), _bits(t.detach()))  # numpy's copy: several times torch's copy_ for bf16
+            offset += _aligned(size)
+            return dst
+
+        return {k: [place(t) for t in v] if isinstance(v, list) else place(v) for k, v in kw.items()}
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
 
 
 def _default_sample_indices(kw: dict) -> torch.Tensor:  # [batch] int64, the engine's own default
@@ -218,8 +241,11 @@ class EngineRunner:
         limits = getattr(engine, "limits", None)
         self.stager = None
         if device is not None and torch.device(device).type == "cuda" and limits is not None:
-            # sized for the largest call the engine accepts, in the widest hidden dtype a session may send
-            self.stager = HostStager(cfg.max_num_batched_tokens * limits.hidden_width * 4)
+            # sized for the largest call the engine accepts: hidden states in the widest dtype a session
+            # may send, and its int64 metadata (ids, positions, slots; per request rows and block tables)
+            tokens, reqs, groups = cfg.max_num_batched_tokens, cfg.max_num_seqs, len(cfg.kv_groups)
+            ints = 8 * (tokens * (2 + groups) + reqs * 6 + reqs * sum(cfg.max_blocks_per_req)) + 64 * (8 + 2 * groups)
+            self.stager = HostStager(tokens * limits.hidden_width * 4 + ints)
 
     def flush_records(self) -> None:
         records, self.deferred = self.deferred, []
@@ -319,7 +345,7 @@ class EngineRunner:
                 kw, rows = fuse([kw for _, kw in group], [items[i].session.bases for i, _ in group],
                                 self.hidden_dtype)
             if self.stager is not None:
-                kw = {**kw, "target_hidden_states": self.stager.stage(kw["target_hidden_states"])}
+                kw = self.stager.stage_call(kw)
             for c in calls:
                 if c.probe is not None:
                     c.probe.mark("prepare")

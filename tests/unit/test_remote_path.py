@@ -267,6 +267,28 @@ def test_host_stager_copies_exactly_and_reuses_one_buffer():
     assert stager.stage(huge) is huge and stager.buf.numel() <= 1 << 20
 
 
+def test_host_stager_stages_a_whole_call_in_one_buffer():
+    """Every CPU tensor of a call (lists included) lands in the one buffer, 64-byte aligned, equal
+    to the original; GPU tensors and non-tensors pass through; a call too large stays as it was."""
+    stager = HostStager(max_bytes=1 << 16, pin=False)
+    kw = {"target_token_ids": torch.arange(7), "target_hidden_states": torch.randn(7, 16).to(torch.bfloat16),
+          "query_start_loc": torch.tensor([0, 3, 7], dtype=torch.int32), "block_tables": [torch.ones(2, 3).int()] * 2,
+          "slot_mappings": [torch.arange(7), torch.arange(7) + 1], "temperatures": None, "batch_padded": 4}
+    out = stager.stage_call(kw)
+    base, end = stager.buf.data_ptr(), stager.buf.data_ptr() + stager.buf.numel()
+    flat = [(a, b) for k in kw for a, b in (zip(kw[k], out[k]) if isinstance(kw[k], list) else [(kw[k], out[k])])]
+    for orig, staged in flat:
+        if isinstance(orig, torch.Tensor):
+            assert torch.equal(orig, staged) and staged.dtype == orig.dtype
+            assert base <= staged.data_ptr() < end and (staged.data_ptr() - base) % 64 == 0
+        else:
+            assert staged is orig
+    starts = sorted(t.data_ptr() for _, t in flat if isinstance(t, torch.Tensor))
+    assert len(set(starts)) == len(starts), "no two tensors share bytes"
+    big = {"target_hidden_states": torch.zeros(1 << 15, dtype=torch.float32)}  # 128 KiB > 64 KiB
+    assert stager.stage_call(big)["target_hidden_states"] is big["target_hidden_states"]
+
+
 # ------------------------------------------------------------------ the engine thread
 class _FakeRunner:
     """EngineRunner's surface for the Batcher: records each batch (request ids) and answers them."""
@@ -521,6 +543,7 @@ def test_the_runner_stages_hidden_states_and_copies_drafts_to_the_host():
               "slot_mappings": [torch.zeros(rows, dtype=torch.int64)]}
         out = runner.run([Pending(s, ProposeCall("x", 0, rows, kw), concurrent.futures.Future())])[0]
         staged = engine.seen[-1]
-        assert torch.equal(staged, hidden) and staged.data_ptr() == runner.stager.buf.data_ptr()
+        base, size = runner.stager.buf.data_ptr(), runner.stager.buf.numel()
+        assert torch.equal(staged, hidden) and base <= staged.data_ptr() < base + size
         assert out.draft_token_ids.device.type == "cpu" and out.request_id == rows
     assert runner.stager.allocations == 1
