@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -132,8 +133,9 @@ def _sizes(sizes, maximum: int, name: str) -> tuple[int, ...]:
 
 
 def pad_to_capture_size(n: int, sizes: tuple[int, ...]) -> int:
-    """Smallest capture size >= n (sizes are sorted and end at the configured maximum)."""
-    for s in sizes:
-        if s >= n:
-            return s
-    raise ValueError(f"{n} exceeds the largest capture size {sizes[-1]}")
+    """Smallest capture size >= n (sizes are sorted and end at the configured maximum).
+    A binary search in C: this runs twice per propose call."""
+    i = bisect.bisect_left(sizes, n)
+    if i == len(sizes):
+        raise ValueError(f"{n} exceeds the largest capture size {sizes[-1]}")
+    return sizes[i]
