@@ -30,13 +30,15 @@ from drafter.inputs import ProposeInputs
 
 PAD_SLOT = tl.constexpr(PADDING_SLOT_ID)  # globals a kernel reads must be constexpr
 
-# header layout, in int64 words (constexprs: the kernels read them as globals).  Each int
+# header layout, in int64 words (constexprs: the kernels read them as globals).  Each 1-D int
 # tensor is a pair of words: its address, then 1 if int64 (0: int32); an absent optional
 # tensor has address 0.  The output is [B, width] int64, contiguous.
 N, B, OUT, HIDDEN, HIDDEN_KIND, HIDDEN_STRIDE = (tl.constexpr(i) for i in range(6))
 IDS, POS, NEXT, QSL, SEQ, SAMPLE, REJECTED = (tl.constexpr(i) for i in range(6, 20, 2))
-GROUP0, GROUP_WORDS = 20, 6  # per group: slots (address, wide), table (address, wide), table stride, width
-HEADER_WORDS = tl.constexpr(32)  # room for two KV groups
+MAX_GROUPS = 2
+SLOTS = tl.constexpr(20)  # group g's slot mapping: the pair at SLOTS + 2 g
+TABLES, TABLE_WORDS = tl.constexpr(24), tl.constexpr(4)  # group g's block table from TABLES + 4 g: address, wide, row stride, width
+HEADER_WORDS = tl.constexpr(32)
 HIDDEN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _WIDE = {torch.int32: 0, torch.int64: 1}
 
@@ -66,7 +68,7 @@ def _field(hdr_ptr, w, offs, mask, other):
 @triton.jit
 def load_inputs_kernel(
     hdr_ptr,  # [header words] int64
-    group_word,  # first header word of this KV group
+    group,  # which KV group
     input_ids_ptr, positions_ptr, qsl_ptr, seq_lens_ptr, sample_ptr,  # static buffers (COMMON only)
     slots_ptr,  # [max_tokens] int64: this group's slot mapping
     table_ptr, stride_t, width,  # [max_batch, width] int32: this group's block table
@@ -89,19 +91,20 @@ def load_inputs_kernel(
         # nothing), so the rest of the table keeps stale ids rather than costing a fill per call;
         # small [TABLE_ROWS, BLOCK_W] tiles keep the int64 entries in registers
         cols = (col_block - 1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        col_ok = (cols < _word(hdr_ptr, group_word + 5)) & (cols < width)
-        stride_in = _word(hdr_ptr, group_word + 4)
+        table_word = TABLES + TABLE_WORDS * group
+        col_ok = (cols < _word(hdr_ptr, table_word + 3)) & (cols < width)
+        stride_in = _word(hdr_ptr, table_word + 2)
         for r0 in range(pid * BLOCK, tl.minimum((pid + 1) * BLOCK, b), TABLE_ROWS):
             trows = r0 + tl.arange(0, TABLE_ROWS)
             ok = (trows < b)[:, None] & col_ok[None, :]
-            entry = _field(hdr_ptr, group_word + 2, trows[:, None] * stride_in + cols[None, :], ok, 0)
+            entry = _field(hdr_ptr, table_word, trows[:, None] * stride_in + cols[None, :], ok, 0)
             tl.store(table_ptr + trows[:, None] * stride_t + cols[None, :], entry.to(tl.int32), mask=ok)
         return
 
     # ---- per token row, up to the padded token count
     tok_ok = rows < num_tokens
     live = rows < n
-    slots = _field(hdr_ptr, group_word, rows, live, PAD_SLOT)
+    slots = _field(hdr_ptr, SLOTS + 2 * group, rows, live, PAD_SLOT)
     tl.store(slots_ptr + rows, slots, mask=tok_ok)
     if COMMON:
         pos = _field(hdr_ptr, POS, rows, live, 0)
@@ -165,7 +168,7 @@ def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> No
     rows = triton.cdiv(max(num_tokens, num_reqs + 1), block)
     for g, table in enumerate(buf.block_tables):
         load_inputs_kernel[(rows, 1 + triton.cdiv(table.shape[1], block_w))](
-            header, GROUP0 + GROUP_WORDS * g,
+            header, g,
             buf.input_ids, buf.positions, buf.query_start_loc, buf.seq_lens, buf.sample_indices,
             buf.slot_mappings[g], table, table.stride(0), table.shape[1],
             num_tokens, num_reqs,
@@ -193,15 +196,16 @@ class InputHeader:
     one packed write into the header's memory."""
 
     def __init__(self, num_groups: int, device):
-        words = GROUP0 + GROUP_WORDS * num_groups
-        if words > HEADER_WORDS:
-            raise ValueError(f"the input header holds {(int(HEADER_WORDS) - GROUP0) // GROUP_WORDS} KV groups")
+        if num_groups > MAX_GROUPS:
+            raise ValueError(f"the input header holds {MAX_GROUPS} KV groups")
         mapped = torch.device(device).type == "cuda"
         self.host = torch.zeros(int(HEADER_WORDS), dtype=torch.int64, pin_memory=mapped)  # [header words]
         self.words = self.host.numpy()
         self.device = self.host if mapped else torch.zeros(int(HEADER_WORDS), dtype=torch.int64, device=device)
         self.read_event = torch.cuda.Event() if mapped else None
         self._pending = False
+        self._unused_slots = (0, 0) * (MAX_GROUPS - num_groups)  # keeps the tables at word TABLES
+        words = int(TABLES) + int(TABLE_WORDS) * num_groups
         self._pack = struct.Struct(f"={words}q").pack_into  # native int64s, the tensor's own layout
         self.inputs: tuple = ()  # the call's tensors (and any converted copies) stay referenced until the next
 
@@ -215,14 +219,27 @@ class InputHeader:
         """Describe `inp` (tensors on the buffers' device) and `out` ([batch, width] int64, where the
         drafts go) and make the header visible to the device."""
         converted: list[torch.Tensor] = []
-        words = [inp.target_token_ids.shape[0], out.shape[0], out.data_ptr()]
-        words += _hidden_words(inp.target_hidden_states, converted)
+        hidden = inp.target_hidden_states
+        kind, stride = HIDDEN_KINDS.get(hidden.dtype), hidden.stride()
+        if kind is None or stride[1] != 1:
+            hidden, kind, stride = _readable_hidden(hidden, converted)
+        words = [inp.target_token_ids.shape[0], out.shape[0], out.data_ptr(), hidden.data_ptr(), kind, stride[0]]
+        # one loop, no call per tensor: this runs for ~9 tensors on every propose
         for t in (inp.target_token_ids, inp.target_positions, inp.next_token_ids, inp.query_start_loc,
-                  inp.seq_lens, inp.token_indices_to_sample, inp.num_rejected_tokens):
-            words += _int_ref(t, converted)
-        for table, slots in zip(inp.block_tables, inp.slot_mappings):  # from word GROUP0 on
-            words += _int_ref(slots, converted)
-            words += _table_words(table, converted)
+                  inp.seq_lens, inp.token_indices_to_sample, inp.num_rejected_tokens, *inp.slot_mappings):
+            if t is None:
+                words += (0, 0)
+                continue
+            wide = _WIDE.get(t.dtype)
+            if wide is None or not t.is_contiguous():
+                t, wide = _readable_ints(t, converted)
+            words += (t.data_ptr(), wide)
+        words += self._unused_slots
+        for table in inp.block_tables:
+            wide, stride = _WIDE.get(table.dtype), table.stride()
+            if wide is None or stride[1] != 1:
+                table, wide, stride = _readable_table(table, converted)
+            words += (table.data_ptr(), wide, stride[0], table.shape[1])
         if self._pending:
             self.read_event.synchronize()  # the previous call's graphs are done with the words
             self._pending = False
@@ -232,36 +249,24 @@ class InputHeader:
             self.device.copy_(self.host)
 
 
-def _int_ref(t: torch.Tensor | None, converted: list) -> tuple[int, int]:
-    """(address, 1 if int64) of a 1-D int tensor the kernels index as ptr + i; (0, 0) for None.
-    Another dtype or a strided view is converted (and kept in `converted` until the next call)."""
-    if t is None:
-        return 0, 0
-    wide = _WIDE.get(t.dtype)
-    if wide is None or not t.is_contiguous():
-        t = (t if wide is not None else t.long()).contiguous()
-        converted.append(t)
-        wide = _WIDE[t.dtype]
-    return t.data_ptr(), wide
+# What the kernels cannot index as they are is converted (rare: validate() admits int32 / int64
+# and float16 / bfloat16 / float32 of any layout); the copies stay referenced until the next call.
+def _readable_ints(t: torch.Tensor, converted: list) -> tuple[torch.Tensor, int]:
+    """A 1-D int tensor [n] the kernels index as ptr + i, and 1 if it is int64."""
+    t = (t if t.dtype in _WIDE else t.long()).contiguous()
+    converted.append(t)
+    return t, _WIDE[t.dtype]
 
 
-def _hidden_words(hidden: torch.Tensor, converted: list) -> tuple[int, int, int]:
-    """(address, dtype kind, row stride) of the hidden states [num_tokens, width] float; rows
-    must be contiguous in a dtype the loader reads, or they are converted to float32."""
-    kind, stride = HIDDEN_KINDS.get(hidden.dtype), hidden.stride()
-    if kind is None or stride[1] != 1:
-        hidden = hidden.float().contiguous()
-        converted.append(hidden)
-        kind, stride = HIDDEN_KINDS[torch.float32], hidden.stride()
-    return hidden.data_ptr(), kind, stride[0]
+def _readable_hidden(hidden: torch.Tensor, converted: list) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """Hidden states [num_tokens, width] with contiguous rows in a dtype the loader reads."""
+    hidden = hidden.float().contiguous()
+    converted.append(hidden)
+    return hidden, HIDDEN_KINDS[torch.float32], hidden.stride()
 
 
-def _table_words(table: torch.Tensor, converted: list) -> tuple[int, int, int, int]:
-    """(address, 1 if int64, row stride, width) of a block table [batch, width] int; rows must
-    be contiguous, or the table is converted."""
-    wide, stride = _WIDE.get(table.dtype), table.stride()
-    if wide is None or stride[1] != 1:
-        table = (table if wide is not None else table.long()).contiguous()
-        converted.append(table)
-        wide, stride = _WIDE[table.dtype], table.stride()
-    return table.data_ptr(), wide, stride[0], table.shape[1]
+def _readable_table(table: torch.Tensor, converted: list) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """A block table [batch, width] int with contiguous rows, and 1 if it is int64."""
+    table = (table if table.dtype in _WIDE else table.long()).contiguous()
+    converted.append(table)
+    return table, _WIDE[table.dtype], table.stride()
