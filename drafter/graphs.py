@@ -100,8 +100,10 @@ class GraphRunner:
 
     def _capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         if self.emulate:
-            fn()
-            return fn
+            # a "replay" runs the torch ops again: outside inference mode they would record autograd
+            replay = torch.inference_mode()(fn)
+            replay()
+            return replay
         # warm up on a side stream first: Triton compiles and cuBLAS picks its kernels outside capture
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

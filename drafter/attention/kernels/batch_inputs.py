@@ -37,7 +37,8 @@ N, B, OUT, HIDDEN, HIDDEN_KIND, HIDDEN_STRIDE = (tl.constexpr(i) for i in range(
 IDS, POS, NEXT, QSL, SEQ, SAMPLE, REJECTED = (tl.constexpr(i) for i in range(6, 20, 2))
 MAX_GROUPS = 2
 SLOTS = tl.constexpr(20)  # group g's slot mapping: the pair at SLOTS + 2 g
-TABLES, TABLE_WORDS = tl.constexpr(24), tl.constexpr(4)  # group g's block table from TABLES + 4 g: address, wide, row stride, width
+# group g's block table from word TABLES + 4 g: address, wide, row stride, width
+TABLES, TABLE_WORDS = tl.constexpr(24), tl.constexpr(4)
 HEADER_WORDS = tl.constexpr(32)
 HIDDEN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _WIDE = {torch.int32: 0, torch.int64: 1}
