@@ -10,7 +10,7 @@ mkdir -p "$OUT"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_step_kernels.py \
-    tests/unit/test_triton_kernels.py tests/unit/test_attention_split_combine.py > "$OUT/gpu_tests.txt" 2>&1
+    tests/unit/test_triton_kernels.py tests/unit/test_graph_runner.py > "$OUT/gpu_tests.txt" 2>&1
   grep -E "FAILED|passed|failed" "$OUT/gpu_tests.txt" | tail -6
 fi
 timeout "${BENCH_TIMEOUT:-400}" python3 -m drafter.bench --out "$OUT/bench" --heads "${HEAD:-eagle3-8b}" \

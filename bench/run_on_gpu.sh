@@ -18,7 +18,7 @@ mkdir -p "$TRITON_CACHE_DIR"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_triton_kernels.py \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_triton_kernels.py tests/unit/test_graph_runner.py \
     2>&1 | tee "$OUT/gpu_tests.log" | tail -8
 fi
 timeout "${BENCH_TIMEOUT:-420}" python3 -m drafter.bench --out "$OUT/bench" "$@" 2>&1 | tee "$OUT/bench_stdout.log" \

@@ -176,19 +176,24 @@ def test_decode_size_pairs_follow_the_padded_decode_call():
 
 # ---------------------------------------------------------------------- header rewrite safety
 class _ReadEvent:
-    """Stands in for the CUDA event: logs record / synchronize, and checks that the header
-    still holds the words the graphs read when the host waits to rewrite them."""
+    """Stands in for the header's event: logs record / synchronize, and checks that the header
+    still holds the words the graphs read when the host waits to rewrite them.  On a GPU it
+    also records and waits on the real event, so the calls stay safe."""
 
     def __init__(self, header, log):
-        self.header, self.log = header, log
+        self.header, self.log, self.inner = header, log, header.read_event
         self.words_read = None
 
     def record(self):
+        if self.inner is not None:
+            self.inner.record()
         self.log.append("record")
         self.words_read = self.header.host.clone()
 
     def synchronize(self):
         assert torch.equal(self.header.host, self.words_read), "header rewritten before the graphs were done"
+        if self.inner is not None:
+            self.inner.synchronize()
         self.log.append("wait")
 
 
