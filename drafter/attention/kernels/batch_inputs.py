@@ -216,9 +216,9 @@ class InputHeader:
             self.read_event.record()
             self._pending = True
 
-    def write(self, inp: ProposeInputs, out: torch.Tensor) -> None:
-        """Describe `inp` (tensors on the buffers' device) and `out` ([batch, width] int64, where the
-        drafts go) and make the header visible to the device."""
+    def write(self, inp: ProposeInputs, out: torch.Tensor) -> None:  # out: [batch, width] int64
+        """Describe `inp` (tensors on the buffers' device) and `out` (where the drafts go) and make
+        the header visible to the device."""
         converted: list[torch.Tensor] = []
         hidden = inp.target_hidden_states
         kind, stride = HIDDEN_KINDS.get(hidden.dtype), hidden.stride()
@@ -252,22 +252,24 @@ class InputHeader:
 
 # What the kernels cannot index as they are is converted (rare: validate() admits int32 / int64
 # and float16 / bfloat16 / float32 of any layout); the copies stay referenced until the next call.
-def _readable_ints(t: torch.Tensor, converted: list) -> tuple[torch.Tensor, int]:
-    """A 1-D int tensor [n] the kernels index as ptr + i, and 1 if it is int64."""
+def _readable_ints(t: torch.Tensor, converted: list) -> tuple[torch.Tensor, int]:  # t: [n]
+    """A 1-D int tensor the kernels index as ptr + i, and 1 if it is int64."""
     t = (t if t.dtype in _WIDE else t.long()).contiguous()
     converted.append(t)
     return t, _WIDE[t.dtype]
 
 
-def _readable_hidden(hidden: torch.Tensor, converted: list) -> tuple[torch.Tensor, int, tuple[int, ...]]:
-    """Hidden states [num_tokens, width] with contiguous rows in a dtype the loader reads."""
+def _readable_hidden(hidden: torch.Tensor,  # [num_tokens, width] float
+                     converted: list) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """The hidden states with contiguous rows in a dtype the loader reads."""
     hidden = hidden.float().contiguous()
     converted.append(hidden)
     return hidden, HIDDEN_KINDS[torch.float32], hidden.stride()
 
 
-def _readable_table(table: torch.Tensor, converted: list) -> tuple[torch.Tensor, int, tuple[int, ...]]:
-    """A block table [batch, width] int with contiguous rows, and 1 if it is int64."""
+def _readable_table(table: torch.Tensor,  # [batch, width] int
+                    converted: list) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """The block table with contiguous rows, and 1 if it is int64."""
     table = (table if table.dtype in _WIDE else table.long()).contiguous()
     converted.append(table)
     return table, _WIDE[table.dtype], table.stride()

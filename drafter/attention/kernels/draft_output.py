@@ -32,9 +32,11 @@ def store_drafts_kernel(
     tl.store(out + rows[:, None] * width + cols[None, :], ids, mask=ok)
 
 
-def store_drafts(header: torch.Tensor, drafts: torch.Tensor) -> None:
-    """Queue the store of the real rows of `drafts` into the output the header names.
-    header: [header words] int64 on the drafts' device; drafts: [batch_padded, width] int64."""
+def store_drafts(
+    header: torch.Tensor,  # [header words] int64, where the drafts' device reads it
+    drafts: torch.Tensor,  # [batch_padded, width] int64
+) -> None:
+    """Queue the store of the real rows of `drafts` into the output the header names."""
     rows, width = drafts.shape
     if drafts.stride(1) != 1:
         drafts = drafts.contiguous()
