@@ -21,8 +21,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_triton_kernels.py \
-    tests/unit/test_step_kernels.py > "$OUT/gpu_tests.txt" 2>&1
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_triton_kernels.py \
+    tests/unit/test_step_kernels.py tests/unit/test_graph_runner.py > "$OUT/gpu_tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -8
 fi
 timeout "${BENCH_TIMEOUT:-420}" python3 -m drafter.bench --out "$OUT" "$@" > "$OUT/bench_log.txt" 2>&1

@@ -6,11 +6,16 @@ Heads with the shapes of an EAGLE-3 for Llama-3.1-8B and of an 8B EAGLE-1, rando
 built on the GPU (no checkpoint is written).  For each head, k, context length and batch size
 it times a steady-state propose call (every request verified k+1 tokens, all accepted):
 
-  propose_us   the call without input validation (load + first pass + draft loop), device
+  propose_us   the trusted in-process call, engine.propose(..., validate=False) with GPU
+               inputs (load + first pass + draft loop + drafts into a fresh tensor), device
                time from the call's start to its end, eager and with graphs
   first_us     the first-pass graph alone, replays back to back
   loop_us      the draft-loop graph alone (sampling of step 0 + k-1 decode steps)
-  host_us      host time of the graph-replayed call (it returns before the GPU is done)
+  combined_us  the combined graph (first pass + loop, what a decode call replays), if captured
+  host_us      host time of that whole public call, output included (it returns before the
+               GPU is done): what a trusted in-process caller (vLLM's proposer) pays per step
+  host_validate_us  the same with validate=True (the default; the service's path): host-side
+               checks of GPU inputs, i.e. a device sync and a dozen small copies per call
 
 and the floor: bytes of weights and KV each step must read / the device-to-device copy
 bandwidth measured at the start of the same run (bytes read + written per second).
@@ -35,7 +40,7 @@ from pathlib import Path
 import torch
 
 from drafter.config import EngineConfig, KVGroupSpec
-from drafter.inputs import ProposeInputs, validate
+from drafter.inputs import ProposeInputs
 from drafter.models.heads import HEADS
 from drafter.models.layers import LayerShape
 from drafter.models.spec import ModelSpec
@@ -207,6 +212,11 @@ def decode_call(batch: int, k: int, ctx: int, num_blocks: int, vocab: int, width
     )
 
 
+def on_device(call: dict, device) -> dict:
+    """A call's propose() keywords with every tensor on `device` (what an in-process caller passes)."""
+    return {k: ([t.to(device) for t in v] if isinstance(v, list) else v.to(device)) for k, v in call.items()}
+
+
 def as_inputs(call: dict, device=None) -> ProposeInputs:
     def mv(t):
         return t if device is None else t.to(device)
@@ -245,21 +255,20 @@ def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts
     runner = engine.graphs
     for ctx in contexts:
         for b in batches:
-            call = steady_state_call(engine, b, ctx, seed=b * 7 + ctx)
-            inp_gpu = as_inputs(call, engine.device)
+            call = on_device(steady_state_call(engine, b, ctx, seed=b * 7 + ctx), engine.device)
             t_pad = b * (k + 1)
             row = dict(head=head_name, k=k, ctx=ctx, batch=b)
             with torch.inference_mode():
-                engine.propose(**{kk: ([t.to(engine.device) for t in v] if isinstance(v, list) else v.to(engine.device))
-                                  for kk, v in call.items()})  # validates the call once
-                graph_call = lambda: engine._propose_validated(inp_gpu, False, False, None, None)  # noqa: E731
+                engine.propose(**call)  # validates the call once
+                graph_call = lambda: engine.propose(**call, validate=False)  # noqa: E731
                 row["propose_us"] = statistics.median(time_events(graph_call, iters))
                 row["first_us"] = statistics.median(time_events(runner.first_graphs[t_pad], iters, sync_each=False))
                 row["loop_us"] = statistics.median(time_events(runner.loop_graphs[b], iters, sync_each=False))
+                combined = runner.combined_graphs.get((t_pad, b))
+                if combined is not None:
+                    row["combined_us"] = statistics.median(time_events(combined, iters, sync_each=False))
                 row["host_us"] = statistics.median(time_host(graph_call, 5 * iters))
-                if b in (1, 16, 64) and ctx == contexts[0]:
-                    inp_cpu = as_inputs(call)
-                    row["host_validate_us"] = statistics.median(time_host(lambda: validate(inp_cpu, engine.limits), 5))
+                row["host_validate_us"] = statistics.median(time_host(lambda: engine.propose(**call), iters))
                 if eager:
                     graphs, engine.graphs = engine.graphs, None
                     try:
@@ -286,37 +295,68 @@ def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts
 def fmt_row(r: dict) -> str:
     eager = f"{r['eager_propose_us']:9.0f}" if "eager_propose_us" in r else f"{'-':>9}"
     loop = f"{r['ratio_loop']:5.2f}" if "ratio_loop" in r else f"{'-':>5}"
+    combined = f"{r['combined_us']:7.0f}" if "combined_us" in r else f"{'-':>7}"
     return (f"{r['head']:10} k={r['k']} ctx={r['ctx']:5} b={r['batch']:3} | propose graph {r['propose_us']:8.0f} us"
-            f" eager {eager} us | first {r['first_us']:7.0f} loop {r['loop_us']:7.0f} | floor {r['floor_propose_us']:7.0f}"
+            f" eager {eager} us | first {r['first_us']:7.0f} loop {r['loop_us']:7.0f} combined {combined}"
+            f" | floor {r['floor_propose_us']:7.0f}"
             f" | ratio propose {r['ratio_propose']:5.2f} device {r['ratio_device']:5.2f} loop {loop}"
             f" roofline {r['ratio_roofline']:5.2f}"
-            f" | host {r['host_us']:5.0f} us")
+            f" | host {r['host_us']:5.0f} us (validated {r['host_validate_us']:5.0f})")
 
 
 # ---------------------------------------------------------------------- host time
 def host_breakdown(engine, call: dict, iters: int = 50) -> dict:
-    """Host microseconds of each part of a graph-replayed propose (median), and the top of a
-    cProfile of the whole call: where the host time goes."""
+    """Host microseconds (median) of a trusted graph-replayed propose, engine.propose(...,
+    validate=False) with GPU inputs, and of each part of it, and the top of a cProfile of the
+    whole call: where the host time goes.  rest_us is what the parts leave unexplained
+    (keyword parsing, the path's branches, attribute lookups)."""
     import cProfile
     import io
     import pstats
 
-    from drafter.graphs import on_device
+    from drafter.engine import DraftOutput
+    from drafter.graphs import on_device as inputs_on_device
+    from drafter.inputs import as_group_list
 
     runner = engine.graphs
+    kw = on_device(call, engine.device)
     inp = as_inputs(call, engine.device)
     b_pad, t_pad = engine._padded_sizes(inp, None, None)
-    out = {}
+    out = runner.new_output(inp.batch_size)
+    combined = runner.combined_graphs.get((t_pad, b_pad))
+    groups = len(engine.config.kv_groups)
+
+    def build_inputs():
+        return ProposeInputs(kw["target_token_ids"], kw["target_positions"], kw["target_hidden_states"],
+                             kw["next_token_ids"], kw["query_start_loc"], kw["seq_lens"],
+                             as_group_list("block_tables", kw["block_tables"], groups),
+                             as_group_list("slot_mappings", kw["slot_mappings"], groups),
+                             None, kw["num_rejected_tokens"], None)
+
+    def med(fn):
+        return statistics.median(time_host(fn, iters))
+
+    out_us = {}
     with torch.inference_mode():
-        whole = lambda: engine._propose_validated(inp, False, False, None, None)  # noqa: E731
-        out["propose_us"] = statistics.median(time_host(whole, iters))
-        out["header_us"] = statistics.median(time_host(lambda: runner.header.write(on_device(inp, engine.device)),
-                                                        iters))
-        out["first_replay_us"] = statistics.median(time_host(runner.first_graphs[t_pad], iters))
-        out["loop_replay_us"] = statistics.median(time_host(runner.loop_graphs[b_pad], iters))
-        out["padded_sizes_us"] = statistics.median(time_host(lambda: engine._padded_sizes(inp, None, None), iters))
-        ids = runner.drafts[:b_pad]
-        out["clone_us"] = statistics.median(time_host(lambda: ids[: inp.batch_size].clone(), iters))
+        whole = lambda: engine.propose(**kw, validate=False)  # noqa: E731
+        out_us["propose_us"] = med(whole)
+        parts = {
+            "propose_inputs_us": build_inputs,
+            "padded_sizes_us": lambda: engine._padded_sizes(inp, None, None),
+            "on_device_us": lambda: inputs_on_device(inp, engine.device),
+            "output_alloc_us": lambda: runner.new_output(inp.batch_size),
+            "header_us": lambda: runner.header.write(inp, out),
+            "replay_us": combined if combined is not None else (
+                lambda: (runner.first_graphs[t_pad](), runner.loop_graphs[b_pad]())),
+            "event_record_us": runner.header.loaded,
+            "draft_output_us": lambda: DraftOutput(out, None, b_pad, t_pad),
+        }
+        out_us.update({name: med(fn) for name, fn in parts.items()})
+        out_us["rest_us"] = out_us["propose_us"] - sum(out_us[name] for name in parts)
+        out_us["first_replay_us"] = med(runner.first_graphs[t_pad])
+        out_us["loop_replay_us"] = med(runner.loop_graphs[b_pad])
+        out_us["validated_propose_us"] = med(lambda: engine.propose(**kw))
+        out_us["combined_graph"] = combined is not None
         prof = cProfile.Profile()
         for _ in range(200):
             torch.cuda.synchronize()  # outside the profile: the host part of each call alone
@@ -326,8 +366,8 @@ def host_breakdown(engine, call: dict, iters: int = 50) -> dict:
         torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
-    out["cprofile_top"] = text.getvalue().splitlines()[-20:]
-    return out
+    out_us["cprofile_top"] = text.getvalue().splitlines()[-20:]
+    return out_us
 
 
 def attention_sweep(device, contexts, batches, bw: float, log) -> list[dict]:

@@ -15,7 +15,8 @@ import torch
 from drafter.attention import ReferenceBackend
 from drafter.buffers import StaticBuffers
 from drafter.config import EngineConfig, pad_to_capture_size
-from drafter.inputs import InvalidInput, Limits, ProposeInputs, as_group_list, validate
+from drafter.inputs import InvalidInput, Limits, ProposeInputs, as_group_list
+from drafter.inputs import validate as check_inputs
 from drafter.kv_cache import HiddenStateStore, PagedKVCache
 from drafter.models.loader import load_head
 from drafter.models.spec import ModelSpec, parse_head, read_config
@@ -93,7 +94,6 @@ class DraftEngine:
         return cls(head, head.spec, config)
 
     # ------------------------------------------------------------------ propose
-    @torch.inference_mode()
     def propose(
         self,
         *,
@@ -112,13 +112,20 @@ class DraftEngine:
         return_logits: bool = False,
         batch_padded: int | None = None,  # agreed across DP ranks; None = next capture size
         tokens_padded: int | None = None,
+        validate: bool = True,
     ) -> DraftOutput:
+        """Draft for one batch.  validate=True (the default, and what the service does) checks every
+        tensor on the host first (drafter.inputs.validate), which for GPU-resident inputs means a
+        device sync and a dozen small copies per call.  validate=False is for a trusted in-process
+        caller: inputs already checked by the target engine (the shapes, dtypes and ranges that
+        validate() accepts); a malformed call then reads or writes the KV pool out of range."""
         groups = len(self.config.kv_groups)
         inp = ProposeInputs(
             target_token_ids, target_positions, target_hidden_states, next_token_ids, query_start_loc, seq_lens,
             as_group_list("block_tables", block_tables, groups), as_group_list("slot_mappings", slot_mappings, groups),
             token_indices_to_sample, num_rejected_tokens, temperatures)
-        validate(inp, self.limits)
+        if validate:
+            check_inputs(inp, self.limits)
         if self.config.method == "extract_hidden_states":
             return self._extract(inp)
         if num_rejected_tokens is not None and not self.config.padded_drafter_batch:
@@ -127,21 +134,27 @@ class DraftEngine:
 
     def _padded_sizes(self, inp: ProposeInputs, batch_padded, tokens_padded) -> tuple[int, int]:
         c = self.config
-        b = pad_to_capture_size(inp.batch_size, c.capture_sizes) if batch_padded is None else batch_padded
-        t = pad_to_capture_size(inp.num_tokens, c.token_capture_sizes) if tokens_padded is None else tokens_padded
-        if not inp.batch_size <= b <= c.capture_sizes[-1]:
-            raise InvalidInput("batch_padded", f"{b} must lie in [batch={inp.batch_size}, {c.capture_sizes[-1]}]")
-        if not inp.num_tokens <= t <= c.token_capture_sizes[-1]:
-            raise InvalidInput("tokens_padded",
-                               f"{t} must lie in [num_tokens={inp.num_tokens}, {c.token_capture_sizes[-1]}]")
+        batch, tokens = inp.next_token_ids.shape[0], inp.target_token_ids.shape[0]
+        b = pad_to_capture_size(batch, c.capture_sizes) if batch_padded is None else batch_padded
+        t = pad_to_capture_size(tokens, c.token_capture_sizes) if tokens_padded is None else tokens_padded
+        if not batch <= b <= c.capture_sizes[-1]:
+            raise InvalidInput("batch_padded", f"{b} must lie in [batch={batch}, {c.capture_sizes[-1]}]")
+        if not tokens <= t <= c.token_capture_sizes[-1]:
+            raise InvalidInput("tokens_padded", f"{t} must lie in [num_tokens={tokens}, {c.token_capture_sizes[-1]}]")
         return b, t
 
     def _propose_validated(self, inp: ProposeInputs, return_probs: bool, return_logits: bool, batch_padded,
                            tokens_padded):
         b_pad, t_pad = self._padded_sizes(inp, batch_padded, tokens_padded)
-        if self.graphs is not None and self.graphs.handles(inp, b_pad, t_pad, return_probs, return_logits):
-            ids = self.graphs.run(inp, t_pad, b_pad)
-            return DraftOutput(ids[: inp.batch_size].clone(), None, b_pad, t_pad)
+        graphs = self.graphs
+        if graphs is not None and graphs.handles(inp, b_pad, t_pad, return_probs, return_logits):
+            # no inference_mode here: replays record no autograd, and entering it costs host time
+            return DraftOutput(graphs.run(inp, t_pad, b_pad), None, b_pad, t_pad)
+        return self._propose_eager(inp, return_probs, return_logits, b_pad, t_pad)
+
+    @torch.inference_mode()
+    def _propose_eager(self, inp: ProposeInputs, return_probs: bool, return_logits: bool, b_pad: int,
+                       t_pad: int) -> DraftOutput:
         buf = self.buffers
         buf.load(inp, t_pad, b_pad)
         first = self.proposer.first_pass(buf, t_pad, b_pad)
@@ -164,6 +177,7 @@ class DraftEngine:
         full[..., target_ids] = probs
         return full
 
+    @torch.inference_mode()
     def _extract(self, inp: ProposeInputs) -> DraftOutput:
         """extract_hidden_states: store every token's aux states; the 'draft' is the sampled token."""
         self.store.write(inp.target_hidden_states.to(self.device), inp.slot_mappings[0].to(self.device).long())

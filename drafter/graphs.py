@@ -1,20 +1,27 @@
-"""CUDA graphs for the draft engine: one first-pass graph per token capture size and one graph
-of the whole draft loop (chain or tree) per batch capture size.
+"""CUDA graphs for the draft engine: one first-pass graph per token capture size, one graph
+of the whole draft loop (chain or tree) per batch capture size, and, for the sizes a decode
+step uses, one graph of both.
 
     runner = GraphRunner(engine)      # engine: a DraftEngine on CUDA with the Triton backend
     runner.capture()                  # optional: done by the first run() otherwise
-    ids = runner.run(inp, t_pad, b_pad)   # [b_pad, k] int64, a view of a static buffer
+    ids = runner.run(inp, t_pad, b_pad)   # [batch, k | nodes] int64, a fresh tensor
 
-Both graphs read only the engine's StaticBuffers and a few static hand-off tensors, so one
-replay serves any batch padded to its size:
+The graphs read only the engine's StaticBuffers, a few static hand-off tensors and the call's
+header (batch_inputs.InputHeader), so one replay serves any batch padded to its size:
   * the first pass over t tokens runs with attention metadata for min(t, largest batch) requests
     (a batch never has more requests than tokens); the requests past the call's batch have
     query length 0 and seq_len 0 and read nothing; that keys its graph by token count alone;
-  * its sampled rows are copied into static tensors that the loop graph reads;
+  * its sampled rows are copied into static tensors that the loop reads;
   * padded rows have slot -1 and seq_len 0 in the buffers: they write and read nothing;
-  * the loop decides which rows are live from the buffers (seq_len > 0), never from a host int.
-Graphs are captured largest first into one shared memory pool: only one graph runs at a time,
-so their intermediates may share memory; what must outlive a replay lives outside the pool.
+  * the loop decides which rows are live from the buffers (seq_len > 0), never from a host int;
+  * the loop's last kernel stores the real rows of the drafts into the output tensor the host
+    allocated for the call (its address is in the header): no static drafts buffer, no clone.
+A decode call of b' requests with q = width + 1 tokens each (the padded drafter batch: k + 1 for
+a chain) pads to one (tokens, batch) pair; for each such pair a combined graph (first pass + loop)
+makes the call one replay instead of two.  Other calls (a prefill, the unpadded path) replay the
+two graphs.  Graphs are captured largest first into one shared memory pool: only one graph runs
+at a time, so their intermediates may share memory; what must outlive a replay lives outside
+the pool.
 
 Greedy drafting only: a call with temperatures, or asking for probabilities or logits, runs
 eagerly, as does a call above the largest size captured.
@@ -30,13 +37,18 @@ from typing import Callable
 import torch
 
 from drafter.attention.kernels.batch_inputs import InputHeader, load_inputs
+from drafter.attention.kernels.draft_output import store_drafts
 from drafter.attention.metadata import PADDING_SLOT_ID
+from drafter.config import pad_to_capture_size
 from drafter.inputs import ProposeInputs
 
 
 class GraphRunner:
-    def __init__(self, engine, max_batch: int | None = None, max_tokens: int | None = None, emulate: bool = False):
-        """max_batch / max_tokens: capture only sizes up to these (larger calls run eagerly)."""
+    def __init__(self, engine, max_batch: int | None = None, max_tokens: int | None = None, emulate: bool = False,
+                 combined: bool | None = None):
+        """max_batch / max_tokens: capture only sizes up to these (larger calls run eagerly).
+        combined: also capture first pass + loop as one graph per decode-step size pair
+        (default: the engine's config.combined_graphs)."""
         cfg = engine.config
         self.engine = engine
         self.emulate = emulate
@@ -44,21 +56,26 @@ class GraphRunner:
         self.token_sizes = [s for s in cfg.token_capture_sizes if max_tokens is None or s <= max_tokens]
         # the first pass always runs with metadata for the buffers' full batch (see module doc)
         self.meta_batch = cfg.capture_sizes[-1]
-        dev, dtype = engine.device, cfg.torch_dtype
+        self.device = engine.buffers.input_ids.device
+        dtype = cfg.torch_dtype
         h = engine.spec.hidden_size
-        width = cfg.num_tree_nodes or cfg.num_speculative_tokens
-        # hand-off from the first-pass graph to the loop graph, outside the graph pool
-        self.first_logit_h = torch.zeros(self.meta_batch, h, dtype=dtype, device=dev)  # [max_batch, hidden]
-        self.first_carry_h = torch.zeros(self.meta_batch, h, dtype=dtype, device=dev)  # [max_batch, hidden]
-        self.first_pos = torch.zeros(self.meta_batch, dtype=torch.long, device=dev)  # [max_batch]
-        self.drafts = torch.zeros(self.meta_batch, width, dtype=torch.long, device=dev)  # [max_batch, k | nodes]
-        # the call's sizes and tensor addresses, read by the loader captured in each first-pass graph
-        self.header = InputHeader(len(engine.buffers.block_tables), engine.buffers.input_ids.device)
+        self.width = cfg.num_tree_nodes or cfg.num_speculative_tokens  # drafts per request
+        # hand-off from the first pass to the loop, outside the graph pool
+        self.first_logit_h = torch.zeros(self.meta_batch, h, dtype=dtype, device=self.device)  # [max_batch, hidden]
+        self.first_carry_h = torch.zeros(self.meta_batch, h, dtype=dtype, device=self.device)  # [max_batch, hidden]
+        self.first_pos = torch.zeros(self.meta_batch, dtype=torch.long, device=self.device)  # [max_batch]
+        # the call's sizes and tensor addresses, read by the loader and by the loop's output store
+        self.header = InputHeader(len(engine.buffers.block_tables), self.device)
         self.first_graphs: dict[int, Callable[[], None]] = {}
         self.loop_graphs: dict[int, Callable[[], None]] = {}
+        self.combined_graphs: dict[tuple[int, int], Callable[[], None]] = {}
+        use_combined = cfg.combined_graphs if combined is None else combined
+        self.combined_sizes = decode_size_pairs(cfg, self.width, self.token_sizes, self.batch_sizes) \
+            if use_combined else []
         self.pool = None
         self.graphs: list = []  # keeps captured CUDAGraph objects alive
-        self.replays = 0
+        self.replays = 0  # calls answered by graphs
+        self.combined_replays = 0  # of which by one combined graph
 
     # ------------------------------------------------------------------ capture
     @property
@@ -67,13 +84,15 @@ class GraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, into one memory pool."""
+        """Capture every graph, largest first, into one memory pool."""
         if self.captured:
             return
         if not self.emulate:
             self.pool = torch.cuda.graph_pool_handle()
         neutralize(self.engine.buffers)  # warm-up runs must write no KV
-        self.header.device.zero_()  # a header of 0 tokens and 0 requests: the loader reads nothing
+        self.header.device.zero_()  # 0 tokens, 0 requests, no output: the kernels read and store nothing
+        for t, b in reversed(self.combined_sizes):
+            self.combined_graphs[(t, b)] = self._capture(lambda t=t, b=b: self._combined(t, b))
         for t in reversed(self.token_sizes):
             self.first_graphs[t] = self._capture(lambda t=t: self._first_pass(t))
         for b in reversed(self.batch_sizes):
@@ -81,8 +100,10 @@ class GraphRunner:
 
     def _capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         if self.emulate:
-            fn()
-            return fn
+            # a "replay" runs the torch ops again: outside inference mode they would record autograd
+            replay = torch.inference_mode()(fn)
+            replay()
+            return replay
         # warm up on a side stream first: Triton compiles and cuBLAS picks its kernels outside capture
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -112,7 +133,11 @@ class GraphRunner:
             drafts = e.proposer.tree_drafts(e.buffers, batch, batch, first)
         else:
             drafts = e.proposer.chain(e.buffers, batch, batch, first, None, None, False)
-        self.drafts[:batch].copy_(drafts.token_ids)
+        store_drafts(self.header.device, drafts.token_ids)  # the real rows, into the call's output
+
+    def _combined(self, num_tokens: int, batch: int) -> None:
+        self._first_pass(num_tokens)
+        self._loop(batch)
 
     # ------------------------------------------------------------------ replay
     def handles(self, inp: ProposeInputs, batch_padded: int, tokens_padded: int, want_probs: bool,
@@ -120,18 +145,44 @@ class GraphRunner:
         return (inp.temperatures is None and not want_probs and not want_logits
                 and batch_padded in self.batch_sizes and tokens_padded in self.token_sizes)
 
+    def new_output(self, batch: int) -> torch.Tensor:
+        """The call's drafts, [batch, k | nodes] int64: a fresh tensor the caller owns."""
+        return torch.empty((batch, self.width), dtype=torch.int64, device=self.device)
+
     def run(self, inp: ProposeInputs, tokens_padded: int, batch_padded: int) -> torch.Tensor:
-        """Describe the batch to the loader, replay both graphs; returns drafts [batch_padded, k | nodes]
-        (a static view).  The caller's tensors must stay unchanged until the GPU has run the graphs
-        (tensors on the current stream are: later work on it comes after)."""
+        """Describe the call in the header and replay its graph(s); returns the drafts
+        [batch, k | nodes] int64 in a fresh tensor (written by the GPU, stream-ordered).  The
+        caller's tensors must stay unchanged until the GPU has run the graphs (tensors on the
+        current stream are: later work on it comes after)."""
         if not self.captured:
             self.capture()
-        self.header.write(on_device(inp, self.engine.buffers.input_ids.device))
-        self.first_graphs[tokens_padded]()
-        self.header.loaded()
-        self.loop_graphs[batch_padded]()
+        out = self.new_output(inp.next_token_ids.shape[0])
+        self.header.write(on_device(inp, self.device), out)
+        combined = self.combined_graphs.get((tokens_padded, batch_padded))
+        if combined is not None:
+            combined()
+            self.combined_replays += 1
+        else:
+            self.first_graphs[tokens_padded]()
+            self.loop_graphs[batch_padded]()
+        self.header.loaded()  # after the last replay that reads the header
         self.replays += 1
-        return self.drafts[:batch_padded]
+        return out
+
+
+def decode_size_pairs(cfg, width: int, token_sizes: list[int], batch_sizes: list[int]) -> list[tuple[int, int]]:
+    """The (tokens_padded, batch_padded) pairs of decode calls, sorted: b requests of width + 1
+    tokens each (the bonus token and the drafts verified, rejected ones kept), for every b up to
+    the largest batch captured, where both padded sizes were captured."""
+    pairs = set()
+    for b in range(1, max(batch_sizes, default=0) + 1):
+        n = b * (width + 1)
+        if n > cfg.token_capture_sizes[-1]:
+            break
+        pair = (pad_to_capture_size(n, cfg.token_capture_sizes), pad_to_capture_size(b, cfg.capture_sizes))
+        if pair[0] in token_sizes and pair[1] in batch_sizes:
+            pairs.add(pair)
+    return sorted(pairs, key=lambda p: (p[1], p[0]))
 
 
 def on_device(inp: ProposeInputs, device: torch.device) -> ProposeInputs:

@@ -110,10 +110,84 @@ def test_graph_engine_matches_reference_engine_on_gpu(tiny_root, head):
         assert _rel(b, a) < 1e-5
 
 
+GPU_TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+
+
+def _decode_plans(width):
+    """A prefill (no decode size: the two graphs), then decode steps of width + 1 tokens per
+    request (the padded drafter batch) at batch 3, 5 and 2: one combined replay each."""
+    q = width + 1
+    return [[(0, 30, 0), (1, 9, 0), (2, 17, 0)], [(0, q, 1), (1, q, 0), (2, q, 2)],
+            [(0, q, 0), (1, q, 3), (2, q, 1), (3, q, 0), (4, q, 0)], [(1, q, 0), (4, q, 2)]]
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_combined_graph_equals_two_graphs_and_eager_on_gpu(tiny_root, shape):
+    """Each call replays the combined graph, then (same call again: idempotent) the two graphs;
+    both give the reference engine's drafts, each in a fresh [batch, width] tensor that later
+    calls leave alone."""
+    from tests.support.engines import build_engine
+
+    kw = dict(k=3, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=128, device=CUDA)
+    width = 3
+    if shape == "tree":
+        kw["speculative_token_tree"], width = GPU_TREE, len(GPU_TREE)
+    ref = build_engine(tiny_root, "eagle3", attention_backend="reference", use_cuda_graphs=False, **kw)
+    fast = build_engine(tiny_root, "eagle3", attention_backend="triton", **kw)
+    runner = fast.graphs
+    runner.capture()
+    combined = runner.combined_graphs
+    assert combined, "decode sizes captured as combined graphs"
+    s_ref, s_fast = _scenario(ref), _scenario(fast)
+    plans = _decode_plans(width)
+    kept = []
+    for plan in plans:
+        expected = ref.propose(**_cuda_kwargs(s_ref.call(plan).kwargs)).draft_token_ids
+        kwargs = _cuda_kwargs(s_fast.call(plan).kwargs)
+        got = fast.propose(**kwargs, validate=False).draft_token_ids
+        runner.combined_graphs = {}
+        split = fast.propose(**kwargs, validate=False).draft_token_ids
+        runner.combined_graphs = combined
+        assert got.shape == (len(plan), width) and got._base is None
+        assert torch.equal(got, expected), f"combined, plan {plan}: {got.tolist()} != {expected.tolist()}"
+        assert torch.equal(split, expected), f"two graphs, plan {plan}: {split.tolist()} != {expected.tolist()}"
+        kept.append((got, expected))
+    for got, expected in kept:
+        assert torch.equal(got, expected), "a later call overwrote an earlier call's drafts"
+    assert runner.combined_replays == len(plans) - 1 and runner.replays == 2 * len(plans)
+    for a, b in zip(ref.kv_snapshot(), fast.kv_snapshot()):
+        assert _rel(b, a) < 1e-5
+
+
+def test_back_to_back_calls_behind_a_busy_gpu(tiny_root):
+    """Two calls queued while the GPU is still busy: the second call's header write must wait
+    for the first call's graphs (the loop graph reads the output address at its end), or the
+    first call would run with the second call's header.  torch.cuda._sleep only keeps the GPU
+    busy so that the host runs ahead; the event in InputHeader is what the test checks."""
+    from tests.support.engines import build_engine
+
+    kw = dict(k=3, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=128, device=CUDA)
+    ref = build_engine(tiny_root, "eagle3", attention_backend="reference", use_cuda_graphs=False, **kw)
+    fast = build_engine(tiny_root, "eagle3", attention_backend="triton", **kw)
+    fast.graphs.capture()
+    s_ref, s_fast = _scenario(ref), _scenario(fast)
+    prefill = [(0, 12, 0), (1, 7, 0), (2, 20, 0), (3, 5, 0)]
+    ref.propose(**_cuda_kwargs(s_ref.call(prefill).kwargs))
+    fast.propose(**_cuda_kwargs(s_fast.call(prefill).kwargs))
+    plans = [[(0, 4, 1), (1, 4, 0)], [(2, 4, 0), (3, 4, 2)]]  # disjoint requests: order does not matter
+    expected = [ref.propose(**_cuda_kwargs(s_ref.call(p).kwargs)).draft_token_ids for p in plans]
+    calls = [_cuda_kwargs(s_fast.call(p).kwargs) for p in plans]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # GPU cycles, queued ahead of both calls
+    got = [fast.propose(**c, validate=False).draft_token_ids for c in calls]
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e), f"{g.tolist()} != {e.tolist()}"
+
+
 def test_graph_replay_equals_eager_on_8b_shapes():
     """EAGLE-3 with Llama-3.1-8B shapes in bf16: the graphs give the eager path's drafts, and the
     eager Triton path's logits stay within bf16 noise of the reference backend's."""
-    from drafter.bench import SPECS, as_inputs, build_engine, random_head, steady_state_call
+    from drafter.bench import SPECS, as_inputs, build_engine, on_device, random_head, steady_state_call
     from drafter.models.fusion import unfuse_head
 
     spec = SPECS["eagle3-8b"]
@@ -124,8 +198,15 @@ def test_graph_replay_equals_eager_on_8b_shapes():
         with torch.inference_mode():
             graph_ids = engine._propose_validated(as_inputs(call, engine.device), False, False, None, None)
             eager = engine._propose_validated(as_inputs(call, engine.device), False, True, None, None)
+        # the public call, trusted and validated: the same graphs, the same drafts (a call is idempotent)
+        trusted = engine.propose(**on_device(call, engine.device), validate=False)
+        checked = engine.propose(**on_device(call, engine.device))
         assert torch.equal(graph_ids.draft_token_ids, eager.draft_token_ids)
-    assert engine.graphs.replays == 3
+        assert torch.equal(trusted.draft_token_ids, eager.draft_token_ids)
+        assert torch.equal(checked.draft_token_ids, eager.draft_token_ids)
+        assert trusted.draft_token_ids.shape == (b, 3) and trusted.draft_token_ids._base is None
+    assert engine.graphs.replays == 9
+    assert engine.graphs.combined_replays == 9, "decode calls are one combined replay each"
 
     from drafter.attention.reference import ReferenceBackend
 

@@ -107,6 +107,25 @@ def test_a_bad_request_is_refused_alone(setup):
     assert len(calls) == 1 and calls[0].sessions == 2
 
 
+def test_a_lone_bad_request_is_refused_by_the_engine(setup):
+    """Alone in its engine call a request skips the batcher's own check (batcher._engine_validate):
+    engine.propose must still validate it (the service never takes the trusted validate=False
+    path), so a slot mapping that disagrees with its block table is refused, not written."""
+    _, pool = setup
+    table = SessionTable(describe_engine(pool, 1 << 26), max_sessions=4)
+    bad = table.attach(_layout(pool))
+    broken = _scenario(pool, 3).call(PLANS[0]).kwargs
+    broken["slot_mappings"] = [broken["slot_mappings"][0].clone(), broken["slot_mappings"][1]]
+    broken["slot_mappings"][0][3] += 1
+    before = pool.kv_snapshot()
+    calls = []
+    results = EngineRunner(pool, calls.append).run([_pending(bad, broken)])
+    assert isinstance(results[0], DrafterError)
+    assert (results[0].code, results[0].field) == (Code.INVALID_ARGUMENT, "slot_mappings[0]")
+    assert not calls
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.kv_snapshot()))
+
+
 def test_detached_expired_and_dp_padded_requests(setup):
     tiny_root, pool = setup
     table = SessionTable(describe_engine(pool, 1 << 26), max_sessions=4)

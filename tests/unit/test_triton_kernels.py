@@ -7,6 +7,7 @@ time in Python.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -25,7 +26,7 @@ from drafter.models import fused_kernels as K  # noqa: E402
 from drafter.models.layers import RMSNorm, apply_rope  # noqa: E402
 from tests.support.engines import build_engine  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402
-from tests.support.triton_bounds import allowing  # noqa: E402
+from tests.support.triton_bounds import allowing, allowing_outputs  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -209,11 +210,14 @@ def test_step_inputs_match_the_torch_path():
     assert int(want[2][2][0].slot_mapping[0]) != -1  # row 0 stays live through the three steps
 
 
-@pytest.mark.parametrize("rejection", ["none", "explicit-sample", "rejected-counts"])
-@pytest.mark.parametrize("wide", [False, True], ids=["int32", "int64"])
-def test_header_loader_matches_buffers_load(tiny_root, rejection, wide):
+@pytest.mark.parametrize("rejection,wide,strided", [
+    ("none", False, False), ("explicit-sample", False, False), ("rejected-counts", False, False),
+    ("none", True, False), ("explicit-sample", True, False), ("rejected-counts", True, False),
+    ("explicit-sample", False, True)], ids=lambda v: str(v))
+def test_header_loader_matches_buffers_load(tiny_root, rejection, wide, strided):
     """The graph-side loader (header of addresses + loader kernels) leaves the buffers as
-    StaticBuffers.load does, up to the padded sizes, for int32 and int64 inputs."""
+    StaticBuffers.load does, up to the padded sizes, for int32 and int64 inputs, and for
+    strided views (which the header converts)."""
     from drafter.attention.kernels.batch_inputs import InputHeader, load_inputs
     from drafter.inputs import ProposeInputs
 
@@ -232,11 +236,12 @@ def test_header_loader_matches_buffers_load(tiny_root, rejection, wide):
     want = engine.buffers
     want.load(inp, 16, 6)
     got = StaticBuffersLike(want, DEVICE)
-    dev_inp = ProposeInputs(*[_dev(getattr(inp, f), wide) for f in ProposeInputs.__dataclass_fields__])
+    dev_inp = ProposeInputs(*[_dev(getattr(inp, f), wide, strided) for f in ProposeInputs.__dataclass_fields__])
     header = InputHeader(2, DEVICE)
-    header.write(dev_inp)
+    header.write(dev_inp, torch.empty(inp.batch_size, 3, dtype=torch.int64, device=DEVICE))
     tensors = [t for v in vars(dev_inp).values() if v is not None for t in (v if isinstance(v, list) else [v])]
-    with allowing(tensors):
+    assert bool(header.inputs[2]) == strided, "strided views, and only they, are converted"
+    with allowing(tensors + header.inputs[2]):
         load_inputs(header.device, got, 16, 6)
     n = inp.num_tokens
     for name in ("input_ids", "positions"):
@@ -254,14 +259,17 @@ def test_header_loader_matches_buffers_load(tiny_root, rejection, wide):
         assert bool((got.block_tables[g][b:] == 7).all())
 
 
-def _dev(value, wide=False):
+def _dev(value, wide=False, strided=False):
     if isinstance(value, list):
-        return [_dev(t, wide) for t in value]
+        return [_dev(t, wide, strided) for t in value]
     if value is None:
         return None
     if not value.is_floating_point():
         value = value.to(torch.int64 if wide else torch.int32)
-    return value.to(DEVICE)
+    value = value.to(DEVICE)
+    if strided:  # every other element of the last dimension of a tensor twice as wide
+        value = torch.stack([value, torch.full_like(value, -5)], dim=-1).flatten(-2)[..., ::2]
+    return value
 
 
 class StaticBuffersLike:
@@ -310,7 +318,8 @@ def _compare(ref, fast, plans, **kw):
         expected = ref.propose(**c_ref.kwargs).draft_token_ids
         kwargs = {k: ([t.to(DEVICE) for t in v] if isinstance(v, list) else v.to(DEVICE))
                   for k, v in c_fast.kwargs.items()}
-        with allowing([t for v in kwargs.values() for t in (v if isinstance(v, list) else [v])]):
+        outputs = allowing_outputs(fast.graphs) if fast.graphs is not None else contextlib.nullcontext()
+        with allowing([t for v in kwargs.values() for t in (v if isinstance(v, list) else [v])]), outputs:
             got = fast.propose(**kwargs).draft_token_ids
         assert torch.equal(got.cpu(), expected), f"plan {plan}: {got.tolist()} != {expected.tolist()}"
     for a, b in zip(ref.kv_snapshot(), fast.kv_snapshot()):

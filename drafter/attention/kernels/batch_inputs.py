@@ -1,10 +1,12 @@
 """Loading a propose call into the static buffers from inside the first-pass CUDA graph.
 
 The call's tensors live wherever the caller put them, so the graph cannot name them.  Instead
-the host writes a small header (sizes, dtypes and the tensors' device addresses) into pinned
-memory and copies it to a fixed device buffer; the captured loader kernels read the header and
-load through those addresses.  What is left on the host per call is that header, one copy and
-the replays: no per-input copies and no kernel launch from Python.
+the host writes a small header (sizes, dtypes, the tensors' device addresses and the address of
+the call's output tensor) into pinned host memory that the device reads in place; the captured
+loader kernels read the header and load through those addresses, and the loop graph's last
+kernel (draft_output.py) stores the drafts through it.  What is left on the host per call is
+that header, the output's allocation and the replays: no per-input copies and no kernel launch
+from Python.
 
 The loader does what StaticBuffers.load does: shift the input ids by one, put next_token_ids at
 the sampled rows, derive the sampled rows from query_start_loc minus the rejected tokens when
@@ -17,6 +19,8 @@ and columns (attention reads a request's table only below its seq_len).
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -26,15 +30,18 @@ from drafter.inputs import ProposeInputs
 
 PAD_SLOT = tl.constexpr(PADDING_SLOT_ID)  # globals a kernel reads must be constexpr
 
-# header layout, in int64 words (constexprs: the kernels read them as globals)
-N, B, FLAGS, WIDE, HIDDEN_KIND, HIDDEN_STRIDE = (tl.constexpr(i) for i in range(6))
-IDS, POS, NEXT, QSL, SEQ, SAMPLE, REJECTED, HIDDEN = (tl.constexpr(i) for i in range(6, 14))
-GROUP0, GROUP_WORDS = 16, 6  # per group: slots, table, table stride, table width, slots wide, table wide
-HEADER_WORDS = tl.constexpr(32)  # room for two KV groups
-HAS_SAMPLE, HAS_REJECTED = tl.constexpr(1), tl.constexpr(2)  # FLAGS bits
-INT_FIELDS = (IDS, POS, NEXT, QSL, SEQ, SAMPLE, REJECTED)  # WIDE bit i: field i of these is int64
-_HAS_SAMPLE, _HAS_REJECTED = int(HAS_SAMPLE), int(HAS_REJECTED)  # plain ints for the host side
+# header layout, in int64 words (constexprs: the kernels read them as globals).  Each 1-D int
+# tensor is a pair of words: its address, then 1 if int64 (0: int32); an absent optional
+# tensor has address 0.  The output is [B, width] int64, contiguous.
+N, B, OUT, HIDDEN, HIDDEN_KIND, HIDDEN_STRIDE = (tl.constexpr(i) for i in range(6))
+IDS, POS, NEXT, QSL, SEQ, SAMPLE, REJECTED = (tl.constexpr(i) for i in range(6, 20, 2))
+MAX_GROUPS = 2
+SLOTS = tl.constexpr(20)  # group g's slot mapping: the pair at SLOTS + 2 g
+# group g's block table from word TABLES + 4 g: address, wide, row stride, width
+TABLES, TABLE_WORDS = tl.constexpr(24), tl.constexpr(4)
+HEADER_WORDS = tl.constexpr(32)
 HIDDEN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_WIDE = {torch.int32: 0, torch.int64: 1}
 
 
 @triton.jit
@@ -54,9 +61,15 @@ def _ints(addr, wide, offs, mask, other):
 
 
 @triton.jit
+def _field(hdr_ptr, w, offs, mask, other):
+    """Elements of the int tensor whose (address, wide) pair is at header words w, w + 1."""
+    return _ints(_word(hdr_ptr, w), _word(hdr_ptr, w + 1) != 0, offs, mask, other)
+
+
+@triton.jit
 def load_inputs_kernel(
     hdr_ptr,  # [header words] int64
-    group_word,  # first header word of this KV group
+    group,  # which KV group
     input_ids_ptr, positions_ptr, qsl_ptr, seq_lens_ptr, sample_ptr,  # static buffers (COMMON only)
     slots_ptr,  # [max_tokens] int64: this group's slot mapping
     table_ptr, stride_t, width,  # [max_batch, width] int32: this group's block table
@@ -79,46 +92,42 @@ def load_inputs_kernel(
         # nothing), so the rest of the table keeps stale ids rather than costing a fill per call;
         # small [TABLE_ROWS, BLOCK_W] tiles keep the int64 entries in registers
         cols = (col_block - 1) * BLOCK_W + tl.arange(0, BLOCK_W)
-        col_ok = (cols < _word(hdr_ptr, group_word + 3)) & (cols < width)
-        table_in, table_wide = _word(hdr_ptr, group_word + 1), _word(hdr_ptr, group_word + 5) != 0
-        stride_in = _word(hdr_ptr, group_word + 2)
+        table_word = TABLES + TABLE_WORDS * group
+        col_ok = (cols < _word(hdr_ptr, table_word + 3)) & (cols < width)
+        stride_in = _word(hdr_ptr, table_word + 2)
         for r0 in range(pid * BLOCK, tl.minimum((pid + 1) * BLOCK, b), TABLE_ROWS):
             trows = r0 + tl.arange(0, TABLE_ROWS)
             ok = (trows < b)[:, None] & col_ok[None, :]
-            entry = _ints(table_in, table_wide, trows[:, None] * stride_in + cols[None, :], ok, 0)
+            entry = _field(hdr_ptr, table_word, trows[:, None] * stride_in + cols[None, :], ok, 0)
             tl.store(table_ptr + trows[:, None] * stride_t + cols[None, :], entry.to(tl.int32), mask=ok)
         return
-    flags = _word(hdr_ptr, FLAGS)
-    wide = _word(hdr_ptr, WIDE)
-    qsl_addr = _word(hdr_ptr, QSL)
-    qsl_wide = ((wide >> 3) & 1) != 0
 
     # ---- per token row, up to the padded token count
     tok_ok = rows < num_tokens
     live = rows < n
-    slots = _ints(_word(hdr_ptr, group_word), _word(hdr_ptr, group_word + 4) != 0, rows, live, PAD_SLOT)
+    slots = _field(hdr_ptr, SLOTS + 2 * group, rows, live, PAD_SLOT)
     tl.store(slots_ptr + rows, slots, mask=tok_ok)
     if COMMON:
-        pos = _ints(_word(hdr_ptr, POS), ((wide >> 1) & 1) != 0, rows, live, 0)
+        pos = _field(hdr_ptr, POS, rows, live, 0)
         tl.store(positions_ptr + rows, pos, mask=tok_ok)
         # the drafter sees token t + 1 beside hidden state t; load_hidden_kernel, which runs after
         # this kernel, then puts next_token_ids at the sampled rows (no per-row request search here)
-        shifted = _ints(_word(hdr_ptr, IDS), (wide & 1) != 0, rows + 1, rows + 1 < n, 0)
+        shifted = _field(hdr_ptr, IDS, rows + 1, rows + 1 < n, 0)
         tl.store(input_ids_ptr + rows, shifted, mask=tok_ok)
 
         # ---- per request row, up to the padded batch
         # qsl[0] is 0 by definition: no read, so a neutral header (b = 0, null addresses) reads nothing
-        qsl = _ints(qsl_addr, qsl_wide, rows, (rows > 0) & (rows <= b), 0)
+        qsl = _field(hdr_ptr, QSL, rows, (rows > 0) & (rows <= b), 0)
         qsl = tl.where(rows <= b, qsl, n)
         tl.store(qsl_ptr + rows, qsl.to(tl.int32), mask=rows <= num_reqs)
-        seq = _ints(_word(hdr_ptr, SEQ), ((wide >> 4) & 1) != 0, rows, real, 0)
+        seq = _field(hdr_ptr, SEQ, rows, real, 0)
         tl.store(seq_lens_ptr + rows, seq.to(tl.int32), mask=req_ok)
-        if (flags & HAS_SAMPLE) != 0:
-            sample = _ints(_word(hdr_ptr, SAMPLE), ((wide >> 5) & 1) != 0, rows, real, 0)
+        if _word(hdr_ptr, SAMPLE) != 0:
+            sample = _field(hdr_ptr, SAMPLE, rows, real, 0)
         else:
-            sample = _ints(qsl_addr, qsl_wide, rows + 1, real, 1) - 1
-            if (flags & HAS_REJECTED) != 0:
-                sample -= _ints(_word(hdr_ptr, REJECTED), ((wide >> 6) & 1) != 0, rows, real, 0)
+            sample = _field(hdr_ptr, QSL, rows + 1, real, 1) - 1
+            if _word(hdr_ptr, REJECTED) != 0:
+                sample -= _field(hdr_ptr, REJECTED, rows, real, 0)
         tl.store(sample_ptr + rows, tl.where(real, sample, 0), mask=req_ok)
 
 
@@ -137,8 +146,7 @@ def load_hidden_kernel(
     cols = col_block * BLOCK + tl.arange(0, BLOCK)
     if col_block == 0:
         if row < _word(hdr_ptr, B):
-            wide = _word(hdr_ptr, WIDE)
-            bonus = _ints(_word(hdr_ptr, NEXT), ((wide >> 2) & 1) != 0, row, row >= 0, 0)
+            bonus = _field(hdr_ptr, NEXT, row, row >= 0, 0)
             tl.store(input_ids_ptr + tl.load(sample_ptr + row), bonus)
     if row < _word(hdr_ptr, N):
         ok = cols < width
@@ -161,7 +169,7 @@ def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> No
     rows = triton.cdiv(max(num_tokens, num_reqs + 1), block)
     for g, table in enumerate(buf.block_tables):
         load_inputs_kernel[(rows, 1 + triton.cdiv(table.shape[1], block_w))](
-            header, GROUP0 + GROUP_WORDS * g,
+            header, g,
             buf.input_ids, buf.positions, buf.query_start_loc, buf.seq_lens, buf.sample_indices,
             buf.slot_mappings[g], table, table.stride(0), table.shape[1],
             num_tokens, num_reqs,
@@ -173,64 +181,95 @@ def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> No
 
 
 class InputHeader:
-    """The per-call header the captured loader reads.
+    """The per-call header the captured graphs read: the loader (inputs in) and the loop's
+    last kernel (drafts out, drafter.attention.kernels.draft_output).
 
     On a GPU the header lives in pinned host memory, which the device reads in place (pinned
-    memory is mapped into the device's address space): no copy per call, and the loader's
-    few word loads cross PCIe once.  The host must not rewrite the words before the previous
-    call's loader has read them: `loaded()` records an event after the first-pass replay and
-    `write` waits on it (in steady state long passed: the caller has consumed those drafts).
-    Elsewhere (the CPU emulation in tests) `device` is a separate tensor and `write` copies."""
+    memory is mapped into the device's address space): no copy per call, and the kernels' few
+    word loads cross PCIe once.  The host must not rewrite the words before the previous call's
+    graphs have read them: `loaded()`, called after the LAST replay that reads the header,
+    records `read_event`, and `write` waits on it (in steady state long passed: the caller has
+    consumed those drafts).  Elsewhere (the CPU emulation in tests) `device` is a separate
+    tensor, `write` copies, and `read_event` is None (tests may put a recorder there).
+
+    `write` runs on every propose call, so it reads each tensor's dtype, contiguity, stride and
+    address once, converts only what the kernels cannot index (rare), and fills the words with
+    one packed write into the header's memory."""
 
     def __init__(self, num_groups: int, device):
-        words = GROUP0 + GROUP_WORDS * num_groups
-        if words > HEADER_WORDS:
-            raise ValueError(f"the input header holds {(int(HEADER_WORDS) - GROUP0) // GROUP_WORDS} KV groups")
+        if num_groups > MAX_GROUPS:
+            raise ValueError(f"the input header holds {MAX_GROUPS} KV groups")
         mapped = torch.device(device).type == "cuda"
-        self.host = torch.zeros(int(HEADER_WORDS), dtype=torch.int64, pin_memory=mapped)
+        self.host = torch.zeros(int(HEADER_WORDS), dtype=torch.int64, pin_memory=mapped)  # [header words]
         self.words = self.host.numpy()
         self.device = self.host if mapped else torch.zeros(int(HEADER_WORDS), dtype=torch.int64, device=device)
-        self._read = torch.cuda.Event() if mapped else None
+        self.read_event = torch.cuda.Event() if mapped else None
         self._pending = False
-        self.inputs: tuple = ()  # the call's tensors stay referenced until the next call
+        self._unused_slots = (0, 0) * (MAX_GROUPS - num_groups)  # keeps the tables at word TABLES
+        words = int(TABLES) + int(TABLE_WORDS) * num_groups
+        self._pack = struct.Struct(f"={words}q").pack_into  # native int64s, the tensor's own layout
+        self.inputs: tuple = ()  # the call's tensors (and any converted copies) stay referenced until the next
 
     def loaded(self) -> None:
-        """Call after the work that reads the header has been queued (the first-pass replay)."""
-        if self._read is not None:
-            self._read.record()
+        """Call after the last replay that reads the header has been queued."""
+        if self.read_event is not None:
+            self.read_event.record()
             self._pending = True
 
-    def write(self, inp: ProposeInputs) -> None:
-        """Describe `inp` (tensors on the buffers' device) and send the header to the device."""
-        ints = [_flat(t) for t in (inp.target_token_ids, inp.target_positions, inp.next_token_ids,
-                                   inp.query_start_loc, inp.seq_lens, inp.token_indices_to_sample,
-                                   inp.num_rejected_tokens)]
+    def write(self, inp: ProposeInputs, out: torch.Tensor) -> None:  # out: [batch, width] int64
+        """Describe `inp` (tensors on the buffers' device) and `out` (where the drafts go) and make
+        the header visible to the device."""
+        converted: list[torch.Tensor] = []
         hidden = inp.target_hidden_states
-        if hidden.stride(1) != 1 or hidden.dtype not in HIDDEN_KINDS:
-            hidden = hidden.contiguous().float()
-        tables = [t if t.stride(1) == 1 else t.contiguous() for t in inp.block_tables]
-        slots = [_flat(t) for t in inp.slot_mappings]
-        flags = (_HAS_SAMPLE if ints[5] is not None else 0) | (_HAS_REJECTED if ints[6] is not None else 0)
-        wide = sum(1 << i for i, t in enumerate(ints) if t is not None and t.dtype == torch.int64)
-        words = [inp.num_tokens, inp.batch_size, flags, wide, HIDDEN_KINDS[hidden.dtype], hidden.stride(0)]
-        words += [t.data_ptr() if t is not None else 0 for t in ints] + [hidden.data_ptr(), 0, 0]
-        for table, slot in zip(tables, slots):  # from word GROUP0 = 16 on
-            words += [slot.data_ptr(), table.data_ptr(), table.stride(0), table.shape[1],
-                      int(slot.dtype == torch.int64), int(table.dtype == torch.int64)]
+        kind, stride = HIDDEN_KINDS.get(hidden.dtype), hidden.stride()
+        if kind is None or stride[1] != 1:
+            hidden, kind, stride = _readable_hidden(hidden, converted)
+        words = [inp.target_token_ids.shape[0], out.shape[0], out.data_ptr(), hidden.data_ptr(), kind, stride[0]]
+        # one loop, no call per tensor: this runs for ~9 tensors on every propose
+        for t in (inp.target_token_ids, inp.target_positions, inp.next_token_ids, inp.query_start_loc,
+                  inp.seq_lens, inp.token_indices_to_sample, inp.num_rejected_tokens, *inp.slot_mappings):
+            if t is None:
+                words += (0, 0)
+                continue
+            wide = _WIDE.get(t.dtype)
+            if wide is None or not t.is_contiguous():
+                t, wide = _readable_ints(t, converted)
+            words += (t.data_ptr(), wide)
+        words += self._unused_slots
+        for table in inp.block_tables:
+            wide, stride = _WIDE.get(table.dtype), table.stride()
+            if wide is None or stride[1] != 1:
+                table, wide, stride = _readable_table(table, converted)
+            words += (table.data_ptr(), wide, stride[0], table.shape[1])
         if self._pending:
-            self._read.synchronize()  # the previous call's loader is done with the words
+            self.read_event.synchronize()  # the previous call's graphs are done with the words
             self._pending = False
-        self.words[:len(words)] = words  # one numpy write: this runs once per propose
-        self.inputs = (ints, hidden, tables, slots)
+        self._pack(self.words, 0, *words)
+        self.inputs = (inp, out, converted)
         if self.device is not self.host:
             self.device.copy_(self.host)
 
 
-def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A 1-D int tensor the kernels can index as ptr + i."""
-    if t is None or (t.dtype in _INTS and t.is_contiguous()):
-        return t
-    return (t if t.dtype in _INTS else t.long()).contiguous()
+# What the kernels cannot index as they are is converted (rare: validate() admits int32 / int64
+# and float16 / bfloat16 / float32 of any layout); the copies stay referenced until the next call.
+def _readable_ints(t: torch.Tensor, converted: list) -> tuple[torch.Tensor, int]:  # t: [n]
+    """A 1-D int tensor the kernels index as ptr + i, and 1 if it is int64."""
+    t = (t if t.dtype in _WIDE else t.long()).contiguous()
+    converted.append(t)
+    return t, _WIDE[t.dtype]
 
 
-_INTS = (torch.int32, torch.int64)
+def _readable_hidden(hidden: torch.Tensor,  # [num_tokens, width] float
+                     converted: list) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """The hidden states with contiguous rows in a dtype the loader reads."""
+    hidden = hidden.float().contiguous()
+    converted.append(hidden)
+    return hidden, HIDDEN_KINDS[torch.float32], hidden.stride()
+
+
+def _readable_table(table: torch.Tensor,  # [batch, width] int
+                    converted: list) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """The block table with contiguous rows, and 1 if it is int64."""
+    table = (table if table.dtype in _WIDE else table.long()).contiguous()
+    converted.append(table)
+    return table, _WIDE[table.dtype], table.stride()
