@@ -9,9 +9,10 @@ the same GPU (ZMQ on tcp:// and on ipc:// in a private directory), and one clien
 (ZMQ tcp, ZMQ ipc, gRPC unary, gRPC stream; on a GPU also ZMQ tcp and gRPC stream with the hidden
 states left on the GPU in one static buffer and sent as CUDA IPC references: zmq_cuda_ipc,
 grpc_stream_cuda_ipc) attaches a session and sends the same decode-step calls (--clients picks them).
-Reported per transport: round-trip p50/p90 and the ratio of the p50 to the in-process p50
-(the call with GPU-resident inputs, drafts copied to the host, which is what the client gets),
-plus the ratio to the in-process call fed CPU tensors as a server is; and, from the stage probes
+Reported per transport: round-trip p50/p90 and the ratio of the p50 to the in-process p50: the
+trusted call a target makes in its own process (`propose(..., validate=False)` on GPU-resident
+inputs, drafts copied to the host, which is what the client gets), and also to the validated call
+on GPU inputs and on CPU tensors (as a server is fed); and, from the stage probes
 (drafter.service.probes, on in both processes), round trip minus the server's engine time per call
 and the p50/p90 of every client and server stage ("stages" in remote.json).
 """
@@ -123,13 +124,17 @@ def in_process(model_dir: str, args, call: dict) -> dict:
     dev = engine.device
     gpu = {k: ([t.to(dev) for t in v] if isinstance(v, list) else v.to(dev)) for k, v in call.items()}
 
+    def trusted_call():  # what a target engine calling the drafter in its own process does
+        engine.propose(**gpu, validate=False).draft_token_ids.cpu()
+
     def gpu_call():
         engine.propose(**gpu).draft_token_ids.cpu()
 
     def cpu_call():
         engine.propose(**call).draft_token_ids.cpu()
 
-    return {"gpu_inputs": _percentiles(_time(gpu_call, args.iters, 20)),
+    return {"trusted_gpu_inputs": _percentiles(_time(trusted_call, args.iters, 20)),
+            "gpu_inputs": _percentiles(_time(gpu_call, args.iters, 20)),
             "cpu_inputs": _percentiles(_time(cpu_call, args.iters, 20))}
 
 
@@ -312,15 +317,17 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()  # the in-process engine (and its graphs) leave the GPU to the server
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    log(f"in-process: GPU inputs p50 {local['gpu_inputs']['p50_us']:.0f} us, "
-        f"CPU inputs p50 {local['cpu_inputs']['p50_us']:.0f} us")
+    log(f"in-process p50: trusted call on GPU inputs (validate=False) {local['trusted_gpu_inputs']['p50_us']:.0f} us, "
+        f"validated GPU inputs {local['gpu_inputs']['p50_us']:.0f} us, validated CPU inputs "
+        f"{local['cpu_inputs']['p50_us']:.0f} us")
     rem = remote(model_dir, args, call, log)
-    ratios = {name: {"rtt_over_inprocess": r["p50_us"] / local["gpu_inputs"]["p50_us"],
+    ratios = {name: {"rtt_over_inprocess": r["p50_us"] / local["trusted_gpu_inputs"]["p50_us"],
+                     "rtt_over_inprocess_validated": r["p50_us"] / local["gpu_inputs"]["p50_us"],
                      "rtt_over_inprocess_cpu_inputs": r["p50_us"] / local["cpu_inputs"]["p50_us"]}
               for name, r in rem.items()}
     for name, r in ratios.items():
-        log(f"  {name}: round trip / in-process = {r['rtt_over_inprocess']:.2f} "
-            f"(vs in-process fed CPU tensors: {r['rtt_over_inprocess_cpu_inputs']:.2f})")
+        log(f"  {name}: round trip / in-process = {r['rtt_over_inprocess']:.2f} (vs the validated in-process "
+            f"call: {r['rtt_over_inprocess_validated']:.2f}, fed CPU tensors: {r['rtt_over_inprocess_cpu_inputs']:.2f})")
     result = {"meta": {"device": device_name, "date": datetime.datetime.now(
                   datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "batch": args.batch, "k": args.k,
                   "ctx": args.ctx, "payload_bytes": payload, "batch_window_us": 0,

@@ -186,9 +186,13 @@ def decode_size_pairs(cfg, width: int, token_sizes: list[int], batch_sizes: list
 
 
 def on_device(inp: ProposeInputs, device: torch.device) -> ProposeInputs:
-    """The call's tensors on the engine's device (a no-op for an in-process caller on the GPU)."""
+    """The call's tensors where the captured loader can read them: on the engine's device (a no-op
+    for an in-process caller on the GPU), or left in pinned host memory, which the GPU reads in
+    place (the service stages every call there: no copy launch per tensor)."""
     def move(t):
-        return t if t is None or t.device == device else t.to(device, non_blocking=True)
+        if t is None or t.device == device or (device.type == "cuda" and t.device.type == "cpu" and t.is_pinned()):
+            return t
+        return t.to(device, non_blocking=True)
     if inp.target_token_ids.device == device and inp.target_hidden_states.device == device:
         return inp
     return ProposeInputs(*(move(getattr(inp, f)) for f in (

@@ -184,6 +184,30 @@ def test_back_to_back_calls_behind_a_busy_gpu(tiny_root):
         assert torch.equal(g, e), f"{g.tolist()} != {e.tolist()}"
 
 
+def test_graph_engine_reads_pinned_host_inputs_in_place(tiny_root):
+    """The service stages calls in pinned host memory and the captured loader reads them there:
+    same drafts and KV as with the call's tensors on the GPU (and a pageable call still moves)."""
+    from tests.support.engines import build_engine
+
+    kw = dict(k=3, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=128, device=CUDA)
+    on_gpu = build_engine(tiny_root, "eagle-2groups", attention_backend="triton", **kw)
+    pinned = build_engine(tiny_root, "eagle-2groups", attention_backend="triton", **kw)
+    s_gpu, s_pinned = _scenario(on_gpu), _scenario(pinned)
+    for i, plan in enumerate(PLANS):
+        c_gpu, c_pin = s_gpu.call(plan), s_pinned.call(plan)
+
+        def pin(t):
+            return t.pin_memory() if i % 2 == 0 else t  # every other call pageable: moved as before
+
+        host = {k: ([pin(t) for t in v] if isinstance(v, list) else pin(v)) for k, v in c_pin.kwargs.items()
+                if v is not None}
+        expected = on_gpu.propose(**_cuda_kwargs(c_gpu.kwargs)).draft_token_ids
+        got = pinned.propose(**host).draft_token_ids
+        assert torch.equal(got, expected), f"plan {plan}"
+    for a, b in zip(on_gpu.kv_snapshot(), pinned.kv_snapshot()):
+        assert torch.equal(a, b)
+
+
 def test_graph_replay_equals_eager_on_8b_shapes():
     """EAGLE-3 with Llama-3.1-8B shapes in bf16: the graphs give the eager path's drafts, and the
     eager Triton path's logits stay within bf16 noise of the reference backend's."""
