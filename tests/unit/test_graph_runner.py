@@ -184,9 +184,9 @@ class _ReadEvent:
         self.header, self.log, self.inner = header, log, header.read_event
         self.words_read = None
 
-    def record(self):
+    def record(self, stream=None):
         if self.inner is not None:
-            self.inner.record()
+            self.inner.record(stream)
         self.log.append("record")
         self.words_read = self.header.host.clone()
 
