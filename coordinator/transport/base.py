@@ -64,6 +64,22 @@ def split_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
+def dispatch_propose(session: SessionState, cuda, timeout_s: float, send, *, return_probs: bool,
+                     batch_padded: int | None, tokens_padded: int | None, accepted_counts, request_id: int | None,
+                     timeout: float | None, engine_kwargs: dict):
+    """What every client's propose does before its transport: the session must be attached, the
+    call gets its request id, and the hidden states go by CUDA IPC reference or as bytes (`cuda`,
+    a coordinator.transport.cuda_share sharer).  send(request_id, engine tensors, hidden_ipc,
+    seconds left, options) puts one request on the wire and returns the DraftOutput."""
+    session.require()
+    rid = session.next_id() if request_id is None else request_id
+    options = dict(return_probs=return_probs, batch_padded=batch_padded, tokens_padded=tokens_padded,
+                   accepted_counts=accepted_counts)
+    return cuda.propose(split_kwargs(engine_kwargs), session.cuda_ipc,
+                        lambda kw, ipc, left: send(rid, kw, ipc, left, options),
+                        timeout_s if timeout is None else timeout)
+
+
 def draft_output(drafts: torch.Tensor, probs: torch.Tensor | None, batch_padded: int,
                  tokens_padded: int) -> DraftOutput:
     # The drafts are a view of the received buffer: a small copy makes them ordinary, writable tensors.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.transport.base import SessionState, as_attach_request, draft_output, split_kwargs
+from coordinator.transport.base import SessionState, as_attach_request, dispatch_propose, draft_output
 from coordinator.transport.cuda_share import CudaShare
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.service import probes, schema
@@ -114,13 +114,10 @@ class GrpcDrafterClient:
                 tokens_padded: int | None = None, accepted_counts=None, request_id: int | None = None,
                 timeout: float | None = None, **engine_kwargs):
         """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
-        self.session.require()
-        rid = self.session.next_id() if request_id is None else request_id
-        options = dict(return_probs=return_probs, batch_padded=batch_padded, tokens_padded=tokens_padded,
-                       accepted_counts=accepted_counts)
-        return self.cuda.propose(split_kwargs(engine_kwargs), self.session.cuda_ipc,
-                                 lambda kw, ipc, left: self._propose_unary(rid, kw, ipc, left, options),
-                                 self.timeout_s if timeout is None else timeout)
+        return dispatch_propose(self.session, self.cuda, self.timeout_s, self._propose_unary,
+                                return_probs=return_probs, batch_padded=batch_padded, tokens_padded=tokens_padded,
+                                accepted_counts=accepted_counts, request_id=request_id, timeout=timeout,
+                                engine_kwargs=engine_kwargs)
 
     def _propose_unary(self, request_id: int, kwargs: dict, hidden_ipc, timeout: float, options: dict):
         probe = probes.start("client-grpc-unary" + ("-cuda" if hidden_ipc is not None else ""))
@@ -236,13 +233,10 @@ class GrpcProposeStream:
                 tokens_padded: int | None = None, accepted_counts=None, request_id: int | None = None,
                 timeout: float | None = None, **engine_kwargs):
         c = self.client
-        c.session.require()
-        rid = c.session.next_id() if request_id is None else request_id
-        options = dict(return_probs=return_probs, batch_padded=batch_padded, tokens_padded=tokens_padded,
-                       accepted_counts=accepted_counts)
-        return c.cuda.propose(split_kwargs(engine_kwargs), c.session.cuda_ipc,
-                              lambda kw, ipc, left: self._propose(rid, kw, ipc, left, options),
-                              c.timeout_s if timeout is None else timeout)
+        return dispatch_propose(c.session, c.cuda, c.timeout_s, self._propose, return_probs=return_probs,
+                                batch_padded=batch_padded, tokens_padded=tokens_padded,
+                                accepted_counts=accepted_counts, request_id=request_id, timeout=timeout,
+                                engine_kwargs=engine_kwargs)
 
     def _propose(self, rid: int, kwargs: dict, hidden_ipc, timeout: float, options: dict):
         c = self.client
