@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from drafter.attention.metadata import AttentionMetadata
 from drafter.attention.triton_backend import AttentionLaunch, TritonBackend
-from drafter.bench import BLOCK_SIZE, copy_bandwidth
+from drafter.bench import BLOCK_SIZE, copy_bandwidth, decode_attention_case
 from drafter.cuda_timing import graph_time_us
 
 
@@ -31,14 +30,7 @@ def sweep(args, bw, log) -> list[dict]:
     launches = [AttentionLaunch(bn, 4, s) for bn in (64, 128) for s in (3, 4)]
     for ctx, b in shapes:
         per_req = -(-(ctx + 8) // BLOCK_SIZE)
-        caches = [torch.randn(2, b * per_req + 1, BLOCK_SIZE, 8, 128, device=device, dtype=torch.bfloat16)
-                  for _ in range(3)]
-        table = torch.randperm(b * per_req, device=device).view(b, per_req).int()
-        meta = AttentionMetadata(torch.arange(b + 1, device=device, dtype=torch.int32),
-                                 torch.full((b,), ctx, device=device, dtype=torch.int32), table,
-                                 torch.full((b,), -1, device=device, dtype=torch.long), BLOCK_SIZE)
-        q = torch.randn(b, 32, 128, device=device, dtype=torch.bfloat16)
-        kv_bytes = b * ctx * 2 * 8 * 128 * 2
+        caches, meta, q, kv_bytes = decode_attention_case(device, ctx, b, copies=3)
         auto = TritonBackend()
         auto_us = graph_time_us(lambda i: auto.attend(q, caches[i % 3], meta, None), calls=6)
         rows.append({"ctx": ctx, "batch": b, "auto": True, "us": auto_us,

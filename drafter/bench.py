@@ -373,10 +373,26 @@ def host_breakdown(engine, call: dict, iters: int = 50) -> dict:
     return out_us
 
 
-def attention_sweep(device, contexts, batches, bw: float, log) -> list[dict]:
-    """The decode attention kernel alone (32 query heads, 8 KV heads, head_dim 128, pages of 16)
-    at several launch sizes: achieved KV bandwidth per target program count."""
+def decode_attention_case(device, ctx: int, batch: int, copies: int = 1):
+    """Llama-8B decode attention inputs (32 query heads, 8 KV heads, head_dim 128, pages of 16),
+    every request at `ctx` keys on random blocks: (KV caches (`copies` of them, so repeated runs
+    need not hit L2), metadata, q [batch, 32, 128], bytes of KV one launch reads)."""
     from drafter.attention.metadata import AttentionMetadata
+
+    per_req = -(-(ctx + 8) // BLOCK_SIZE)
+    caches = [torch.randn(2, batch * per_req + 1, BLOCK_SIZE, 8, 128, device=device, dtype=torch.bfloat16)
+              for _ in range(copies)]
+    table = torch.randperm(batch * per_req, device=device).view(batch, per_req).int()
+    meta = AttentionMetadata(torch.arange(batch + 1, device=device, dtype=torch.int32),
+                             torch.full((batch,), ctx, device=device, dtype=torch.int32), table,
+                             torch.full((batch,), -1, device=device, dtype=torch.long), BLOCK_SIZE)
+    q = torch.randn(batch, 32, 128, device=device, dtype=torch.bfloat16)
+    return caches, meta, q, batch * ctx * 2 * 8 * 128 * 2
+
+
+def attention_sweep(device, contexts, batches, bw: float, log) -> list[dict]:
+    """The decode attention kernel alone at several launch sizes: achieved KV bandwidth per
+    target program count (bench/probe_attention.py times more shapes, in graphs)."""
     from drafter.attention.triton_backend import TritonBackend
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -384,13 +400,7 @@ def attention_sweep(device, contexts, batches, bw: float, log) -> list[dict]:
     for ctx in contexts:
         for b in batches:
             per_req = -(-(ctx + 8) // BLOCK_SIZE)
-            cache = torch.randn(2, b * per_req + 1, BLOCK_SIZE, 8, 128, device=device, dtype=torch.bfloat16)
-            table = torch.randperm(b * per_req, device=device).view(b, per_req).int()
-            meta = AttentionMetadata(torch.arange(b + 1, device=device, dtype=torch.int32),
-                                     torch.full((b,), ctx, device=device, dtype=torch.int32), table,
-                                     torch.full((b,), -1, device=device, dtype=torch.long), BLOCK_SIZE)
-            q = torch.randn(b, 32, 128, device=device, dtype=torch.bfloat16)
-            kv_bytes = b * ctx * 2 * 8 * 128 * 2
+            (cache,), meta, q, kv_bytes = decode_attention_case(device, ctx, b)
             for mult in (1, 2, 4, 8):
                 backend = TritonBackend(target_programs=mult * sms)
                 us = statistics.median(time_events(lambda: backend.attend(q, cache, meta, None), 20, sync_each=False))
