@@ -199,6 +199,11 @@ class DraftEngine:
             raise InvalidInput("block_table", "block id outside the pool")
         return self.store.read(row, num_tokens).clone()
 
+    @property
+    def graph_replays(self) -> int:
+        """Calls served by CUDA-graph replay so far (the service's drafter_graph_replays_total)."""
+        return self.graphs.replays if self.graphs is not None else 0
+
     def kv_snapshot(self) -> list[torch.Tensor]:
         return self.store.snapshot() if self.kv is None else self.kv.snapshot()
 

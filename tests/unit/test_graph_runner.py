@@ -102,6 +102,7 @@ def test_drafts_land_in_a_fresh_tensor_of_the_real_batch(tiny_root):
     for ids, expected in kept:
         assert torch.equal(ids.cpu(), expected), "a later call overwrote an earlier call's drafts"
     assert fast.graphs.replays == len(kept)
+    assert fast.graph_replays == len(kept), "what the service's graph-replay metric reads"
 
 
 def test_store_drafts_writes_only_the_real_rows():
