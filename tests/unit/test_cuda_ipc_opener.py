@@ -5,7 +5,6 @@ to sending the bytes."""
 
 from __future__ import annotations
 
-import asyncio
 import gc
 
 import msgspec
@@ -15,13 +14,13 @@ import torch
 from drafter.service import core as core_mod
 from drafter.service import cuda_ipc, cuda_support, schema
 from drafter.service.batcher import EngineRunner, Pending
-from drafter.service.core import ServiceCore, describe_engine
+from drafter.service.core import describe_engine
 from drafter.service.cuda_ipc import CudaIpcOpener
 from drafter.service.cuda_ref import FIELD
 from drafter.service.errors import Code, DrafterError
-from drafter.service.metrics import Metrics
 from drafter.service.sessions import SessionTable
 from drafter.service.wire import ProposeCall
+from tests.support.core import run_with_core
 from tests.support.cuda_refs import UUID, FakeCudaIpc, ref
 from tests.support.engines import build_engine
 from tests.support.scenario import Scenario
@@ -185,15 +184,7 @@ def test_a_runner_without_an_opener_refuses_references(engines):
 
 # ---------------------------------------------------------------------- the service core
 def _with_core(engine, body, allow=(True, "")):
-    async def main():
-        core = ServiceCore(metrics=Metrics(), max_sessions=4, batch_window_s=0.0, max_message_bytes=1 << 26,
-                           allow_cuda_ipc=allow)
-        core.set_engine(engine)
-        try:
-            return await body(core)
-        finally:
-            await core.close()
-    return asyncio.run(main())
+    return run_with_core(engine, body, allow_cuda_ipc=allow)
 
 
 @pytest.mark.parametrize("allow, reason", [((True, ""), "runs on cpu"), ((False, "disabled (x)"), "disabled (x)")])

@@ -11,10 +11,9 @@ import torch
 
 from drafter.service import core as core_mod
 from drafter.service import schema
-from drafter.service.core import ServiceCore
 from drafter.service.errors import Code, DrafterError
-from drafter.service.metrics import Metrics
 from drafter.service.wire import ProposeCall
+from tests.support.core import run_with_core
 from tests.support.engines import build_engine
 from tests.support.scenario import Scenario
 
@@ -44,17 +43,6 @@ def _scenario(engine, start_pos=0):
     return s
 
 
-def _run(engine, body, **kw):
-    async def main():
-        core = ServiceCore(metrics=Metrics(), max_sessions=4, batch_window_s=0.0, max_message_bytes=1 << 26, **kw)
-        core.set_engine(engine)
-        try:
-            return await body(core)
-        finally:
-            await core.close()
-    return asyncio.run(main())
-
-
 def _blocks_after_detach(engine) -> tuple[float, float]:
     """Session A fills its blocks, detaches; returns A's blocks' largest |value| before and after."""
     async def body(core):
@@ -68,7 +56,7 @@ def _blocks_after_detach(engine) -> tuple[float, float]:
         b = await core.attach(_layout(core))
         assert core.sessions.get(b.session_id).bases == s.bases, "the next session gets A's range"
         return before, after
-    return _run(engine, body)
+    return run_with_core(engine, body)
 
 
 def test_detach_wipes_the_blocks_before_reuse(engine, monkeypatch):
@@ -97,7 +85,7 @@ def test_epoch_session_and_draining(engine):
         assert e.value.code == Code.UNAVAILABLE and "draining" in e.value.message
         assert await core.wait_idle(0)
         return True
-    assert _run(engine, body)
+    assert run_with_core(engine, body)
 
 
 def test_idle_sessions_are_detached(engine):
@@ -107,7 +95,7 @@ def test_idle_sessions_are_detached(engine):
         while core.sessions.free_blocks() != [2 * BLOCKS]:  # the janitor sweeps every 50 ms here
             await asyncio.sleep(0.01)
         return a.session_id in core.sessions.sessions
-    assert _run(engine, body, session_idle_timeout_s=0.05) is False
+    assert run_with_core(engine, body, session_idle_timeout_s=0.05) is False
 
 
 def test_liveness_turns_on_a_stalled_engine_call(engine):
@@ -117,4 +105,4 @@ def test_liveness_turns_on_a_stalled_engine_call(engine):
         stalled = core.engine_stalled(60)
         core.runner.busy_since = None
         return stalled
-    assert _run(engine, body)
+    assert run_with_core(engine, body)
