@@ -190,9 +190,12 @@ def decode_size_pairs(cfg, width: int, token_sizes: list[int], batch_sizes: list
 def on_device(inp: ProposeInputs, device: torch.device) -> ProposeInputs:
     """The call's tensors where the captured loader can read them: on the engine's device (a no-op
     for an in-process caller on the GPU), or left in pinned host memory, which the GPU reads in
-    place (the service stages every call there: no copy launch per tensor)."""
+    place (the service stages every call there: no copy launch per tensor).  A pinned tensor the
+    header would have to convert (not contiguous) moves too: its converted copy would be pageable."""
     def move(t):
-        if t is None or t.device == device or (device.type == "cuda" and t.device.type == "cpu" and t.is_pinned()):
+        if t is None or t.device == device:
+            return t
+        if device.type == "cuda" and t.device.type == "cpu" and t.is_contiguous() and t.is_pinned():
             return t
         return t.to(device, non_blocking=True)
     if inp.target_token_ids.device == device and inp.target_hidden_states.device == device:
