@@ -126,10 +126,6 @@ class HostStager:
         self.buf_np: np.ndarray | None = None
         self.allocations = 0
 
-    def stage(self, t: torch.Tensor) -> torch.Tensor:
-        """t alone at the start of the buffer (t itself where it is not a CPU tensor or does not fit)."""
-        return self.stage_call({"t": t})["t"]
-
     def stage_call(self, kw: dict) -> dict:
         """kw with every CPU tensor (lists of them too) replaced by a copy in the buffer, each at a
         64-byte boundary; kw unchanged where it does not fit (the engine refuses such calls anyway)."""

@@ -257,14 +257,14 @@ def test_host_stager_copies_exactly_and_reuses_one_buffer():
     ptrs = set()
     for rows in (4, 2, 8, 8, 3, 16):
         t = torch.randn(rows, 64).to(torch.bfloat16)
-        out = stager.stage(t)
+        out = stager.stage_call({"t": t})["t"]
         assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
         ptrs.add(stager.buf.data_ptr())
     assert stager.allocations == len(ptrs) <= 3, "grown geometrically, never allocated per call"
     strided = torch.randn(8, 128).to(torch.bfloat16)[:, ::2]
-    assert torch.equal(stager.stage(strided), strided)
+    assert torch.equal(stager.stage_call({"t": strided})["t"], strided)
     huge = torch.zeros(1 << 19, dtype=torch.float32)  # 2 MiB: more than any call the engine accepts
-    assert stager.stage(huge) is huge and stager.buf.numel() <= 1 << 20
+    assert stager.stage_call({"t": huge})["t"] is huge and stager.buf.numel() <= 1 << 20
 
 
 def test_host_stager_stages_a_whole_call_in_one_buffer():
