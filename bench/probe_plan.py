@@ -26,11 +26,11 @@ SHAPES = {  # name: (rows of the weight, K, plan_gemm's fused work)
     "gate_up": (28672, 4096, {"silu_mul": True, "normed": True}), "down": (4096, 14336, {"residual": True}),
     "lm_head": (32000, 4096, {"normed": True, "argmax": True}),
 }
-EXTRA = {  # wider column blocks: fewer programs re-reading all of x's rows from L2 (m / block_n of
-    # the weight's bytes again).  Split-K versions of these (commit 6be30f1) lost everywhere.
-    16: (GemmConfig(128, 128, 8, 4), GemmConfig(16, 256, 4, 4)),
-    32: (GemmConfig(128, 64, 8, 4), GemmConfig(32, 256, 4, 3), GemmConfig(64, 64, 4, 6)),
-    64: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 64, 4, 6), GemmConfig(256, 64, 8, 3)),
+EXTRA = {  # more of the swapped MMA (weight rows as its M side) than the planner times
+    16: (GemmConfig(128, 128, 8, 4, swap=True), GemmConfig(32, 256, 4, 3, swap=True)),
+    32: (GemmConfig(32, 128, 4, 6, swap=True), GemmConfig(128, 128, 8, 3, swap=True)),
+    64: (GemmConfig(128, 128, 8, 3, swap=True), GemmConfig(128, 64, 8, 4, swap=True),
+         GemmConfig(128, 128, 4, 4, swap=True)),
 }
 
 
@@ -51,7 +51,7 @@ def main() -> None:
         plan_gemm(w, timings=timings, candidates=candidates, **work)
         floor = rows * k * 2 / bw * 1e6
         result["gemms"][name] = {"floor_us": floor, "timings_us": {
-            b: {c if isinstance(c, str) else f"{c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}": us
+            b: {c if isinstance(c, str) else c.label: us
                 for c, us in t.items()} for b, t in timings.items()}}
         for b, t in result["gemms"][name]["timings_us"].items():
             best = min((us, c) for c, us in t.items() if c != "cublas")

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from drafter.models.fused_kernels import ArgmaxParts
+from drafter.models.fused_kernels import ArgmaxParts, rms_norm
 
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL = 0, 1, 2
 MAX_ROWS = 64  # above this the product is no longer weight-streaming: cuBLAS
@@ -43,6 +43,14 @@ def _load_tile(rows, k, row_ok, K, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(rows + k[None, :], mask=row_ok[:, None], other=0.0)
     return tl.load(rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _mma(x, w, acc, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + x @ w.T ([BLOCK_M, BLOCK_N]), or with SWAP its transpose w @ x.T ([BLOCK_N, BLOCK_M])."""
+    if SWAP:
+        return tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["m", "n_parts_in"])
@@ -57,7 +65,7 @@ def skinny_gemm_kernel(
     m, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EPILOGUE: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr, SUMSQ_OUT: tl.constexpr,
-    ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -74,10 +82,13 @@ def skinny_gemm_kernel(
         ss = tl.load(sumsq_in_ptr + offs_m[:, None] * stride_sin + parts[None, :],
                      mask=m_ok[:, None] & (parts < n_parts_in)[None, :], other=0.0)
         inv_rms = tl.rsqrt(tl.sum(ss, 1) / K + eps)  # [BLOCK_M]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:  # the weight rows are the MMA's M side: [BLOCK_N, BLOCK_M] accumulators
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if EPILOGUE == 2:
         u_rows = w_rows + N.to(tl.int64) * stride_w
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros_like(acc)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
         x = _load_tile(x_rows, k, m_ok, K, EVEN_K)
@@ -88,12 +99,16 @@ def skinny_gemm_kernel(
         if DOT_F32:  # the interpreter's bf16 dot is wrong (triton 3.9); products are exact in f32 anyway
             x = x.to(tl.float32)
             w = w.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+        acc = _mma(x, w, acc, SWAP, PRECISION)
         if EPILOGUE == 2:
             wu = _load_tile(u_rows, k, n_ok, K, EVEN_K)
             if DOT_F32:
                 wu = wu.to(tl.float32)
-            acc_u += tl.dot(x, tl.trans(wu), input_precision=PRECISION)
+            acc_u = _mma(x, wu, acc_u, SWAP, PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
+        if EPILOGUE == 2:
+            acc_u = tl.trans(acc_u)
     ok = m_ok[:, None] & n_ok[None, :]
     if EPILOGUE == 1:
         res = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_res + offs_n[None, :], mask=ok, other=0.0)
@@ -122,6 +137,18 @@ class GemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    # weight rows as the MMA's M side (acc = W_tile @ x.T): at 32 rows a row block is below the
+    # H100 MMA's 64-row minimum and would waste half of each instruction
+    swap: bool = False
+    # normalise the input rows in a launch of their own instead of in the K loop: at 32-64 rows
+    # the per-tile norm work of NORM_IN no longer hides behind the weight stream (lm_head at 64
+    # rows: 108 us fused vs 94 us plain on an H100, bench/results/2026-11-24-h100/tma-probe)
+    prenorm: bool = False
+
+    @property
+    def label(self) -> str:
+        flags = ("swap" if self.swap else "") + ("+prenorm" if self.prenorm else "")
+        return f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}" + (f" {flags}" if flags else "")
 
 
 def block_m_for(m: int) -> int:
@@ -183,6 +210,8 @@ def skinny_gemm(
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"skinny_gemm: residual must be a [{m}, {n}] tensor with contiguous rows")
     cfg = config or pick_config(m, n, k, x.device, 2 if silu_mul else 1)
+    if norm is not None and cfg.prenorm:
+        x, norm = rms_norm(norm.x, norm.weight, norm.eps), None
     parts = triton.cdiv(n, cfg.block_n)
     partial = torch.empty(m, parts, dtype=torch.float32, device=x.device) if sumsq or argmax else None
     cand = ArgmaxParts(partial, torch.empty(m, parts, dtype=torch.int32, device=x.device)) if argmax else None
@@ -203,7 +232,7 @@ def skinny_gemm(
             BLOCK_P=triton.next_power_of_2(norm.sumsq.shape[1]) if norm is not None else 1, SUMSQ_OUT=sumsq,
             ARGMAX_OUT=argmax,
             DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if argmax:
         return out, cand
     return (out, partial) if sumsq else out

@@ -13,7 +13,7 @@ skinny kernel, so CI covers it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,14 +24,18 @@ from drafter.models import fused_kernels as K
 from drafter.models.skinny_gemm import MAX_ROWS, GemmConfig, NormedInput, block_m_for, pick_config, skinny_gemm
 
 ROW_BUCKETS = (16, 32, 64)  # the skinny kernel's row-block sizes: one decision per bucket
-# (block_n, block_k, warps, stages): the fastest configurations of H100 sweeps over the Llama-8B
-# step shapes (bench/probe_step_gemms.py 2026-11-22, bench/probe_plan.py 2026-11-24: the wide
-# 8-warp tile is what beats cuBLAS on gate/up and the lm_head at 64 rows); timing picks among
-# them per weight
+# (block_n, block_k, warps, stages[, swap]): the fastest configurations of H100 sweeps over the
+# Llama-8B step shapes (bench/probe_step_gemms.py 2026-11-22; bench/probe_plan.py and
+# bench/probe_tma_gemm.py 2026-11-24: the wide 8-warp tiles beat cuBLAS on gate/up and the lm_head
+# at 64 rows, the swapped MMA wins at 32 rows); timing picks among them per weight.  For a normed
+# input each is also timed with the norm as a launch of its own (GemmConfig.prenorm).
 CANDIDATES = {
-    16: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 256, 4, 3), GemmConfig(32, 512, 4, 3)),
-    32: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6)),
-    64: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6), GemmConfig(128, 64, 8, 4)),
+    16: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 256, 4, 3), GemmConfig(32, 512, 4, 3),
+         GemmConfig(64, 256, 4, 3, swap=True)),
+    32: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6),
+         GemmConfig(64, 128, 4, 6, swap=True), GemmConfig(128, 128, 4, 4, swap=True)),
+    64: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6), GemmConfig(128, 64, 8, 4),
+         GemmConfig(64, 128, 4, 6), GemmConfig(128, 128, 8, 3), GemmConfig(64, 128, 4, 6, swap=True)),
 }
 
 
@@ -107,7 +111,8 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
 
         best, best_us = None, time_of({})
         seen = {"cublas": best_us}
-        for cfg in candidates[bucket]:
+        prenormed = tuple(replace(c, prenorm=True) for c in candidates[bucket]) if normed else ()
+        for cfg in candidates[bucket] + prenormed:
             us = seen[cfg] = time_of({bucket: cfg})
             if us < best_us:
                 best, best_us = cfg, us

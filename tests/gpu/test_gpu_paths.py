@@ -249,27 +249,30 @@ def test_graph_replay_equals_eager_on_8b_shapes():
     assert _rel(fast.draft_logits, ref.draft_logits) < 3e-2
 
 
+@pytest.mark.parametrize("swap", [False, True])
 @pytest.mark.parametrize("m", [1, 7, 16, 40, 64])
 @pytest.mark.parametrize("shape", ["qkv", "o", "gate_up", "down", "lm_head"])
-def test_skinny_gemm_matches_cublas_on_8b_shapes(shape, m):
-    """The weight-streaming kernel, its picked block sizes and epilogues, vs cuBLAS + torch."""
+def test_skinny_gemm_matches_cublas_on_8b_shapes(shape, m, swap):
+    """The weight-streaming kernel, its picked block sizes (or the swapped MMA) and epilogues, vs
+    cuBLAS + torch."""
     import torch.nn.functional as F
 
     from drafter.models.fused_kernels import silu_mul
-    from drafter.models.skinny_gemm import skinny_gemm
+    from drafter.models.skinny_gemm import GemmConfig, skinny_gemm
 
     n, k, epilogue = {"qkv": (6144, 8192, None), "o": (4096, 4096, None), "gate_up": (28672, 4096, "silu"),
                       "down": (4096, 14336, "residual"), "lm_head": (32000, 4096, None)}[shape]
     g = torch.Generator(device=CUDA).manual_seed(m)
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device=CUDA, dtype=torch.bfloat16, generator=g) * k ** -0.5
+    cfg = GemmConfig(64, 128, 4, 4, swap=True) if swap else None
     if epilogue == "silu":
-        got, want = skinny_gemm(x, w, silu_mul=True), silu_mul(F.linear(x, w))
+        got, want = skinny_gemm(x, w, silu_mul=True, config=cfg), silu_mul(F.linear(x, w))
     elif epilogue == "residual":
         res = torch.randn(m, n, device=CUDA, dtype=torch.bfloat16, generator=g)
-        got, want = skinny_gemm(x, w, residual=res.clone()), res.clone().addmm_(x, w.t())
+        got, want = skinny_gemm(x, w, residual=res.clone(), config=cfg), res.clone().addmm_(x, w.t())
     else:
-        got, want = skinny_gemm(x, w), F.linear(x, w)
+        got, want = skinny_gemm(x, w, config=cfg), F.linear(x, w)
     assert _rel(got, want) < (2e-2 if epilogue == "silu" else 1e-2)
 
 

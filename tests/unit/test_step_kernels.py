@@ -68,11 +68,36 @@ def test_skinny_gemm_rejects_what_it_cannot_do():
         skinny_gemm(torch.zeros(2, 16), torch.zeros(8, 16), residual=torch.zeros(2, 9))
 
 
-@pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 4, 1), GemmConfig(32, 64, 4, 2)])
+@pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 4, 1), GemmConfig(32, 64, 4, 2),
+                                 GemmConfig(32, 64, 4, 2, swap=True)])
 def test_skinny_gemm_block_sizes_do_not_change_the_result(cfg):
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(4, 128, generator=g).to(DEVICE), torch.randn(72, 128, generator=g).to(DEVICE)
     torch.testing.assert_close(skinny_gemm(x, w, config=cfg), x @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [3, 33])
+def test_swapped_mma_and_prenorm_keep_every_epilogue(m):
+    """GemmConfig.swap (acc = W_tile @ x.T) and .prenorm (the norm as its own launch) change where
+    the work happens, not the result: every epilogue and side output against the plain config."""
+    g = torch.Generator().manual_seed(m)
+    k, n = 64, 40
+    x, res = torch.randn(m, k, generator=g).to(DEVICE), torch.randn(m, n, generator=g).to(DEVICE)
+    w, w2 = torch.randn(n, k, generator=g).to(DEVICE), torch.randn(2 * n, k, generator=g).to(DEVICE)
+    normed = NormedInput(x, (x * x).sum(1, keepdim=True), torch.randn(k, generator=g).to(DEVICE), 1e-5)
+    plain = GemmConfig(16, 32, 4, 1)
+    for cfg in (GemmConfig(16, 32, 4, 1, swap=True), GemmConfig(16, 32, 4, 1, prenorm=True),
+                GemmConfig(16, 32, 4, 1, swap=True, prenorm=True)):
+        for inp in (x, normed):
+            for kw in ({"residual": res, "sumsq": True}, {"argmax": True}, {"silu_mul": True}):
+                weight = w2 if kw.get("silu_mul") else w
+                want, got = (skinny_gemm(inp, weight, config=c, **kw) for c in (plain, cfg))
+                want, got = (r if isinstance(r, tuple) else (r,) for r in (want, got))
+                torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+                if "argmax" in kw:
+                    assert torch.equal(K.greedy_ids(got[1]), K.greedy_ids(want[1]))
+                elif "sumsq" in kw:
+                    torch.testing.assert_close(got[1], want[1], atol=1e-3, rtol=1e-5)
 
 
 def test_weight_gemm_routes_by_bucket():
