@@ -48,9 +48,11 @@ def _load_tile(rows, k, row_ok, K, EVEN_K: tl.constexpr):
 @triton.jit
 def _mma(x, w, acc, SWAP: tl.constexpr, PRECISION: tl.constexpr):
     """acc + x @ w.T ([BLOCK_M, BLOCK_N]), or with SWAP its transpose w @ x.T ([BLOCK_N, BLOCK_M])."""
-    if SWAP:
-        return tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if SWAP:  # one return: the compiler would still build a statement after a constexpr-if return
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    else:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit(do_not_specialize=["m", "n_parts_in"])
