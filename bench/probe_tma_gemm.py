@@ -102,7 +102,7 @@ def main() -> None:
             times = {"cublas": graph_time_us(lambda i: F.linear(x, copies[i % 3]), calls=6)}
             bucket = max(16, triton.next_power_of_2(m))
             for c in CANDIDATES[bucket]:
-                times[f"skinny {c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}"] = graph_time_us(
+                times[f"skinny {c.label}"] = graph_time_us(
                     lambda i, c=c: skinny_gemm(x, copies[i % 3], out=outs[i % 3], config=c), calls=6)
             for variant, ws, swap in (("tma", False, False), ("tma_ws", True, False), ("swap", False, True)):
                 for bn, bk, wp, st in TMA_CONFIGS:

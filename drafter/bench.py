@@ -440,7 +440,7 @@ def gemm_plans(head) -> dict[str, dict[int, str]]:
     from drafter.models.weight_gemm import WeightGemm
 
     def name(c) -> str:
-        return c if isinstance(c, str) else f"{c.block_n}/{c.block_k}/{c.num_warps}/{c.num_stages}"
+        return c if isinstance(c, str) else c.label
 
     plans = {}
     for mod_name, mod in head.named_modules():
@@ -608,8 +608,10 @@ def run(args) -> dict:
             log(f" k={k}: engine built in {time.perf_counter() - t0:.1f}s")
             meta.setdefault("gemm_plans", {})[f"{head_name} k={k}"] = plans = gemm_plans(head)
             for name, plan in plans.items():
-                log(f"  GEMM plan {name} (row bucket: us of cuBLAS and of each block_n/block_k/warps/stages): "
-                    + " | ".join(f"{b}: " + ", ".join(f"{c} {us:.1f}" for c, us in t.items())
+                log(f"  GEMM plan {name} (row bucket: picked; us of cuBLAS and of each"
+                    " block_n/block_k/warps/stages[ swap][+prenorm]): "
+                    + " | ".join(f"{b}: {plan['picked'].get(b, 'cublas')}; "
+                                 + ", ".join(f"{c} {us:.1f}" for c, us in t.items())
                                  for b, t in plan["timings_us"].items()))
             rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, peak,
                                  args.iters, not args.no_eager, log)
