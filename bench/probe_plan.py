@@ -26,11 +26,10 @@ SHAPES = {  # name: (rows of the weight, K, plan_gemm's fused work)
     "gate_up": (28672, 4096, {"silu_mul": True, "normed": True}), "down": (4096, 14336, {"residual": True}),
     "lm_head": (32000, 4096, {"normed": True, "argmax": True}),
 }
-EXTRA = {  # more of the swapped MMA (weight rows as its M side) than the planner times
-    16: (GemmConfig(128, 128, 8, 4, swap=True), GemmConfig(32, 256, 4, 3, swap=True)),
-    32: (GemmConfig(32, 128, 4, 6, swap=True), GemmConfig(128, 128, 8, 3, swap=True)),
-    64: (GemmConfig(128, 128, 8, 3, swap=True), GemmConfig(128, 64, 8, 4, swap=True),
-         GemmConfig(128, 128, 4, 4, swap=True)),
+EXTRA = {  # a few more than the planner times: 8-warp and 64-key tiles with TMA loads
+    16: (GemmConfig(128, 128, 8, 4, swap=True, tma=True),),
+    32: (GemmConfig(64, 128, 4, 6, tma=True), GemmConfig(128, 64, 8, 4, swap=True, tma=True)),
+    64: (GemmConfig(128, 64, 8, 4), GemmConfig(128, 64, 8, 4, tma=True), GemmConfig(128, 128, 8, 3, swap=True, tma=True)),
 }
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from drafter.models.fused_kernels import ArgmaxParts, rms_norm
 
@@ -57,8 +58,8 @@ def _mma(x, w, acc, SWAP: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit(do_not_specialize=["m", "n_parts_in"])
 def skinny_gemm_kernel(
-    x_ptr, stride_x,  # [m, K]
-    w_ptr, stride_w,  # [N_W, K]; SILU_MUL: [2 * N, K] = [gate; up]
+    x_ptr, stride_x,  # [m, K]; TMA: a descriptor of it, [BLOCK_M, BLOCK_K] boxes
+    w_ptr, stride_w,  # [N_W, K]; SILU_MUL: [2 * N, K] = [gate; up]; TMA: a descriptor, [BLOCK_N, BLOCK_K] boxes
     out_ptr, stride_out,  # [m, N]
     res_ptr, stride_res,  # [m, N], EPILOGUE_RESIDUAL only
     norm_w_ptr, sumsq_in_ptr, stride_sin, n_parts_in, eps,  # NORM_IN: [K], [m, n_parts_in] f32
@@ -68,6 +69,7 @@ def skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EPILOGUE: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr, SUMSQ_OUT: tl.constexpr,
     ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -77,8 +79,9 @@ def skinny_gemm_kernel(
     m_ok = offs_m < m
     n_ok = offs_n < N
     dtype = out_ptr.dtype.element_ty
-    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
+    if not TMA:
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
     if NORM_IN:  # layers.RMSNorm: (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight, cast to dtype
         parts = tl.arange(0, BLOCK_P)
         ss = tl.load(sumsq_in_ptr + offs_m[:, None] * stride_sin + parts[None, :],
@@ -89,12 +92,17 @@ def skinny_gemm_kernel(
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if EPILOGUE == 2:
-        u_rows = w_rows + N.to(tl.int64) * stride_w
+        if not TMA:
+            u_rows = w_rows + N.to(tl.int64) * stride_w
         acc_u = tl.zeros_like(acc)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        x = _load_tile(x_rows, k, m_ok, K, EVEN_K)
-        w = _load_tile(w_rows, k, n_ok, K, EVEN_K)
+        if TMA:  # the copy engine fetches the boxes; rows and columns outside the tensor read 0
+            x = x_ptr.load([pid_m * BLOCK_M, k0])
+            w = w_ptr.load([pid_n * BLOCK_N, k0])
+        else:
+            x = _load_tile(x_rows, k, m_ok, K, EVEN_K)
+            w = _load_tile(w_rows, k, n_ok, K, EVEN_K)
         if NORM_IN:
             nw = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
             x = ((x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
@@ -103,7 +111,10 @@ def skinny_gemm_kernel(
             w = w.to(tl.float32)
         acc = _mma(x, w, acc, SWAP, PRECISION)
         if EPILOGUE == 2:
-            wu = _load_tile(u_rows, k, n_ok, K, EVEN_K)
+            if TMA:  # a last gate block past N reads up rows: their columns are masked at the store
+                wu = w_ptr.load([N + pid_n * BLOCK_N, k0])
+            else:
+                wu = _load_tile(u_rows, k, n_ok, K, EVEN_K)
             if DOT_F32:
                 wu = wu.to(tl.float32)
             acc_u = _mma(x, wu, acc_u, SWAP, PRECISION)
@@ -146,11 +157,22 @@ class GemmConfig:
     # the per-tile norm work of NORM_IN no longer hides behind the weight stream (lm_head at 64
     # rows: 108 us fused vs 94 us plain on an H100, bench/results/2026-11-24-h100/tma-probe)
     prenorm: bool = False
+    # x and W tiles fetched by the Hopper tensor-memory accelerator (host-built descriptors)
+    # instead of per-thread loads; used where the boxes and strides allow it (tma_usable)
+    tma: bool = False
 
     @property
     def label(self) -> str:
-        flags = ("swap" if self.swap else "") + ("+prenorm" if self.prenorm else "")
+        flags = ("swap" if self.swap else "") + ("+tma" if self.tma else "") + ("+prenorm" if self.prenorm else "")
         return f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}" + (f" {flags}" if flags else "")
+
+
+def tma_usable(t: torch.Tensor, box_rows: int, box_cols: int) -> bool:
+    """Whether a tensor-memory-accelerator descriptor can cover t [rows, cols] in boxes of
+    box_rows x box_cols: boxes of at most 256 per side, 16-byte aligned base and row stride."""
+    size = t.element_size()
+    return (t.dim() == 2 and t.stride(1) == 1 and box_rows <= 256 and box_cols <= 256
+            and box_cols * size >= 16 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0)
 
 
 def block_m_for(m: int) -> int:
@@ -224,8 +246,11 @@ def skinny_gemm(
         s_in = norm.sumsq if norm is not None else out
         s_out = partial if sumsq else out
         a_val, a_idx = (cand.values, cand.indices) if argmax else (out, out)
+        tma = cfg.tma and tma_usable(x, block_m, cfg.block_k) and tma_usable(weight, cfg.block_n, cfg.block_k)
+        x_arg = TensorDescriptor.from_tensor(x, [block_m, cfg.block_k]) if tma else x
+        w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
         skinny_gemm_kernel[(parts, triton.cdiv(m, block_m))](
-            x, x.stride(0), weight, weight.stride(0), out, out.stride(0), res, res.stride(0),
+            x_arg, x.stride(0), w_arg, weight.stride(0), out, out.stride(0), res, res.stride(0),
             norm.weight if norm is not None else weight, s_in, s_in.stride(0),
             norm.sumsq.shape[1] if norm is not None else 0, norm.eps if norm is not None else 0.0,
             s_out, s_out.stride(0), a_val, a_idx, a_val.stride(0), m, n, k,
@@ -234,7 +259,7 @@ def skinny_gemm(
             BLOCK_P=triton.next_power_of_2(norm.sumsq.shape[1]) if norm is not None else 1, SUMSQ_OUT=sumsq,
             ARGMAX_OUT=argmax,
             DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            SWAP=cfg.swap, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            SWAP=cfg.swap, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if argmax:
         return out, cand
     return (out, partial) if sumsq else out

@@ -24,18 +24,22 @@ from drafter.models import fused_kernels as K
 from drafter.models.skinny_gemm import MAX_ROWS, GemmConfig, NormedInput, block_m_for, pick_config, skinny_gemm
 
 ROW_BUCKETS = (16, 32, 64)  # the skinny kernel's row-block sizes: one decision per bucket
-# (block_n, block_k, warps, stages[, swap]): the fastest configurations of H100 sweeps over the
-# Llama-8B step shapes (bench/probe_step_gemms.py 2026-11-22; bench/probe_plan.py and
-# bench/probe_tma_gemm.py 2026-11-24: the wide 8-warp tiles beat cuBLAS on gate/up and the lm_head
-# at 64 rows, the swapped MMA wins at 32 rows); timing picks among them per weight.  For a normed
-# input each is also timed with the norm as a launch of its own (GemmConfig.prenorm).
+# (block_n, block_k, warps, stages[, swap, tma]): the fastest configurations of H100 sweeps over
+# the Llama-8B step shapes (bench/probe_step_gemms.py 2026-11-22; bench/probe_plan.py and
+# bench/probe_tma_gemm.py 2026-11-24: wide tiles with the norm as its own launch beat cuBLAS on
+# gate/up and the lm_head at 64 rows, the swapped MMA and TMA loads win at 32 rows); timing picks
+# among them per weight.  For a normed input each is also timed with the norm as a launch of its
+# own (GemmConfig.prenorm).
+_SWAP, _SWAP_TMA, _TMA = dict(swap=True), dict(swap=True, tma=True), dict(tma=True)
 CANDIDATES = {
     16: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 256, 4, 3), GemmConfig(32, 512, 4, 3),
-         GemmConfig(64, 256, 4, 3, swap=True)),
+         GemmConfig(64, 256, 4, 3, **_SWAP), GemmConfig(128, 128, 8, 4, **_SWAP), GemmConfig(64, 256, 4, 3, **_SWAP_TMA)),
     32: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6),
-         GemmConfig(64, 128, 4, 6, swap=True), GemmConfig(128, 128, 4, 4, swap=True)),
-    64: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6), GemmConfig(128, 64, 8, 4),
-         GemmConfig(64, 128, 4, 6), GemmConfig(128, 128, 8, 3), GemmConfig(64, 128, 4, 6, swap=True)),
+         GemmConfig(64, 128, 4, 6, **_SWAP), GemmConfig(128, 128, 4, 4, **_SWAP), GemmConfig(64, 128, 4, 6, **_SWAP_TMA),
+         GemmConfig(128, 128, 8, 3, **_SWAP_TMA), GemmConfig(128, 128, 4, 4, **_SWAP_TMA)),
+    64: (GemmConfig(32, 128, 4, 3), GemmConfig(64, 128, 4, 3), GemmConfig(32, 128, 4, 6), GemmConfig(64, 128, 4, 6),
+         GemmConfig(64, 128, 4, 6, **_SWAP), GemmConfig(128, 128, 8, 3), GemmConfig(64, 128, 4, 6, **_TMA),
+         GemmConfig(64, 128, 4, 6, **_SWAP_TMA), GemmConfig(128, 128, 8, 3, **_TMA), GemmConfig(128, 128, 4, 4, **_SWAP_TMA)),
 }
 
 

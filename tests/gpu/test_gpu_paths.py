@@ -249,12 +249,12 @@ def test_graph_replay_equals_eager_on_8b_shapes():
     assert _rel(fast.draft_logits, ref.draft_logits) < 3e-2
 
 
-@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("variant", ["picked", "swap", "tma", "swap+tma"])
 @pytest.mark.parametrize("m", [1, 7, 16, 40, 64])
 @pytest.mark.parametrize("shape", ["qkv", "o", "gate_up", "down", "lm_head"])
-def test_skinny_gemm_matches_cublas_on_8b_shapes(shape, m, swap):
-    """The weight-streaming kernel, its picked block sizes (or the swapped MMA) and epilogues, vs
-    cuBLAS + torch."""
+def test_skinny_gemm_matches_cublas_on_8b_shapes(shape, m, variant):
+    """The weight-streaming kernel, its picked block sizes (or the swapped MMA, or TMA loads) and
+    epilogues, vs cuBLAS + torch."""
     import torch.nn.functional as F
 
     from drafter.models.fused_kernels import silu_mul
@@ -265,7 +265,7 @@ def test_skinny_gemm_matches_cublas_on_8b_shapes(shape, m, swap):
     g = torch.Generator(device=CUDA).manual_seed(m)
     x = torch.randn(m, k, device=CUDA, dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device=CUDA, dtype=torch.bfloat16, generator=g) * k ** -0.5
-    cfg = GemmConfig(64, 128, 4, 4, swap=True) if swap else None
+    cfg = None if variant == "picked" else GemmConfig(64, 128, 4, 4, swap="swap" in variant, tma="tma" in variant)
     if epilogue == "silu":
         got, want = skinny_gemm(x, w, silu_mul=True, config=cfg), silu_mul(F.linear(x, w))
     elif epilogue == "residual":

@@ -59,6 +59,18 @@ def test_skinny_gemm_residual_in_place_and_strided_rows():
     torch.testing.assert_close(res, want, atol=1e-4, rtol=1e-4)
 
 
+def test_tma_falls_back_where_a_descriptor_cannot_cover_the_tensor():
+    """A row stride that is not 16-byte aligned (a 5-float slice) takes the per-thread loads."""
+    from drafter.models.skinny_gemm import tma_usable
+
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(6, 69, generator=g).to(DEVICE)
+    x, w = wide[:, 2:66], torch.randn(24, 64, generator=g).to(DEVICE)
+    assert not tma_usable(x, 16, 32) and tma_usable(w, 16, 32) and not tma_usable(w, 16, 512)
+    got = skinny_gemm(x, w, config=GemmConfig(16, 32, 4, 1, tma=True))
+    torch.testing.assert_close(got, x @ w.t(), atol=1e-4, rtol=1e-4)
+
+
 def test_skinny_gemm_rejects_what_it_cannot_do():
     with pytest.raises(ValueError, match="rows"):
         skinny_gemm(torch.zeros(MAX_ROWS + 1, 16), torch.zeros(8, 16))
@@ -77,17 +89,18 @@ def test_skinny_gemm_block_sizes_do_not_change_the_result(cfg):
 
 
 @pytest.mark.parametrize("m", [3, 33])
-def test_swapped_mma_and_prenorm_keep_every_epilogue(m):
-    """GemmConfig.swap (acc = W_tile @ x.T) and .prenorm (the norm as its own launch) change where
-    the work happens, not the result: every epilogue and side output against the plain config."""
+def test_swapped_mma_tma_and_prenorm_keep_every_epilogue(m):
+    """GemmConfig.swap (acc = W_tile @ x.T), .tma (descriptor loads) and .prenorm (the norm as its
+    own launch) change where the work happens, not the result: every epilogue and side output
+    against the plain config (K = 72: a partial last K tile, which TMA fills with zeros)."""
     g = torch.Generator().manual_seed(m)
-    k, n = 64, 40
+    k, n = 72, 40
     x, res = torch.randn(m, k, generator=g).to(DEVICE), torch.randn(m, n, generator=g).to(DEVICE)
     w, w2 = torch.randn(n, k, generator=g).to(DEVICE), torch.randn(2 * n, k, generator=g).to(DEVICE)
     normed = NormedInput(x, (x * x).sum(1, keepdim=True), torch.randn(k, generator=g).to(DEVICE), 1e-5)
     plain = GemmConfig(16, 32, 4, 1)
     for cfg in (GemmConfig(16, 32, 4, 1, swap=True), GemmConfig(16, 32, 4, 1, prenorm=True),
-                GemmConfig(16, 32, 4, 1, swap=True, prenorm=True)):
+                GemmConfig(16, 32, 4, 1, tma=True), GemmConfig(16, 32, 4, 1, swap=True, tma=True, prenorm=True)):
         for inp in (x, normed):
             for kw in ({"residual": res, "sumsq": True}, {"argmax": True}, {"silu_mul": True}):
                 weight = w2 if kw.get("silu_mul") else w
