@@ -249,7 +249,7 @@ def test_graph_replay_equals_eager_on_8b_shapes():
     assert _rel(fast.draft_logits, ref.draft_logits) < 3e-2
 
 
-@pytest.mark.parametrize("variant", ["picked", "swap", "tma", "swap+tma"])
+@pytest.mark.parametrize("variant", ["picked", "swap+tma"])  # swap and tma apart: tests/unit (interpreter)
 @pytest.mark.parametrize("m", [1, 7, 16, 40, 64])
 @pytest.mark.parametrize("shape", ["qkv", "o", "gate_up", "down", "lm_head"])
 def test_skinny_gemm_matches_cublas_on_8b_shapes(shape, m, variant):
