@@ -442,13 +442,19 @@ def gemm_plans(head) -> dict[str, dict[int, str]]:
     def name(c) -> str:
         return c if isinstance(c, str) else c.label
 
+    def timings(plan_us: dict) -> dict:
+        return {b: {name(c): us for c, us in t.items()} for b, t in plan_us.items() if b != "prescaled"}
+
     plans = {}
     for mod_name, mod in head.named_modules():
         for attr, gemm in vars(mod).items():
             if isinstance(gemm, WeightGemm):
                 plans[f"{mod_name}.{attr}".lstrip(".")] = {
-                    "picked": {b: name(c) for b, c in gemm.configs.items()},
-                    "timings_us": {b: {name(c): us for c, us in t.items()} for b, t in gemm.plan_us.items()}}
+                    "picked": {b: name(c) for b, c in gemm.configs.items()}, "timings_us": timings(gemm.plan_us)}
+                if "prescaled" in gemm.plan_us:  # the plan for inputs that carry x * norm weight
+                    plans[f"{mod_name}.{attr} prescaled".lstrip(".")] = {
+                        "picked": {b: name(c) for b, c in gemm.scaled_configs.items()},
+                        "timings_us": timings(gemm.plan_us["prescaled"])}
     return plans
 
 

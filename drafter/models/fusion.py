@@ -56,7 +56,12 @@ def fuse_head(head: DraftHead, skinny: str = "auto") -> DraftHead:
 
     def gemm(weight, **fused_work):
         timings = {}
-        return WeightGemm(weight, plan_gemm(weight, mode=skinny, timings=timings, **fused_work), plan_us=timings)
+        plan = plan_gemm(weight, mode=skinny, timings=timings, **fused_work)
+        scaled = {}
+        if fused_work.get("normed"):  # its input usually comes with x * norm weight (residual_and_norm)
+            timings["prescaled"] = {}
+            scaled = plan_gemm(weight, mode=skinny, timings=timings["prescaled"], prescaled=True, **fused_work)
+        return WeightGemm(weight, plan, plan_us=timings, scaled_configs=scaled)
 
     for m in head.modules():
         if isinstance(m, Attention):
@@ -142,20 +147,22 @@ def attention_module(attn: Attention, x, positions, kv_cache, meta, backend) -> 
     return attn.o_gemm(attention(attn, x, positions, kv_cache, meta, backend))
 
 
-def _attention_then_mlp(layer, attn_in, residual, positions, kv_cache, meta, backend):
-    """The layer after its input norm: (residual stream out [rows, hidden], its per-row partial
-    sums of squares [rows, parts] f32 when the down GEMM wrote them, else None).
+def _attention_then_mlp(layer, attn_in, residual, positions, kv_cache, meta, backend,
+                        norm_after: RMSNorm | None = None):
+    """The layer after its input norm: (residual stream out x [rows, hidden], and with norm_after
+    what that norm hands the next GEMM (WeightGemm.residual_and_norm), else None).
 
-        s = residual + o(attention(attn_in))       o GEMM, residual epilogue, sums of squares
-        x = s + down(silu(gate(n)) * up(n))        n = post_attention_layernorm(s), normed on the fly
+        s = residual + o(attention(attn_in))       o GEMM, residual epilogue, sums of squares, s * w
+        x = s + down(silu(gate(n)) * up(n))        n = post_attention_layernorm(s), a row scale
     """
     attn = layer.self_attn
-    s, sumsq = attn.o_gemm(attention(attn, attn_in, positions, kv_cache, meta, backend), residual=residual,
-                           sumsq=True)
     norm = layer.post_attention_layernorm
-    h = NormedInput(s, sumsq, norm.weight, norm.eps) if sumsq is not None else K.rms_norm(s, norm.weight, norm.eps)
+    s, h = attn.o_gemm.residual_and_norm(attention(attn, attn_in, positions, kv_cache, meta, backend), residual,
+                                         norm.weight, norm.eps)
     act = layer.mlp.gate_up_gemm(h, silu_mul=True)
-    return layer.mlp.down_gemm(act, residual=s, out=s, sumsq=True)  # s is ours: accumulate in place
+    if norm_after is None:
+        return layer.mlp.down_gemm(act, residual=s, out=s), None  # s is ours: accumulate in place
+    return layer.mlp.down_gemm.residual_and_norm(act, s, norm_after.weight, norm_after.eps, out=s)
 
 
 def decoder_layer(layer: DecoderLayer, x, positions, kv_cache, meta, backend) -> torch.Tensor:
@@ -182,12 +189,13 @@ def eagle3_head(head: Eagle3Head, input_ids, positions, hidden, kv_caches, metas
         input_ids, head.embed_tokens.weight, hidden, first.input_layernorm.weight, first.hidden_norm.weight,
         first.input_layernorm.eps)
     residual = attn_in[:, hidden.shape[1]:] if first.norm_before_residual else hidden
-    x, sumsq = _attention_then_mlp(first, attn_in, residual, positions, kv_caches[0],
-                                   metas[head.kv_group_of_layer[0]], backend)
+    x, normed = _attention_then_mlp(first, attn_in, residual, positions, kv_caches[0],
+                                    metas[head.kv_group_of_layer[0]], backend,
+                                    head.norm if step > 0 and not rest else None)
     for i, layer in enumerate(rest, start=1):
-        x, sumsq = layer(x, positions, kv_caches[i], metas[head.kv_group_of_layer[i]], backend), None
-    if step > 0 and sumsq is not None:
-        return NormedInput(x, sumsq, head.norm.weight, head.norm.eps), x
+        x = layer(x, positions, kv_caches[i], metas[head.kv_group_of_layer[i]], backend)
+    if normed is not None:
+        return normed, x
     return head.norm(x), x
 
 

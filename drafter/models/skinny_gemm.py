@@ -9,10 +9,14 @@ This kernel streams W once and fuses the step's elementwise work:
 
     prologue  NORM_IN:   x <- RMSNorm(x) on the fly, from per-row partial sums of squares that
                          the GEMM producing x left behind (so no norm launch and no extra pass)
+              ROW_SCALE: x already holds x * norm_weight (that GEMM's SCALE_OUT), so the norm is
+                         RMSNorm(x) @ W.T = inv_rms(row) * ((x * norm_weight) @ W.T): a per-row
+                         scale of the accumulator, no per-tile work at all
     epilogue  RESIDUAL:  out = residual + x @ W.T   (one rounding, as addmm with beta=1)
               SILU_MUL:  out = silu(x @ Wg.T) * (x @ Wu.T)   (W = [gate; up], rounded as torch does)
               SUMSQ_OUT: also write each row's sum of squares over this program's columns, for
                          the next GEMM's NORM_IN
+              SCALE_OUT: also write out * norm_weight (the next norm's weight), for its ROW_SCALE
               ARGMAX_OUT: also write each row's largest (rounded) value over this program's
                          columns and its column: greedy drafting then reduces a few hundred
                          candidates per row instead of re-reading the logits
@@ -65,11 +69,12 @@ def skinny_gemm_kernel(
     norm_w_ptr, sumsq_in_ptr, stride_sin, n_parts_in, eps,  # NORM_IN: [K], [m, n_parts_in] f32
     sumsq_out_ptr, stride_sout,  # SUMSQ_OUT: [m, cdiv(N, BLOCK_N)] f32
     amax_val_ptr, amax_idx_ptr, stride_amax,  # ARGMAX_OUT: [m, cdiv(N, BLOCK_N)] f32 and int32
+    scaled_ptr, stride_scaled, scale_w_ptr,  # SCALE_OUT: [m, N] = out * scale_w, scale_w [N]
     m, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EPILOGUE: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr, SUMSQ_OUT: tl.constexpr,
     ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_OUT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -82,7 +87,7 @@ def skinny_gemm_kernel(
     if not TMA:
         x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    if NORM_IN:  # layers.RMSNorm: (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight, cast to dtype
+    if NORM_IN or ROW_SCALE:  # layers.RMSNorm: (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight
         parts = tl.arange(0, BLOCK_P)
         ss = tl.load(sumsq_in_ptr + offs_m[:, None] * stride_sin + parts[None, :],
                      mask=m_ok[:, None] & (parts < n_parts_in)[None, :], other=0.0)
@@ -122,6 +127,10 @@ def skinny_gemm_kernel(
         acc = tl.trans(acc)
         if EPILOGUE == 2:
             acc_u = tl.trans(acc_u)
+    if ROW_SCALE:
+        acc = acc * inv_rms[:, None]
+        if EPILOGUE == 2:
+            acc_u = acc_u * inv_rms[:, None]
     ok = m_ok[:, None] & n_ok[None, :]
     if EPILOGUE == 1:
         res = tl.load(res_ptr + offs_m.to(tl.int64)[:, None] * stride_res + offs_n[None, :], mask=ok, other=0.0)
@@ -134,6 +143,10 @@ def skinny_gemm_kernel(
         y = acc
     y = y.to(dtype)
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :], y, mask=ok)
+    if SCALE_OUT:  # of the stored (rounded) values, times the next norm's weight
+        sw = tl.load(scale_w_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(scaled_ptr + offs_m.to(tl.int64)[:, None] * stride_scaled + offs_n[None, :],
+                 (y.to(tl.float32) * sw[None, :]).to(dtype), mask=ok)
     if SUMSQ_OUT:  # of the stored (rounded) values, as the norm that reads them would compute
         yf = tl.where(ok, y.to(tl.float32), 0.0)
         tl.store(sumsq_out_ptr + offs_m * stride_sout + pid_n, tl.sum(yf * yf, 1), mask=m_ok)
@@ -203,6 +216,9 @@ class NormedInput:
     sumsq: torch.Tensor
     weight: torch.Tensor  # [K]
     eps: float
+    # x * weight [m, K], when the producing GEMM wrote it (SCALE_OUT): the consumer then only
+    # scales its rows (ROW_SCALE) instead of norming every tile it reads
+    scaled: torch.Tensor | None = None
 
 
 def skinny_gemm(
@@ -214,11 +230,16 @@ def skinny_gemm(
     out: torch.Tensor | None = None,  # [m, N]; may be `residual` itself (in place)
     sumsq: bool = False,  # also return the per-row partial sums of squares of out
     argmax: bool = False,  # also return the per-row argmax candidates of out (ArgmaxParts)
+    scale_out: torch.Tensor | None = None,  # [N], with sumsq: also return out * scale_out (NormedInput.scaled)
     config: GemmConfig | None = None,
 ):
-    """-> out [m, N]; with sumsq: (out, sums of squares [m, parts] f32); with argmax: (out, ArgmaxParts)."""
+    """-> out [m, N]; with sumsq: (out, sums of squares [m, parts] f32), and with scale_out
+    (out, sums of squares, out * scale_out [m, N]); with argmax: (out, ArgmaxParts).
+    A NormedInput x with .scaled is read as such: the norm is a per-row scale of the result."""
     if sumsq and argmax:
         raise ValueError("skinny_gemm: one of sumsq / argmax")
+    if scale_out is not None and not sumsq:
+        raise ValueError("skinny_gemm: scale_out feeds a norm, which needs sumsq too")
     norm = x if isinstance(x, NormedInput) else None
     if norm is not None:
         x = norm.x
@@ -233,9 +254,15 @@ def skinny_gemm(
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"skinny_gemm: residual must be a [{m}, {n}] tensor with contiguous rows")
+    if scale_out is not None and scale_out.shape != (n,):
+        raise ValueError(f"skinny_gemm: scale_out must have shape [{n}]")
     cfg = config or pick_config(m, n, k, x.device, 2 if silu_mul else 1)
-    if norm is not None and cfg.prenorm:
+    row_scale = norm is not None and norm.scaled is not None
+    if row_scale:
+        x = norm.scaled
+    elif norm is not None and cfg.prenorm:
         x, norm = rms_norm(norm.x, norm.weight, norm.eps), None
+    scaled = torch.empty(m, n, dtype=x.dtype, device=x.device) if scale_out is not None else None
     parts = triton.cdiv(n, cfg.block_n)
     partial = torch.empty(m, parts, dtype=torch.float32, device=x.device) if sumsq or argmax else None
     cand = ArgmaxParts(partial, torch.empty(m, parts, dtype=torch.int32, device=x.device)) if argmax else None
@@ -246,6 +273,7 @@ def skinny_gemm(
         s_in = norm.sumsq if norm is not None else out
         s_out = partial if sumsq else out
         a_val, a_idx = (cand.values, cand.indices) if argmax else (out, out)
+        sc_out, sc_w = (scaled, scale_out) if scale_out is not None else (out, weight)
         tma = cfg.tma and tma_usable(x, block_m, cfg.block_k) and tma_usable(weight, cfg.block_n, cfg.block_k)
         x_arg = TensorDescriptor.from_tensor(x, [block_m, cfg.block_k]) if tma else x
         w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
@@ -253,13 +281,15 @@ def skinny_gemm(
             x_arg, x.stride(0), w_arg, weight.stride(0), out, out.stride(0), res, res.stride(0),
             norm.weight if norm is not None else weight, s_in, s_in.stride(0),
             norm.sumsq.shape[1] if norm is not None else 0, norm.eps if norm is not None else 0.0,
-            s_out, s_out.stride(0), a_val, a_idx, a_val.stride(0), m, n, k,
+            s_out, s_out.stride(0), a_val, a_idx, a_val.stride(0), sc_out, sc_out.stride(0), sc_w, m, n, k,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-            EPILOGUE=epilogue, NORM_IN=norm is not None,
+            EPILOGUE=epilogue, NORM_IN=norm is not None and not row_scale,
             BLOCK_P=triton.next_power_of_2(norm.sumsq.shape[1]) if norm is not None else 1, SUMSQ_OUT=sumsq,
             ARGMAX_OUT=argmax,
             DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            SWAP=cfg.swap, TMA=tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            SWAP=cfg.swap, TMA=tma, ROW_SCALE=row_scale, SCALE_OUT=scale_out is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if argmax:
         return out, cand
+    if scale_out is not None:
+        return out, partial, scaled
     return (out, partial) if sumsq else out

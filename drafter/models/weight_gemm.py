@@ -51,6 +51,17 @@ class WeightGemm:
     weight: torch.Tensor  # [N, K]; silu_mul: [2 * N', K] = [gate; up]
     configs: dict[int, GemmConfig] = field(default_factory=dict)
     plan_us: dict = field(default_factory=dict, repr=False)  # plan_gemm's timings, for diagnostics
+    # for a NormedInput that carries .scaled (the norm is then a row scale of the result):
+    # plan_gemm(..., prescaled=True); a bucket absent here takes cuBLAS after a norm launch
+    scaled_configs: dict[int, GemmConfig] = field(default_factory=dict)
+
+    def _config(self, x: torch.Tensor | NormedInput) -> GemmConfig | None:
+        rows = x.x if isinstance(x, NormedInput) else x
+        m = rows.shape[0]
+        if m > MAX_ROWS or rows.stride(1) != 1:
+            return None
+        prescaled = isinstance(x, NormedInput) and x.scaled is not None
+        return (self.scaled_configs if prescaled else self.configs).get(block_m_for(m))
 
     def __call__(self, x: torch.Tensor | NormedInput, *, residual: torch.Tensor | None = None,
                  silu_mul: bool = False, out: torch.Tensor | None = None, sumsq: bool = False,
@@ -58,9 +69,7 @@ class WeightGemm:
         """x [m, K] (or rows to norm first) -> out [m, N] (silu_mul: [m, N / 2]), or with sumsq
         (out, per-row partial sums of squares of out or None), or with argmax (out, ArgmaxParts or
         None).  residual [m, N] is added; out may be residual itself."""
-        rows = x.x if isinstance(x, NormedInput) else x
-        m = rows.shape[0]
-        cfg = self.configs.get(block_m_for(m)) if m <= MAX_ROWS and rows.stride(1) == 1 else None
+        cfg = self._config(x)
         if cfg is not None:
             return skinny_gemm(x, self.weight, residual=residual, silu_mul=silu_mul, out=out, sumsq=sumsq,
                                argmax=argmax, config=cfg)
@@ -76,6 +85,19 @@ class WeightGemm:
                 y = out.copy_(y)
         return (y, None) if sumsq or argmax else y
 
+    def residual_and_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          out: torch.Tensor | None = None):
+        """s = residual + x @ W.T [m, N], and what the RMSNorm(norm_weight, eps) that follows it
+        hands the next GEMM: a NormedInput with the sums of squares and s * norm_weight from the
+        skinny kernel's epilogue, or (after cuBLAS) the normed rows.  out may be residual."""
+        cfg = self._config(x)
+        if cfg is None:
+            s = self(x, residual=residual, out=out)
+            return s, K.rms_norm(s, norm_weight, eps)
+        s, sumsq, scaled = skinny_gemm(x, self.weight, residual=residual, out=out, sumsq=True,
+                                       scale_out=norm_weight, config=cfg)
+        return s, NormedInput(s, sumsq, norm_weight, eps, scaled)
+
     def greedy_scores(self, x: torch.Tensor | NormedInput) -> torch.Tensor | K.ArgmaxParts:
         """What the greedy kernels reduce for x @ weight.T: the skinny kernel's per-block argmax
         candidates, or the logits [m, N] where cuBLAS made them."""
@@ -84,11 +106,12 @@ class WeightGemm:
 
 
 def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = False, normed: bool = False,
-              argmax: bool = False, mode: str = "auto", timings: dict | None = None,
+              prescaled: bool = False, argmax: bool = False, mode: str = "auto", timings: dict | None = None,
               candidates: dict[int, tuple[GemmConfig, ...]] = CANDIDATES) -> dict[int, GemmConfig]:
     """Row bucket -> skinny config, for the buckets where the skinny kernel is faster here.
     The candidates run the GEMM as the layer will: with its residual (and sums of squares) or
-    its SiLU, from normed input when `normed`.  mode "on": every bucket, "off": none.
+    its SiLU, from normed input when `normed` (and `prescaled`: input that carries x * weight,
+    WeightGemm.scaled_configs).  mode "on": every bucket, "off": none.
     timings: filled with {bucket: {"cublas" or the config: device us}} (diagnostics).
     candidates: the skinny configs to time per bucket (probes try others)."""
     if mode == "off":
@@ -100,8 +123,8 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
     plan = {}
     for bucket in ROW_BUCKETS:
         x = torch.randn(bucket, k, device=weight.device, dtype=weight.dtype)
-        inp = NormedInput(x, torch.rand(bucket, 8, device=x.device) * k, torch.ones(k, device=x.device,
-                                                                                    dtype=x.dtype), 1e-5) if normed else x
+        inp = NormedInput(x, torch.rand(bucket, 8, device=x.device) * k, torch.ones(k, device=x.device, dtype=x.dtype),
+                          1e-5, x.clone() if prescaled else None) if normed else x
         res = torch.randn(bucket, n, device=weight.device, dtype=weight.dtype) if residual else None
         norm_w = torch.ones(n, device=weight.device, dtype=weight.dtype)
 
@@ -115,7 +138,7 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
 
         best, best_us = None, time_of({})
         seen = {"cublas": best_us}
-        prenormed = tuple(replace(c, prenorm=True) for c in candidates[bucket]) if normed else ()
+        prenormed = tuple(replace(c, prenorm=True) for c in candidates[bucket]) if normed and not prescaled else ()
         for cfg in candidates[bucket] + prenormed:
             us = seen[cfg] = time_of({bucket: cfg})
             if us < best_us:

@@ -97,8 +97,15 @@ def test_swapped_mma_tma_and_prenorm_keep_every_epilogue(m):
     k, n = 72, 40
     x, res = torch.randn(m, k, generator=g).to(DEVICE), torch.randn(m, n, generator=g).to(DEVICE)
     w, w2 = torch.randn(n, k, generator=g).to(DEVICE), torch.randn(2 * n, k, generator=g).to(DEVICE)
-    normed = NormedInput(x, (x * x).sum(1, keepdim=True), torch.randn(k, generator=g).to(DEVICE), 1e-5)
+    norm_w = torch.randn(k, generator=g).to(DEVICE)
+    normed = NormedInput(x, (x * x).sum(1, keepdim=True), norm_w, 1e-5)
+    prescaled = NormedInput(x, normed.sumsq, norm_w, 1e-5, x * norm_w)  # the norm as a row scale
     plain = GemmConfig(16, 32, 4, 1)
+    for kw in ({"residual": res, "sumsq": True}, {"argmax": True}, {"silu_mul": True}):
+        weight = w2 if kw.get("silu_mul") else w
+        want, got = (skinny_gemm(inp, weight, config=plain, **kw) for inp in (normed, prescaled))
+        want, got = (r if isinstance(r, tuple) else (r,) for r in (want, got))
+        torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
     for cfg in (GemmConfig(16, 32, 4, 1, swap=True), GemmConfig(16, 32, 4, 1, prenorm=True),
                 GemmConfig(16, 32, 4, 1, tma=True), GemmConfig(16, 32, 4, 1, swap=True, tma=True, prenorm=True)):
         for inp in (x, normed):
@@ -120,6 +127,7 @@ def test_weight_gemm_routes_by_bucket():
     both = WeightGemm(w, plan_gemm(w, mode="on")), WeightGemm(w, plan_gemm(w, mode="off"))
     assert sorted(both[0].configs) == list(ROW_BUCKETS) and not both[1].configs
     norm_w = torch.randn(32, generator=g).to(DEVICE)
+    w2_next = torch.randn(24, 40, generator=g).to(DEVICE)
     for m in (1, 20, 64, 65):
         x = torch.randn(m, 32, generator=g).to(DEVICE)
         res = torch.randn(m, 40, generator=g).to(DEVICE)
@@ -135,6 +143,19 @@ def test_weight_gemm_routes_by_bucket():
         (a, sa), (b, sb) = (gemm(x, residual=res, out=res.clone(), sumsq=True) for gemm in both)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert sb is None and (sa is None) == (m > 64)
+        # s = res + x @ W.T and what RMSNorm(norm_w40) hands on: x * w and sums of squares from the
+        # skinny epilogue (a NormedInput), or normed rows after cuBLAS; the next GEMM reads either
+        norm_w40 = torch.randn(40, generator=g).to(DEVICE)
+        want_s = res + x @ w.t()
+        want_next = RMSNorm(40, 1e-5).to(DEVICE).requires_grad_(False)
+        want_next.weight.copy_(norm_w40)
+        want_next = want_next(want_s)
+        for gemm in both:
+            s, handed = gemm.residual_and_norm(x, res.clone(), norm_w40, 1e-5)
+            torch.testing.assert_close(s, want_s, atol=1e-4, rtol=1e-4)
+            assert isinstance(handed, NormedInput) == (gemm is both[0] and m <= 64)
+            nxt = WeightGemm(w2_next, plan_gemm(w2_next, mode="on"), scaled_configs=plan_gemm(w2_next, mode="on"))
+            torch.testing.assert_close(nxt(handed), want_next @ w2_next.t(), atol=1e-3, rtol=1e-4)
     half = WeightGemm(w, plan_gemm(w, silu_mul=True, mode="on"))
     x = torch.randn(3, 32, generator=g).to(DEVICE)
     torch.testing.assert_close(half(x, silu_mul=True), K.silu_mul(x @ w.t()), atol=1e-4, rtol=1e-4)
