@@ -129,7 +129,7 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
         norm_w = torch.ones(n, device=weight.device, dtype=weight.dtype)
 
         def time_of(configs):
-            gemms = [WeightGemm(w, configs) for w in copies]
+            gemms = [WeightGemm(w, configs, scaled_configs=configs) for w in copies]  # either input kind
             try:
                 return graph_time_us(lambda i: _as_layer_runs_it(gemms[i % 3], inp, res, silu_mul, argmax, norm_w),
                                      calls=6)

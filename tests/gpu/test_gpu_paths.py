@@ -287,3 +287,38 @@ def test_host_stager_hands_out_pinned_views():
     for t in (out["target_hidden_states"], out["seq_lens"], out["block_tables"][0]):
         assert t.is_pinned()
     assert torch.equal(out["target_hidden_states"], kw["target_hidden_states"])
+
+
+def test_the_planner_times_the_kernel_each_input_kind_will_run(monkeypatch):
+    """plan_gemm for a SiLU * up weight, with norm-weighted rows (prescaled) and without: every
+    candidate is launched in that mode (not silently replaced by the cuBLAS fallback), and every
+    picked config runs in the mode it was picked for and gives the normed product."""
+    import torch.nn.functional as F
+
+    from drafter.models import weight_gemm
+    from drafter.models.skinny_gemm import NormedInput
+    from drafter.models.weight_gemm import CANDIDATES, WeightGemm, plan_gemm
+
+    launched = []
+
+    def spy(x, weight, **kw):
+        launched.append((kw["config"], isinstance(x, NormedInput) and x.scaled is not None))
+        return skinny(x, weight, **kw)
+
+    skinny = weight_gemm.skinny_gemm
+    monkeypatch.setattr(weight_gemm, "skinny_gemm", spy)
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    w = torch.randn(2 * 4096, 1024, device=CUDA, dtype=torch.bfloat16, generator=g) * 1024 ** -0.5
+    norm_w = torch.rand(1024, device=CUDA, dtype=torch.bfloat16, generator=g) + 0.5
+    for prescaled in (False, True):
+        launched.clear()
+        plan = plan_gemm(w, silu_mul=True, normed=True, prescaled=prescaled)
+        assert {c for bucket in CANDIDATES for c in CANDIDATES[bucket]} <= {
+            c for c, scaled in launched if scaled == prescaled}
+        gemm = WeightGemm(w, {} if prescaled else plan, scaled_configs=plan if prescaled else {})
+        for bucket in plan:
+            x = torch.randn(bucket, 1024, device=CUDA, dtype=torch.bfloat16, generator=g)
+            sumsq = (x.float() ** 2).sum(1, keepdim=True)
+            inp = NormedInput(x, sumsq, norm_w, 1e-5, x * norm_w if prescaled else None)
+            gate, up = F.linear(F.rms_norm(x.float(), (1024,), norm_w.float(), 1e-5).bfloat16(), w).float().chunk(2, 1)
+            assert _rel(gemm(inp, silu_mul=True), F.silu(gate) * up) < 3e-2, (prescaled, bucket)
