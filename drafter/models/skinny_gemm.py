@@ -40,6 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from drafter.models.fused_kernels import ArgmaxParts, rms_norm
 
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL = 0, 1, 2
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_ROWS = 64  # above this the product is no longer weight-streaming: cuBLAS
 
 
@@ -74,7 +75,8 @@ def skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     EPILOGUE: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr, SUMSQ_OUT: tl.constexpr,
     ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
-    TMA: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_OUT: tl.constexpr,
+    TMA: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_OUT: tl.constexpr, STORE_OUT: tl.constexpr,
+    DTYPE: tl.constexpr,  # the activations' (and out's) dtype: every rounding point casts to it
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -83,7 +85,7 @@ def skinny_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < m
     n_ok = offs_n < N
-    dtype = out_ptr.dtype.element_ty
+    dtype = DTYPE
     if not TMA:
         x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
@@ -142,7 +144,8 @@ def skinny_gemm_kernel(
     else:
         y = acc
     y = y.to(dtype)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :], y, mask=ok)
+    if STORE_OUT:  # greedy drafting keeps only the argmax candidates, not the logits
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_out + offs_n[None, :], y, mask=ok)
     if SCALE_OUT:  # of the stored (rounded) values, times the next norm's weight
         sw = tl.load(scale_w_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(scaled_ptr + offs_m.to(tl.int64)[:, None] * stride_scaled + offs_n[None, :],
@@ -231,6 +234,7 @@ def skinny_gemm(
     sumsq: bool = False,  # also return the per-row partial sums of squares of out
     argmax: bool = False,  # also return the per-row argmax candidates of out (ArgmaxParts)
     scale_out: torch.Tensor | None = None,  # [N], with sumsq: also return out * scale_out (NormedInput.scaled)
+    keep_out: bool = True,  # False (argmax only): out is not written, and None is returned for it
     config: GemmConfig | None = None,
 ):
     """-> out [m, N]; with sumsq: (out, sums of squares [m, parts] f32), and with scale_out
@@ -240,6 +244,8 @@ def skinny_gemm(
         raise ValueError("skinny_gemm: one of sumsq / argmax")
     if scale_out is not None and not sumsq:
         raise ValueError("skinny_gemm: scale_out feeds a norm, which needs sumsq too")
+    if not keep_out and (not argmax or out is not None):
+        raise ValueError("skinny_gemm: only the argmax candidates can stand without out")
     norm = x if isinstance(x, NormedInput) else None
     if norm is not None:
         x = norm.x
@@ -250,7 +256,7 @@ def skinny_gemm(
     if m > MAX_ROWS:
         raise ValueError(f"skinny_gemm: {m} rows > {MAX_ROWS}")
     n = n_w // 2 if silu_mul else n_w
-    if out is None:
+    if out is None and keep_out:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"skinny_gemm: residual must be a [{m}, {n}] tensor with contiguous rows")
@@ -269,16 +275,17 @@ def skinny_gemm(
     if m:
         block_m = block_m_for(m)
         epilogue = EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_RESIDUAL if residual is not None else EPILOGUE_NONE
-        res = residual if residual is not None else out
-        s_in = norm.sumsq if norm is not None else out
-        s_out = partial if sumsq else out
+        any_out = out if keep_out else partial  # a placeholder for the pointers a variant does not read
+        res = residual if residual is not None else any_out
+        s_in = norm.sumsq if norm is not None else any_out
+        s_out = partial if sumsq else any_out
         a_val, a_idx = (cand.values, cand.indices) if argmax else (out, out)
-        sc_out, sc_w = (scaled, scale_out) if scale_out is not None else (out, weight)
+        sc_out, sc_w = (scaled, scale_out) if scale_out is not None else (any_out, weight)
         tma = cfg.tma and tma_usable(x, block_m, cfg.block_k) and tma_usable(weight, cfg.block_n, cfg.block_k)
         x_arg = TensorDescriptor.from_tensor(x, [block_m, cfg.block_k]) if tma else x
         w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
         skinny_gemm_kernel[(parts, triton.cdiv(m, block_m))](
-            x_arg, x.stride(0), w_arg, weight.stride(0), out, out.stride(0), res, res.stride(0),
+            x_arg, x.stride(0), w_arg, weight.stride(0), any_out, any_out.stride(0), res, res.stride(0),
             norm.weight if norm is not None else weight, s_in, s_in.stride(0),
             norm.sumsq.shape[1] if norm is not None else 0, norm.eps if norm is not None else 0.0,
             s_out, s_out.stride(0), a_val, a_idx, a_val.stride(0), sc_out, sc_out.stride(0), sc_w, m, n, k,
@@ -287,7 +294,8 @@ def skinny_gemm(
             BLOCK_P=triton.next_power_of_2(norm.sumsq.shape[1]) if norm is not None else 1, SUMSQ_OUT=sumsq,
             ARGMAX_OUT=argmax,
             DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            SWAP=cfg.swap, TMA=tma, ROW_SCALE=row_scale, SCALE_OUT=scale_out is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            SWAP=cfg.swap, TMA=tma, ROW_SCALE=row_scale, SCALE_OUT=scale_out is not None, STORE_OUT=keep_out,
+            DTYPE=_TL_DTYPES[x.dtype], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if argmax:
         return out, cand
     if scale_out is not None:

@@ -101,8 +101,11 @@ class WeightGemm:
     def greedy_scores(self, x: torch.Tensor | NormedInput) -> torch.Tensor | K.ArgmaxParts:
         """What the greedy kernels reduce for x @ weight.T: the skinny kernel's per-block argmax
         candidates, or the logits [m, N] where cuBLAS made them."""
-        logits, parts = self(x, argmax=True)
-        return parts if parts is not None else logits
+        cfg = self._config(x)
+        if cfg is not None:  # the candidates alone: the logits are not stored
+            return skinny_gemm(x, self.weight, argmax=True, keep_out=False, config=cfg)[1]
+        logits, _ = self(x, argmax=True)
+        return logits
 
 
 def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = False, normed: bool = False,

@@ -219,6 +219,9 @@ def test_argmax_candidates_give_torch_argmax(m):
     assert want[0] == 37
     assert parts.values.shape == (m, -(-vocab // 16)) and parts.indices.dtype == torch.int32
     assert torch.equal(K.greedy_ids(parts).cpu(), want)
+    nothing, alone = skinny_gemm(*dev, argmax=True, keep_out=False, config=GemmConfig(16, 32, 4, 1))
+    assert nothing is None  # greedy drafting: the candidates without storing the logits
+    assert torch.equal(alone.values, parts.values) and torch.equal(alone.indices, parts.indices)
     d2t = torch.randint(0, 50, (vocab,), generator=g).to(DEVICE)
     assert torch.equal(K.greedy_ids(parts, d2t).cpu(), want + d2t.cpu()[want])
     table, hidden = torch.randn(260, n, generator=g).to(DEVICE), torch.randn(m, n, generator=g).to(DEVICE)
