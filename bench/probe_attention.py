@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from drafter.attention import triton_backend
 from drafter.attention.triton_backend import AttentionLaunch, TritonBackend
 from drafter.bench import BLOCK_SIZE, copy_bandwidth, decode_attention_case
 from drafter.cuda_timing import graph_time_us
@@ -34,17 +33,10 @@ def sweep(args, bw, log) -> list[dict]:
         caches, meta, q, kv_bytes = decode_attention_case(device, ctx, b, copies=3)
         auto = TritonBackend()
         auto_us = graph_time_us(lambda i: auto.attend(q, caches[i % 3], meta, None), calls=6)
-        saved, triton_backend.MAX_TICKETS = triton_backend.MAX_TICKETS, 0  # splits combined by a second launch
-        try:
-            two = TritonBackend()
-            two_us = graph_time_us(lambda i: two.attend(q, caches[i % 3], meta, None), calls=6)
-        finally:
-            triton_backend.MAX_TICKETS = saved
-        rows.append({"ctx": ctx, "batch": b, "auto": True, "us": auto_us, "second_launch_us": two_us,
+        rows.append({"ctx": ctx, "batch": b, "auto": True, "us": auto_us,
                      "fraction_of_copy_bw": kv_bytes / (auto_us * 1e-6) / bw})
-        log(f"  attention ctx={ctx:5} b={b:3}: auto {auto_us:6.1f} us, with a second combining launch {two_us:6.1f} us")
         best = None
-        for launch in launches if args.forced else ():
+        for launch in launches:
             for mult in (2, 4, 8):
                 backend = TritonBackend(target_programs=mult * sms, launch=launch)
                 try:
@@ -59,8 +51,6 @@ def sweep(args, bw, log) -> list[dict]:
                 rows.append(row)
                 if best is None or us < best["us"]:
                     best = row
-        if best is None:
-            continue
         log(f"  attention ctx={ctx:5} b={b:3}: auto {auto_us:6.1f} us "
             f"({kv_bytes / (auto_us * 1e-6) / bw:.2f} bw) | best forced {best['us']:6.1f} us "
             f"({best['fraction_of_copy_bw']:.2f} bw) block_n={best['block_n']} warps={best['num_warps']} "
@@ -74,7 +64,6 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--contexts", default="1024")
     p.add_argument("--batches", default="1,16,32,64")
-    p.add_argument("--no-forced", dest="forced", action="store_false", help="only the backend's own choice")
     args = p.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
