@@ -20,10 +20,6 @@ from drafter.attention.kernels.step_inputs import decode_step_inputs
 from drafter.attention.metadata import AttentionMetadata
 
 MAX_SPLITS = 64
-# one int32 ticket per (q-block, KV head) of a split launch, zero between launches: grids up to
-# this many blocks combine their splits in the same launch (decode at batch 64 with 8 KV heads
-# uses 72 x 8); larger ones (long first passes) take the second, combining launch
-MAX_TICKETS = 1 << 14
 BLOCK_N = 64  # keys per tile: four 16-token pages, 16 KB of bf16 keys at head_dim 128
 
 
@@ -69,14 +65,6 @@ class TritonBackend:
         self.num_splits = num_splits
         self._target_programs = target_programs
         self.launch = launch
-        self._tickets: dict[torch.device, torch.Tensor] = {}
-
-    def tickets(self, device: torch.device) -> torch.Tensor:
-        """The counters split launches meet at (allocated once per device and never replaced: a
-        captured graph keeps its address; every launch leaves them at zero)."""
-        if device not in self._tickets:
-            self._tickets[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
-        return self._tickets[device]
 
     def target_programs(self, device: torch.device) -> int:
         if self._target_programs is None:
@@ -171,8 +159,6 @@ class TritonBackend:
         depths = meta.tree_depths.contiguous() if tree else seq_lens
         num_nodes = meta.tree_mask.shape[1] if tree else 0
         window = sliding_window or 0
-        fused_combine = splits > 1 and num_qblocks * num_kv_heads <= MAX_TICKETS
-        tickets = self.tickets(q.device) if fused_combine else seq_lens  # any tensor: unused without
         if splits > 1:
             part = torch.empty(splits, n, num_heads, head_dim, dtype=torch.float32, device=q.device)
             ml = torch.empty(splits, n, num_heads, 2, dtype=torch.float32, device=q.device)
@@ -183,13 +169,13 @@ class TritonBackend:
             kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
             qsl, seq_lens, meta.block_table, meta.block_table.stride(0),
             mask, depths, num_nodes,
-            out, out.stride(0), out.stride(1), part, ml, tickets,
+            out, out.stride(0), out.stride(1), part, ml,
             n, num_reqs, num_heads, head_dim ** -0.5, window,
             BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
             BLOCK_N=launch.block_n, HEAD_DIM=head_dim, NUM_SPLITS=splits, IS_TREE=tree, HAS_WINDOW=window > 0,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FUSED_COMBINE=fused_combine,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=launch.num_warps, num_stages=launch.num_stages)
-        if splits > 1 and not fused_combine:
+        if splits > 1:
             # the interpreter runs programs one by one: give it few, each over all heads
             heads = _pow2(num_heads) if q.device.type == "cpu" else 1
             combine_splits_kernel[(n, triton.cdiv(num_heads, heads))](

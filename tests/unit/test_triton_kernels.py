@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 from drafter.attention.metadata import AttentionMetadata  # noqa: E402
 from drafter.attention.reference import ReferenceBackend  # noqa: E402
-from drafter.attention.triton_backend import AttentionLaunch, TritonBackend  # noqa: E402
+from drafter.attention.triton_backend import TritonBackend  # noqa: E402
 from drafter.graphs import GraphRunner  # noqa: E402
 from drafter.models import fused_kernels as K  # noqa: E402
 from drafter.models.layers import RMSNorm, apply_rope  # noqa: E402
@@ -87,26 +87,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("splits,combine", [(1, None), (4, "last split"), (4, "second launch")])
+@pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_attention_matches_reference(case, window, splits, combine, monkeypatch):
-    """Splits combined by the last one to finish (tickets), or, for grids beyond the ticket
-    buffer, by a second launch: the same output, and the tickets are left at zero."""
-    from drafter.attention import triton_backend
-
-    if combine == "second launch":
-        monkeypatch.setattr(triton_backend, "MAX_TICKETS", 0)
+def test_attention_matches_reference(case, window, splits):
     q, k, v, cache, meta = _batch(**CASES[case])
     ref_cache = cache.clone()
     expected = ReferenceBackend().forward(q, k, v, ref_cache, meta, window)
     q, k, v, cache = _to(DEVICE, q, k, v, cache)
-    backend = TritonBackend(num_splits=splits, launch=AttentionLaunch(block_n=16))  # 4 tiles of keys to split
-    out = backend.forward(q, k, v, cache, _meta_to(meta, DEVICE), window)
+    out = TritonBackend(num_splits=splits).forward(q, k, v, cache, _meta_to(meta, DEVICE), window)
     assert torch.equal(cache.cpu(), ref_cache), "the KV write differs"
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
-    assert (combine == "last split") == bool(backend._tickets)
-    assert all(not t.any() for t in backend._tickets.values())
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -9,11 +9,8 @@ launch needs no host copy of any tensor value and can live inside a CUDA graph.
 Masking follows drafter.attention.reference.visible_keys: causal in logical key index,
 optional sliding window in positions, optional draft-tree mask over the last nodes.
 
-With several splits the programs write unnormalised partial results (acc, max, sum) and the
-last of a block's splits to finish combines them (flash-decoding without a second launch: each
-program takes a ticket from its (q-block, KV head) counter, and the counter is left at zero for
-the next launch); with one split the output is written directly.  combine_splits_kernel is the
-two-launch form, for grids larger than the counter buffer.
+With several splits the programs write unnormalised partial results (acc, max, sum) and a
+second kernel combines them (flash-decoding); with one split the output is written directly.
 The tokens after the last request (padding) form a pseudo-request with no keys, so every
 output row is written by exactly one program and no memset is needed.
 """
@@ -51,13 +48,11 @@ def paged_attention_kernel(
     mask_ptr, depths_ptr, num_nodes,  # tree: [query_len, num_nodes] bool/int8, [num_nodes] int
     out_ptr, stride_ot, stride_oh,  # NUM_SPLITS == 1: [num_tokens, num_heads, head_dim]
     part_ptr, ml_ptr,  # NUM_SPLITS > 1: [splits, num_tokens, num_heads, head_dim] f32, [splits, num_tokens, num_heads, 2] f32
-    tickets_ptr,  # FUSED_COMBINE: [num_qblocks * num_kv_heads] int32 zeros, left zero
     num_tokens, num_reqs, num_heads,
     scale, window,  # window <= 0: full attention
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     qblock = tl.program_id(0)
@@ -155,38 +150,6 @@ def paged_attention_kernel(
         tl.store(part_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(ml_ptr + base * 2, m_i, mask=row_ok)
         tl.store(ml_ptr + base * 2 + 1, l_i, mask=row_ok)
-        if FUSED_COMBINE:
-            tl.debug_barrier()  # every thread's partials are written before the ticket says so
-            ticket_ptr = tickets_ptr + qblock * tl.num_programs(1) + kv_head
-            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                out = _combine(part_ptr, ml_ptr, rows, head, row_ok, offs_d, num_tokens, num_heads,
-                               NUM_SPLITS, HEAD_DIM)
-                tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-                tl.atomic_xchg(ticket_ptr, 0)  # ready for the next launch
-
-
-@triton.jit
-def _combine(part_ptr, ml_ptr, rows, head, row_ok, offs_d, num_tokens, num_heads,
-             NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The softmax-weighted sum of every split's partial result for rows x heads [BLOCK_M]:
-    [BLOCK_M, HEAD_DIM] f32.  A split that saw no key has m = -inf and l = 0 and weighs 0."""
-    m_max = tl.full(rows.shape, float("-inf"), tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        base = (split * num_tokens + rows) * num_heads + head
-        m_max = tl.maximum(m_max, tl.load(ml_ptr + base * 2, mask=row_ok, other=float("-inf")))
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    total = tl.zeros(rows.shape, tl.float32)
-    acc = tl.zeros([rows.shape[0], HEAD_DIM], tl.float32)
-    for split in tl.static_range(NUM_SPLITS):
-        base = (split * num_tokens + rows) * num_heads + head
-        w = tl.exp2(tl.load(ml_ptr + base * 2, mask=row_ok, other=float("-inf")) - m_safe)
-        l = tl.load(ml_ptr + base * 2 + 1, mask=row_ok, other=0.0)
-        total += l * w
-        seen = row_ok & (l > 0)  # splits past a short context saw no key: skip their reads
-        part = tl.load(part_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=seen[:, None], other=0.0)
-        acc += part * w[:, None]
-    return acc / tl.where(total > 0, total, 1.0)[:, None]
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
