@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 
 from drafter.attention.metadata import AttentionMetadata  # noqa: E402
 from drafter.attention.reference import ReferenceBackend  # noqa: E402
-from drafter.attention.triton_backend import TritonBackend  # noqa: E402
+from drafter.attention.triton_backend import AttentionLaunch, TritonBackend  # noqa: E402
 from drafter.graphs import GraphRunner  # noqa: E402
 from drafter.models import fused_kernels as K  # noqa: E402
 from drafter.models.layers import RMSNorm, apply_rope  # noqa: E402
@@ -95,7 +95,9 @@ def test_attention_matches_reference(case, window, splits):
     ref_cache = cache.clone()
     expected = ReferenceBackend().forward(q, k, v, ref_cache, meta, window)
     q, k, v, cache = _to(DEVICE, q, k, v, cache)
-    out = TritonBackend(num_splits=splits).forward(q, k, v, cache, _meta_to(meta, DEVICE), window)
+    # 16-key tiles: the 64 keys of a block table make 4 tiles, so splits=4 really splits
+    out = TritonBackend(num_splits=splits, launch=AttentionLaunch(block_n=16)).forward(
+        q, k, v, cache, _meta_to(meta, DEVICE), window)
     assert torch.equal(cache.cpu(), ref_cache), "the KV write differs"
     torch.testing.assert_close(out.cpu(), expected, atol=1e-5, rtol=1e-5)
 
