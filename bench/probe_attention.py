@@ -6,7 +6,7 @@ Times the decode-shaped paged attention (Llama-8B heads: 32 query, 8 KV, head_di
 16) alone in CUDA graphs, rotating over 3 KV caches so nothing is served from L2: the backend's
 own choice ("auto") and forced AttentionLaunch shapes x target programs per SM.  Writes
 DIR/probe_attention.json and prints the best shape per batch.  TritonBackend's defaults
-(SMALL_GRID_LAUNCH, PROGRAMS_PER_SM) come from this probe.
+(SMALL_GRID_LAUNCH, MID_GRID_LAUNCH, PROGRAMS_PER_SM) come from this probe.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def sweep(args, bw, log) -> list[dict]:
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     rows = []
     shapes = [(ctx, b) for ctx in args.contexts for b in args.batches]
-    launches = [AttentionLaunch(bn, 4, s) for bn in (64, 128) for s in (3, 4)]
+    launches = [AttentionLaunch(bn, w, s) for bn in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
     for ctx, b in shapes:
         per_req = -(-(ctx + 8) // BLOCK_SIZE)
         caches, meta, q, kv_bytes = decode_attention_case(device, ctx, b, copies=3)
@@ -46,7 +46,7 @@ def sweep(args, bw, log) -> list[dict]:
                     continue
                 row = {"ctx": ctx, "batch": b, "block_n": launch.block_n, "num_warps": launch.num_warps,
                        "num_stages": launch.num_stages, "programs_per_sm": mult, "us": us,
-                       "splits": backend._splits(device, b * 8, per_req * BLOCK_SIZE, launch.block_n),
+                       "splits": backend._splits(device, b * 8, per_req * BLOCK_SIZE, launch),
                        "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bw}
                 rows.append(row)
                 if best is None or us < best["us"]:

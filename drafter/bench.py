@@ -404,8 +404,9 @@ def attention_sweep(device, contexts, batches, bw: float, log) -> list[dict]:
             for mult in (1, 2, 4, 8):
                 backend = TritonBackend(target_programs=mult * sms)
                 us = statistics.median(time_events(lambda: backend.attend(q, cache, meta, None), 20, sync_each=False))
+                launch = backend._launch(q.device, b * 8)
                 rows.append({"ctx": ctx, "batch": b, "programs_per_sm": mult, "us": us,
-                             "splits": backend._splits(q.device, b * 8, per_req * BLOCK_SIZE),
+                             "splits": backend._splits(q.device, b * 8, per_req * BLOCK_SIZE, launch),
                              "fraction_of_copy_bw": kv_bytes / (us * 1e-6) / bw})
                 log(f"  attention ctx={ctx} b={b} programs/SM={mult}: {us:7.1f} us, splits {rows[-1]['splits']},"
                     f" {rows[-1]['fraction_of_copy_bw']:.2f} of copy bandwidth")

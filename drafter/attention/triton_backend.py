@@ -34,21 +34,28 @@ def _check_cache(kv_cache: torch.Tensor, head_dim: int) -> None:
         raise ValueError(f"TritonBackend needs a power-of-two head_dim, got {head_dim}")
 
 
+PROGRAMS_PER_SM = 4
+
+
 @dataclass(frozen=True)
 class AttentionLaunch:
-    """Tile and pipeline shape of the paged attention kernel."""
+    """Tile and pipeline shape of the paged attention kernel, and how many programs (key splits
+    included) per SM a launch of it aims for."""
     block_n: int = BLOCK_N  # keys per tile
     num_warps: int = 4
     num_stages: int = 3
+    programs_per_sm: int = PROGRAMS_PER_SM
 
 
-# Measured on an H100 (bench/probe_attention.py, 2026-11-24; decode attention, 1k context): a
-# launch of few (request, KV head) programs is latency-bound and fastest with long tiles and a
-# deep pipeline (batch 1: 8.3 us vs 9.5 with 64-key tiles); larger grids stream fastest with
-# 64-key tiles and at most ~4 programs per SM, splits included (batch 64: 96.7 us, 0.95 of copy
-# bandwidth, vs 101.7 with 8 and 108.6 with 16 per SM; batch 32: 54.6 vs 59.0 and 59.6).
+# Measured on an H100 (bench/probe_attention.py, 2026-11-24; decode attention alone, graph-timed;
+# bench/results/2026-11-24-h100/attention-launch/): a launch of few (request, KV head) programs
+# is latency-bound and fastest with long tiles and a deep pipeline (batch 1, 1k context: 8.3 us vs
+# 9.5 with 64-key tiles); a mid-size grid (batch 8-32: 64-256 programs before splitting) streams
+# fastest as 8-warp programs over 128-key tiles, two per SM (batch 16 at 1k: 32.5 us vs 36.9 with
+# 4-warp 64-key tiles at four per SM; batch 32: 52.3 vs 55.2; at 8k 1-3 us less); a full grid
+# (batch 64: 512 programs) with 4-warp 64-key tiles (96.6 us, 0.94 of copy bandwidth, vs 98.2).
 SMALL_GRID_LAUNCH = AttentionLaunch(block_n=128, num_warps=4, num_stages=4)
-PROGRAMS_PER_SM = 4
+MID_GRID_LAUNCH = AttentionLaunch(block_n=128, num_warps=8, num_stages=3, programs_per_sm=2)
 
 
 class TritonBackend:
@@ -60,20 +67,19 @@ class TritonBackend:
     def __init__(self, num_splits: int | None = None, target_programs: int | None = None,
                  launch: AttentionLaunch | None = None):
         """num_splits: force the number of key splits (tests); None = pick from the grid size.
-        target_programs: how many programs (splits included) a launch should have to fill the device.
+        target_programs: force how many programs (splits included) a launch aims for; None = the
+        launch's programs_per_sm x the device's SMs.
         launch: force the attention kernel's tile shape; None = pick from the grid size."""
         self.num_splits = num_splits
         self._target_programs = target_programs
         self.launch = launch
 
-    def target_programs(self, device: torch.device) -> int:
-        if self._target_programs is None:
-            if device.type == "cuda":
-                sms = torch.cuda.get_device_properties(device).multi_processor_count
-                self._target_programs = PROGRAMS_PER_SM * sms
-            else:
-                self._target_programs = 16  # the interpreter: keep the split path exercised
-        return self._target_programs
+    def target_programs(self, device: torch.device, launch: AttentionLaunch = AttentionLaunch()) -> int:
+        if self._target_programs is not None:
+            return self._target_programs
+        if device.type != "cuda":
+            return 16  # the interpreter: keep the split path exercised
+        return launch.programs_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
     # ------------------------------------------------------------------ public API
     def forward(
@@ -150,7 +156,7 @@ class TritonBackend:
         # a q-block never spans two requests: at least one per request, and one per block_q tokens
         programs = max(num_reqs, -(-n // block_q)) * num_kv_heads
         launch = self._launch(q.device, programs)
-        splits = self._splits(q.device, programs, meta.block_table.shape[1] * meta.block_size, launch.block_n)
+        splits = self._splits(q.device, programs, meta.block_table.shape[1] * meta.block_size, launch)
         tree = meta.tree_mask is not None
         qsl, seq_lens = meta.query_start_loc.contiguous(), meta.seq_lens.contiguous()
         if meta.block_table.stride(1) != 1:
@@ -187,14 +193,19 @@ class TritonBackend:
         """The tile shape for a launch of `programs` (request block, KV head) programs before splitting."""
         if self.launch is not None:
             return self.launch
-        if device.type == "cuda" and programs * 4 <= torch.cuda.get_device_properties(device).multi_processor_count:
+        if device.type != "cuda":
+            return AttentionLaunch()
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if programs * 4 <= sms:
             return SMALL_GRID_LAUNCH
+        if programs <= 2 * sms:
+            return MID_GRID_LAUNCH
         return AttentionLaunch()
 
-    def _splits(self, device, programs: int, max_keys: int, block_n: int = BLOCK_N) -> int:
+    def _splits(self, device, programs: int, max_keys: int, launch: AttentionLaunch = AttentionLaunch()) -> int:
         """The most key splits (a power of two) that keep the launch within target_programs programs."""
-        max_tiles = -(-max_keys // block_n)
+        max_tiles = -(-max_keys // launch.block_n)
         if self.num_splits is not None:
             return max(1, min(self.num_splits, _pow2(max_tiles)))
-        fit = max(1, self.target_programs(device) // max(1, programs))
+        fit = max(1, self.target_programs(device, launch) // max(1, programs))
         return max(1, min(1 << (fit.bit_length() - 1), MAX_SPLITS, _pow2(max_tiles)))

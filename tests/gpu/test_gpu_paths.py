@@ -322,3 +322,16 @@ def test_the_planner_times_the_kernel_each_input_kind_will_run(monkeypatch):
             inp = NormedInput(x, sumsq, norm_w, 1e-5, x * norm_w if prescaled else None)
             gate, up = F.linear(F.rms_norm(x.float(), (1024,), norm_w.float(), 1e-5).bfloat16(), w).float().chunk(2, 1)
             assert _rel(gemm(inp, silu_mul=True), F.silu(gate) * up) < 3e-2, (prescaled, bucket)
+
+
+def test_attention_launch_follows_the_grid_size():
+    """Few programs: long tiles, deep pipeline; a mid-size grid: 8-warp programs, two per SM (and
+    splits to match); a full grid: the default tiles, unsplit (bench/probe_attention.py)."""
+    from drafter.attention.triton_backend import MID_GRID_LAUNCH, SMALL_GRID_LAUNCH, AttentionLaunch, TritonBackend
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    backend, device = TritonBackend(), torch.device(CUDA)
+    assert backend._launch(device, sms // 4) == SMALL_GRID_LAUNCH
+    assert backend._launch(device, 2 * sms) == MID_GRID_LAUNCH
+    assert backend._launch(device, 2 * sms + 1) == AttentionLaunch()
+    assert backend._splits(device, 16 * 8, 1024, MID_GRID_LAUNCH) == max(1, 1 << ((2 * sms // 128).bit_length() - 1))
