@@ -54,13 +54,17 @@ def fuse_head(head: DraftHead, skinny: str = "auto") -> DraftHead:
         return head
     head.fused = True
 
-    def gemm(weight, **fused_work):
+    def gemm(weight, normed=False, **fused_work):
+        """A normed GEMM's input is what residual_and_norm hands on: a NormedInput with x * norm
+        weight after the skinny kernel (planned as scaled_configs), normed rows after cuBLAS
+        (planned as plain input)."""
         timings = {}
         plan = plan_gemm(weight, mode=skinny, timings=timings, **fused_work)
         scaled = {}
-        if fused_work.get("normed"):  # its input usually comes with x * norm weight (residual_and_norm)
+        if normed:
             timings["prescaled"] = {}
-            scaled = plan_gemm(weight, mode=skinny, timings=timings["prescaled"], prescaled=True, **fused_work)
+            scaled = plan_gemm(weight, mode=skinny, timings=timings["prescaled"], normed=True, prescaled=True,
+                               **fused_work)
         return WeightGemm(weight, plan, plan_us=timings, scaled_configs=scaled)
 
     for m in head.modules():

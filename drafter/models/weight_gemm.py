@@ -47,7 +47,8 @@ CANDIDATES = {
 class WeightGemm:
     """x @ weight.T for one weight [N, K]: the skinny kernel with configs[bucket] for the row
     buckets it names, cuBLAS (and separate norm / SiLU launches) for the rest and for > 64 rows.
-    Either way the same function, up to the GEMM's summation order."""
+    Either way the same function, up to the GEMM's summation order.  A NormedInput without
+    .scaled (the norm in the K loop, or as a launch with GemmConfig.prenorm) also takes configs."""
     weight: torch.Tensor  # [N, K]; silu_mul: [2 * N', K] = [gate; up]
     configs: dict[int, GemmConfig] = field(default_factory=dict)
     plan_us: dict = field(default_factory=dict, repr=False)  # plan_gemm's timings, for diagnostics
