@@ -14,9 +14,10 @@ GEMM accumulations differ (a fused GEMM sums in f32 before its one cast).
 
 Each weight GEMM goes through a `WeightGemm` (drafter.models.weight_gemm): for the few rows of a
 draft step it runs drafter's skinny GEMM where that streams the weights faster than cuBLAS on
-this device, with the residual add, SiLU * up and the RMSNorms folded into the GEMMs (the
-norm's sums of squares come from the GEMM that produced its input); otherwise cuBLAS with the
-norm and SiLU as their own launches.
+this device, with the residual add, SiLU * up and the RMSNorms folded into the GEMMs (the GEMM
+that produces a norm's input also writes its sums of squares and input * norm weight, and the
+next GEMM scales its rows by 1 / rms); otherwise cuBLAS with the norm and SiLU as their own
+launches.
 A greedy chain step hands the next step its layer input directly (`greedy_next_inputs`:
 argmax, d2t, embedding and both input norms in one launch).
 """
@@ -185,8 +186,9 @@ def eagle3_head(head: Eagle3Head, input_ids, positions, hidden, kv_caches, metas
     """Eagle3Head.forward with the embedding gather and both input norms in one launch, or none:
     layer_input [rows, 2 * hidden_size] is that launch's result when greedy_next_inputs made it.
 
-    Draft steps (step > 0) hand back the logits' input un-normed, as a NormedInput that the
-    lm_head GEMM norms on the fly; every consumer of it goes through compute_logits.  The first
+    Draft steps (step > 0) hand back the logits' input as the down GEMM left it for the final
+    norm (a NormedInput: the lm_head GEMM applies the norm as a row scale); every consumer of it
+    goes through compute_logits.  The first
     pass returns the normed rows: the proposer gathers its sampled rows first."""
     first, *rest = head.layers
     attn_in = layer_input if layer_input is not None else K.embed_dual_norm(
