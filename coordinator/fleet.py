@@ -174,7 +174,7 @@ def _worker(rank: int, cfg: FleetConfig, requests_by_dp, out_dir: str, init: str
         result = RankResult(rank, dp_rank, tp_rank, {rid: r.output for rid, r in sorted(engine.finished.items())},
                             engine.steps, engine.stats, engine.calls)
         if proposer is not None:
-            result.events, result.proposer_stats = proposer.events, proposer.stats
+            result.events, result.proposer_stats = list(proposer.events), proposer.stats
             result.endpoint, result.generation = str(proposer.endpoint), proposer.generation
             proposer.close()
         torch.save(result, path / f"rank{rank}.pt")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -50,6 +51,9 @@ class ProposerConfig:
     deadline_s: float = 0.5  # one step's whole budget for the drafter (attach + propose)
     breaker: BreakerConfig = BreakerConfig()
     failover: bool = True  # try the key's next endpoint while the preferred one is open
+    # events kept (the most recent): every step of an outage logs one, and a target runs for
+    # days; the per-reason counts of no-draft steps are in ProposerStats, whole
+    max_events: int = 4096
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ class RemoteProposer:
         self.session: SessionInfo | None = None
         self.generation = 0  # sessions attached so far; changes whenever the drafter-side KV is new
         self.last_batch_padded: int | None = None
-        self.events: list[Event] = []
+        self.events: deque[Event] = deque(maxlen=config.max_events)
         self.stats = ProposerStats()
 
     # ---------------------------------------------------------------- bookkeeping

@@ -77,9 +77,9 @@ def _calls(n, seed=0):
     return [scn.call(p).kwargs for p in plans]
 
 
-def _proposer(dirs, clock, endpoints=(A,), failover=True, threshold=2, deadline=0.5):
+def _proposer(dirs, clock, endpoints=(A,), failover=True, threshold=2, deadline=0.5, max_events=4096):
     probes = {ep: Probe(InProcessTransport(dirs / "head", dirs / "target", "eagle"), clock) for ep in endpoints}
-    cfg = ProposerConfig(deadline_s=deadline, failover=failover,
+    cfg = ProposerConfig(deadline_s=deadline, failover=failover, max_events=max_events,
                          breaker=BreakerConfig(failure_threshold=threshold, backoff_base_s=1.0, backoff_max_s=4.0,
                                                jitter=0.0))
     p = RemoteProposer(_spec(), router=Router(StaticEndpoints(list(endpoints))), key="target/dp0",
@@ -115,6 +115,21 @@ def test_dead_drafter_fails_closed_then_the_circuit_stops_calling_it(dirs):
     clock.t += 1.0  # backoff over: one trial, still dead -> open again with the backoff doubled
     assert p.propose(**calls[4]) is None and probes[A].proposes == before + 1
     assert p.breakers[A].state == State.OPEN and p.breakers[A].last_backoff == 2.0
+
+
+def test_a_long_outage_keeps_the_latest_events_and_counts_every_step(dirs):
+    """One no-draft event per step of an outage: the proposer keeps the most recent
+    ProposerConfig.max_events of them (a target runs for days), and counts them all."""
+    clock = Clock()
+    p, probes = _proposer(dirs, clock, threshold=1, max_events=8)
+    p.start()
+    calls = _calls(2)
+    probes[A].inner.fail(Code.UNAVAILABLE)
+    for _ in range(50):
+        assert p.propose(**calls[1]) is None
+    assert len(p.events) == 8 and all(e.kind == "no_drafts" for e in p.events)
+    assert sum(p.stats.no_drafts.values()) == 50
+    assert [e.t for e in p.events] == sorted(e.t for e in p.events)  # the latest, in order
 
 
 def test_restart_changes_the_epoch_and_the_client_reattaches_by_itself(dirs):
