@@ -265,6 +265,8 @@ def skinny_gemm(
     cfg = config or pick_config(m, n, k, x.device, 2 if silu_mul else 1)
     row_scale = norm is not None and norm.scaled is not None
     if row_scale:
+        if norm.scaled.shape != (m, k) or norm.scaled.stride(1) != 1:
+            raise ValueError(f"skinny_gemm: NormedInput.scaled must be a [{m}, {k}] tensor with contiguous rows")
         x = norm.scaled
     elif norm is not None and cfg.prenorm:
         x, norm = rms_norm(norm.x, norm.weight, norm.eps), None

@@ -78,6 +78,13 @@ def test_skinny_gemm_rejects_what_it_cannot_do():
         skinny_gemm(torch.zeros(2, 16), torch.zeros(16, 8).t())
     with pytest.raises(ValueError, match="residual"):
         skinny_gemm(torch.zeros(2, 16), torch.zeros(8, 16), residual=torch.zeros(2, 9))
+    with pytest.raises(ValueError, match="scaled"):
+        skinny_gemm(NormedInput(torch.zeros(2, 16), torch.ones(2, 1), torch.ones(16), 1e-5, torch.zeros(2, 8)),
+                    torch.zeros(8, 16))
+    with pytest.raises(ValueError, match="scale_out"):
+        skinny_gemm(torch.zeros(2, 16), torch.zeros(8, 16), scale_out=torch.ones(8))  # without sumsq
+    with pytest.raises(ValueError, match="argmax candidates"):
+        skinny_gemm(torch.zeros(2, 16), torch.zeros(8, 16), keep_out=False)
 
 
 @pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 4, 1), GemmConfig(32, 64, 4, 2),
