@@ -188,8 +188,8 @@ def eagle3_head(head: Eagle3Head, input_ids, positions, hidden, kv_caches, metas
 
     Draft steps (step > 0) hand back the logits' input as the down GEMM left it for the final
     norm (a NormedInput: the lm_head GEMM applies the norm as a row scale); every consumer of it
-    goes through compute_logits.  The first
-    pass returns the normed rows: the proposer gathers its sampled rows first."""
+    goes through compute_logits.  The first pass returns the normed rows: the proposer gathers
+    its sampled rows first."""
     first, *rest = head.layers
     attn_in = layer_input if layer_input is not None else K.embed_dual_norm(
         input_ids, head.embed_tokens.weight, hidden, first.input_layernorm.weight, first.hidden_norm.weight,

@@ -28,8 +28,8 @@ ROW_BUCKETS = (16, 32, 64)  # the skinny kernel's row-block sizes: one decision 
 # the Llama-8B step shapes (bench/probe_step_gemms.py 2026-11-22; bench/probe_plan.py and
 # bench/probe_tma_gemm.py 2026-11-24: wide tiles with the norm as its own launch beat cuBLAS on
 # gate/up and the lm_head at 64 rows, the swapped MMA and TMA loads win at 32 rows); timing picks
-# among them per weight.  For a normed input each is also timed with the norm as a launch of its
-# own (GemmConfig.prenorm).
+# among them per weight.  For a NormedInput without .scaled (probes and tests: fuse_head never
+# hands one on) each is also timed with the norm as a launch of its own (GemmConfig.prenorm).
 _SWAP, _SWAP_TMA, _TMA = dict(swap=True), dict(swap=True, tma=True), dict(tma=True)
 CANDIDATES = {
     16: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 256, 4, 3), GemmConfig(32, 512, 4, 3),
@@ -113,8 +113,8 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
               prescaled: bool = False, argmax: bool = False, mode: str = "auto", timings: dict | None = None,
               candidates: dict[int, tuple[GemmConfig, ...]] = CANDIDATES) -> dict[int, GemmConfig]:
     """Row bucket -> skinny config, for the buckets where the skinny kernel is faster here.
-    The candidates run the GEMM as the layer will: with its residual (and sums of squares) or
-    its SiLU, from normed input when `normed` (and `prescaled`: input that carries x * weight,
+    The candidates run the GEMM as the layer will: with its residual (and what the next norm
+    needs, residual_and_norm) or its SiLU, from normed input when `normed` (and `prescaled`: input that carries x * weight,
     WeightGemm.scaled_configs).  mode "on": every bucket, "off": none.
     timings: filled with {bucket: {"cublas" or the config: device us}} (diagnostics).
     candidates: the skinny configs to time per bucket (probes try others)."""
@@ -156,13 +156,11 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
 
 def _as_layer_runs_it(gemm: WeightGemm, x, residual, silu_mul: bool, argmax: bool, norm_w=None):
     """One call with the work each path brings along: after the lm_head the greedy argmax (over
-    the logits, or the skinny kernel's candidates); after a residual GEMM the RMSNorm that its
-    consumer must run as a launch of its own when cuBLAS left no sums of squares."""
+    the logits, or the skinny kernel's candidates); a residual GEMM as the layer calls it,
+    residual_and_norm (the skinny epilogue's sums of squares and scaled rows, or after cuBLAS the
+    norm as a launch of its own)."""
     if argmax:
         return K.greedy_ids(gemm.greedy_scores(x))
-    out = gemm(x, residual=residual, silu_mul=silu_mul, sumsq=residual is not None)
     if residual is not None:
-        y, sumsq = out
-        if sumsq is None:
-            return K.rms_norm(y, norm_w, 1e-5)
-    return out
+        return gemm.residual_and_norm(x, residual, norm_w, 1e-5)
+    return gemm(x, silu_mul=silu_mul)
