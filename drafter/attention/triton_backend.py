@@ -18,7 +18,6 @@ from drafter.attention.kernels.kv_write import rope_write_kernel, write_kv_kerne
 from drafter.attention.kernels.paged_attention import combine_splits_kernel, paged_attention_kernel
 from drafter.attention.kernels.step_inputs import decode_step_inputs
 from drafter.attention.metadata import AttentionMetadata
-from drafter import pdl
 
 MAX_SPLITS = 64
 BLOCK_N = 64  # keys per tile: four 16-token pages, 16 KB of bf16 keys at head_dim 128
@@ -115,14 +114,13 @@ class TritonBackend:
         # per-node positions can be) must become real rows first
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         if n:
-            chained = pdl.enabled(qkv.device)
             q_heads = min(8, _pow2(num_heads))  # several programs per token: a one-row step is latency-bound
             rope_write_kernel[(n, triton.cdiv(num_heads, q_heads) + 1)](
                 qkv, qkv.stride(0), positions, inv_freq, q,
                 kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
                 slots, num_heads, num_kv_heads,
                 BLOCK_SIZE=meta.block_size, Q_HEADS=q_heads, KV_HEADS_PAD=_pow2(num_kv_heads),
-                HEAD_DIM=head_dim, PDL=chained, **pdl.launch_options(chained))
+                HEAD_DIM=head_dim)
         return self.attend(q, kv_cache, meta, sliding_window)
 
     def write_kv(self, k, v, kv_cache, slot_mapping, block_size: int) -> None:
@@ -167,7 +165,6 @@ class TritonBackend:
         depths = meta.tree_depths.contiguous() if tree else seq_lens
         num_nodes = meta.tree_mask.shape[1] if tree else 0
         window = sliding_window or 0
-        chained = pdl.enabled(q.device)
         if splits > 1:
             part = torch.empty(splits, n, num_heads, head_dim, dtype=torch.float32, device=q.device)
             ml = torch.empty(splits, n, num_heads, 2, dtype=torch.float32, device=q.device)
@@ -182,15 +179,14 @@ class TritonBackend:
             n, num_reqs, num_heads, head_dim ** -0.5, window,
             BLOCK_SIZE=meta.block_size, GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
             BLOCK_N=launch.block_n, HEAD_DIM=head_dim, NUM_SPLITS=splits, IS_TREE=tree, HAS_WINDOW=window > 0,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=chained,
-            num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl.launch_options(chained))
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=launch.num_warps, num_stages=launch.num_stages)
         if splits > 1:
             # the interpreter runs programs one by one: give it few, each over all heads
             heads = _pow2(num_heads) if q.device.type == "cpu" else 1
             combine_splits_kernel[(n, triton.cdiv(num_heads, heads))](
                 part, ml, out, out.stride(0), out.stride(1), n, num_heads,
-                NUM_SPLITS=splits, HEAD_DIM=head_dim, HEADS=heads, PDL=chained, num_warps=4,
-                **pdl.launch_options(chained))
+                NUM_SPLITS=splits, HEAD_DIM=head_dim, HEADS=heads, num_warps=4)
         return out
 
     def _launch(self, device, programs: int) -> AttentionLaunch:

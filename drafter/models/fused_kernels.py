@@ -14,8 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from drafter import pdl
-
 
 @triton.jit
 def _rms(x, w_ptr, cols, ok, n_cols, eps, DTYPE: tl.constexpr):
@@ -33,9 +31,8 @@ def rms_norm_kernel(
     out_ptr, stride_out,  # [rows, n_cols]: norm(x (+ res))
     sum_ptr, stride_sum,  # [rows, n_cols], HAS_RES only: x + res, the new residual stream
     n_cols, eps,
-    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
 ):
-    pdl.chain_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -74,10 +71,9 @@ def embed_dual_norm_kernel(
     w_embed_ptr, w_hidden_ptr,  # [n_cols] each
     out_ptr, stride_out,  # [rows, 2 * n_cols]: [norm(embed(ids)) | norm(hidden)]
     n_cols, eps,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """EAGLE-3's layer input: the embedding gather and both norms in one launch."""
-    pdl.chain_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
     tok = tl.load(ids_ptr + row, mask=half == 0, other=0).to(tl.int64)
@@ -90,9 +86,8 @@ def silu_mul_kernel(
     x_ptr, stride_x,  # [rows, 2 * n_cols]: gate | up
     out_ptr, stride_out,  # [rows, n_cols]
     n_cols,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    pdl.chain_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -101,12 +96,6 @@ def silu_mul_kernel(
     u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # F.silu rounds to the dtype
     tl.store(out_ptr + row * stride_out + cols, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def _chained(device: torch.device) -> dict:
-    """PDL and its launch option for a kernel on device (drafter.pdl)."""
-    chained = pdl.enabled(device)
-    return {"PDL": chained, **pdl.launch_options(chained)}
 
 
 def _norm_launch(n_cols: int) -> dict:
@@ -130,7 +119,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         res = residual if residual is not None else x
         rms_norm_kernel[(rows,)](x, x.stride(0), res, res.stride(0), weight, out, out.stride(0),
                                  total, total.stride(0), n, eps, HAS_RES=residual is not None,
-                                 **_norm_launch(n), **_chained(x.device))
+                                 **_norm_launch(n))
     return out if residual is None else (out, total)
 
 
@@ -144,7 +133,7 @@ def embed_dual_norm(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor
     out = torch.empty(rows, 2 * n, dtype=hidden.dtype, device=hidden.device)
     if rows:
         embed_dual_norm_kernel[(rows, 2)](ids, table, table.stride(0), hidden, hidden.stride(0), w_embed, w_hidden,
-                                          out, out.stride(0), n, eps, **_norm_launch(n), **_chained(out.device))
+                                          out, out.stride(0), n, eps, **_norm_launch(n))
     return out
 
 
@@ -159,7 +148,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         # ~14 programs per row at Llama-8B's 14336: a one-row step should not wait on one SM
         block = min(1024, triton.next_power_of_2(n))
         silu_mul_kernel[(rows, triton.cdiv(n, block))](x, x.stride(0), out, out.stride(0), n, BLOCK=block,
-                                                       num_warps=4, **_chained(x.device))
+                                                       num_warps=4)
     return out
 
 
@@ -209,10 +198,9 @@ def greedy_ids_kernel(
     d2t_ptr,  # [vocab] int64 offsets to target ids (HAS_D2T)
     out_ptr,  # [rows] int64: target-vocabulary ids
     n,
-    BLOCK: tl.constexpr, FROM_PARTS: tl.constexpr, HAS_D2T: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, FROM_PARTS: tl.constexpr, HAS_D2T: tl.constexpr,
 ):
     """argmax over the row (first index on ties, as torch.argmax), mapped to the target vocabulary."""
-    pdl.chain_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     tl.store(out_ptr + row, _greedy_token(scores_ptr, stride_s, idx_ptr, stride_idx, row, n, d2t_ptr,
                                           BLOCK, FROM_PARTS, HAS_D2T))
@@ -241,8 +229,7 @@ def greedy_ids(logits: torch.Tensor | ArgmaxParts, d2t: torch.Tensor | None = No
     out = torch.empty(rows, dtype=torch.int64, device=scores.device)
     if rows:
         greedy_ids_kernel[(rows,)](scores, scores.stride(0), idx, idx.stride(0), d2t if d2t is not None else out,
-                                   out, n, FROM_PARTS=parts, HAS_D2T=d2t is not None, **_argmax_launch(n),
-                                   **_chained(out.device))
+                                   out, n, FROM_PARTS=parts, HAS_D2T=d2t is not None, **_argmax_launch(n))
     return out
 
 
@@ -258,11 +245,9 @@ def greedy_embed_dual_norm_kernel(
     out_ptr, stride_out,  # [rows, 2 * n_cols]: [norm(embed(ids)) | norm(hidden)]
     n, n_cols, eps,
     BLOCK_V: tl.constexpr, BLOCK: tl.constexpr, FROM_PARTS: tl.constexpr, HAS_D2T: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One greedy chain hand-off: argmax (+ d2t) of the logits, then EAGLE-3's next layer input
     (the new token's embedding and the carried hidden state, each normed), in one launch."""
-    pdl.chain_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
     tok = tl.zeros([], tl.int64)
@@ -293,5 +278,5 @@ def greedy_embed_dual_norm(logits: torch.Tensor | ArgmaxParts, d2t: torch.Tensor
             scores, scores.stride(0), idx, idx.stride(0), d2t if d2t is not None else ids, ids, table,
             table.stride(0), hidden, hidden.stride(0), w_embed, w_hidden, out, out.stride(0), n_scores, n, eps,
             BLOCK_V=launch["BLOCK"], BLOCK=triton.next_power_of_2(n), FROM_PARTS=parts, HAS_D2T=d2t is not None,
-            num_warps=max(4, launch["num_warps"]), **_chained(out.device))
+            num_warps=max(4, launch["num_warps"]))
     return ids, out

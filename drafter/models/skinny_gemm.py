@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from drafter import pdl
 from drafter.models.fused_kernels import ArgmaxParts, rms_norm
 
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL = 0, 1, 2
@@ -62,24 +61,10 @@ def _mma(x, w, acc, SWAP: tl.constexpr, PRECISION: tl.constexpr):
     return acc
 
 
-@triton.jit
-def _prefetch_weight_rows(w_raw_ptr, stride_w, offs_n, n_ok, N, K, LINES: tl.constexpr, LINE: tl.constexpr,
-                          GATE_UP: tl.constexpr):
-    """L2 prefetch of the first LINES * LINE columns of this program's weight rows (and of their
-    up rows): what its K loop asks for first."""
-    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
-    cols = tl.minimum(tl.arange(0, LINES) * LINE, K - 1)
-    ptrs = w_raw_ptr + rows[:, None] * stride_w + cols[None, :]
-    pdl.prefetch_l2(ptrs)
-    if GATE_UP:
-        pdl.prefetch_l2(ptrs + N.to(tl.int64) * stride_w)
-
-
 @triton.jit(do_not_specialize=["m", "n_parts_in"])
 def skinny_gemm_kernel(
     x_ptr, stride_x,  # [m, K]; TMA: a descriptor of it, [BLOCK_M, BLOCK_K] boxes
     w_ptr, stride_w,  # [N_W, K]; SILU_MUL: [2 * N, K] = [gate; up]; TMA: a descriptor, [BLOCK_N, BLOCK_K] boxes
-    w_raw_ptr,  # the weight itself, for the L2 prefetch (PREFETCH_LINES > 0)
     out_ptr, stride_out,  # [m, N]
     res_ptr, stride_res,  # [m, N], EPILOGUE_RESIDUAL only
     norm_w_ptr, sumsq_in_ptr, stride_sin, n_parts_in, eps,  # NORM_IN: [K], [m, n_parts_in] f32
@@ -92,7 +77,6 @@ def skinny_gemm_kernel(
     ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
     TMA: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_OUT: tl.constexpr, STORE_OUT: tl.constexpr,
     DTYPE: tl.constexpr,  # the activations' (and out's) dtype: every rounding point casts to it
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,  # drafter.pdl; LINE: elements per L2 line
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -102,10 +86,6 @@ def skinny_gemm_kernel(
     m_ok = offs_m < m
     n_ok = offs_n < N
     dtype = DTYPE
-    pdl.chain_signal(PDL)
-    if PREFETCH_LINES > 0:  # the weights are never written: safe before the wait
-        _prefetch_weight_rows(w_raw_ptr, stride_w, offs_n, n_ok, N, K, PREFETCH_LINES, LINE, EPILOGUE == 2)
-    pdl.chain_wait(PDL)
     if not TMA:
         x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
@@ -196,15 +176,10 @@ class GemmConfig:
     # x and W tiles fetched by the Hopper tensor-memory accelerator (host-built descriptors)
     # instead of per-thread loads; used where the boxes and strides allow it (tma_usable)
     tma: bool = False
-    # K tiles of its weight rows each program asks L2 for before it waits for the kernel before
-    # it (drafter.pdl): streamed while that kernel drains instead of after it
-    prefetch: int = 2
 
     @property
     def label(self) -> str:
         flags = ("swap" if self.swap else "") + ("+tma" if self.tma else "") + ("+prenorm" if self.prenorm else "")
-        if self.prefetch != GemmConfig.prefetch:
-            flags += f"+pf{self.prefetch}"
         return f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}" + (f" {flags}" if flags else "")
 
 
@@ -311,12 +286,8 @@ def skinny_gemm(
         tma = cfg.tma and tma_usable(x, block_m, cfg.block_k) and tma_usable(weight, cfg.block_n, cfg.block_k)
         x_arg = TensorDescriptor.from_tensor(x, [block_m, cfg.block_k]) if tma else x
         w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
-        chained = pdl.enabled(x.device)
-        line = pdl.L2_LINE_BYTES // weight.element_size()
-        lines = triton.next_power_of_2(triton.cdiv(min(k, cfg.prefetch * cfg.block_k), line)) \
-            if chained and cfg.prefetch else 0
         skinny_gemm_kernel[(parts, triton.cdiv(m, block_m))](
-            x_arg, x.stride(0), w_arg, weight.stride(0), weight, any_out, any_out.stride(0), res, res.stride(0),
+            x_arg, x.stride(0), w_arg, weight.stride(0), any_out, any_out.stride(0), res, res.stride(0),
             norm.weight if norm is not None else weight, s_in, s_in.stride(0),
             norm.sumsq.shape[1] if norm is not None else 0, norm.eps if norm is not None else 0.0,
             s_out, s_out.stride(0), a_val, a_idx, a_val.stride(0), sc_out, sc_out.stride(0), sc_w, m, n, k,
@@ -326,8 +297,7 @@ def skinny_gemm(
             ARGMAX_OUT=argmax,
             DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             SWAP=cfg.swap, TMA=tma, ROW_SCALE=row_scale, SCALE_OUT=scale_out is not None, STORE_OUT=keep_out,
-            DTYPE=_TL_DTYPES[x.dtype], PDL=chained, PREFETCH_LINES=lines, LINE=line,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(chained))
+            DTYPE=_TL_DTYPES[x.dtype], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if argmax:
         return out, cand
     if scale_out is not None:

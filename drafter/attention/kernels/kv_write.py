@@ -11,8 +11,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from drafter import pdl
-
 
 @triton.jit
 def write_kv_kernel(
@@ -56,11 +54,9 @@ def rope_write_kernel(
     slot_ptr,  # [num_tokens] int64, -1 = write nothing
     num_heads, num_kv_heads,
     BLOCK_SIZE: tl.constexpr, Q_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Program (t, j): query heads [j * Q_HEADS, (j + 1) * Q_HEADS) of token t, or, for the last j,
     its keys (rotated) and values, written into the cache."""
-    pdl.chain_start(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0)
     j = tl.program_id(1)

@@ -20,8 +20,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from drafter import pdl
-
 
 @triton.jit
 def _find_request(qsl_ptr, target, num_reqs, BLOCK_Q: tl.constexpr):
@@ -55,9 +53,7 @@ def paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, IS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    pdl.chain_start(PDL)  # before the early return below: every program waits (drafter.pdl rule 3)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     qblock = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -161,9 +157,8 @@ def combine_splits_kernel(
     part_ptr, ml_ptr,  # [splits, num_tokens, num_heads, head_dim] f32, [splits, num_tokens, num_heads, 2] f32
     out_ptr, stride_ot, stride_oh,  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
 ):
-    pdl.chain_start(PDL)
     tok = tl.program_id(0)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
     h_ok = heads < num_heads
