@@ -24,7 +24,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 cat "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_triton_kernels.py \
-    tests/unit/test_step_kernels.py tests/unit/test_graph_runner.py > "$OUT/gpu_tests.txt" 2>&1
+    tests/unit/test_step_kernels.py tests/unit/test_graph_runner.py tests/unit/test_bound.py > "$OUT/gpu_tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -8
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then

@@ -16,6 +16,11 @@ it times a steady-state propose call (every request verified k+1 tokens, all acc
                GPU is done): what a trusted in-process caller (vLLM's proposer) pays per step
   host_validate_us  the same with validate=True (the default; the service's path): host-side
                checks of GPU inputs, i.e. a device sync and a dozen small copies per call
+  host_bound_us     host time of the same call bound (engine.bind once over buffers holding it,
+               then bound.propose(num_tokens, batch) per call: drafter.bound), the path for a
+               caller with persistent input buffers
+  host_python_us    a fixed piece of pure Python timed just before host_us (host_calibration):
+               how fast this host ran Python at that moment, to tell a slow call from a slow host
 
 and the floor: bytes of weights and KV each step must read / the device-to-device copy
 bandwidth measured at the start of the same run (bytes read + written per second).
@@ -167,6 +172,23 @@ def time_events(fn, iters: int, warmup: int = 2, sync_each: bool = True) -> list
     return out
 
 
+def host_calibration(calls: int = 200) -> float:
+    """Median microseconds of a fixed pure-Python workload (about the size of a propose call's
+    Python): the same number on a quiet host every time, so a host_us that rises with it is the
+    host's moment, not the call."""
+    def work():
+        total = 0
+        for i in range(300):
+            total += i & 7
+        return total
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        work()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
 def time_host(fn, iters: int, warmup: int = 2) -> list[float]:
     """Host microseconds until fn returns (the GPU is idle at each start)."""
     for _ in range(warmup):
@@ -226,6 +248,17 @@ def as_inputs(call: dict, device=None) -> ProposeInputs:
                          None, mv(call["num_rejected_tokens"]))
 
 
+def bind_call(engine, call: dict):
+    """engine.bind over buffers holding exactly this call (drafter.bound), its block tables
+    widened to the engine's max_blocks_per_req as a target engine's persistent tables are."""
+    tables = []
+    for g, table in enumerate(call["block_tables"]):
+        wide = torch.zeros(table.shape[0], engine.config.max_blocks_per_req[g], dtype=table.dtype, device=table.device)
+        wide[:, :table.shape[1]] = table
+        tables.append(wide)
+    return engine.bind(**{**call, "block_tables": tables})
+
+
 # ---------------------------------------------------------------------- one engine
 def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, skinny_gemm: str = "auto"):
     from drafter.engine import DraftEngine
@@ -267,10 +300,14 @@ def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts
                 combined = runner.combined_graphs.get((t_pad, b))
                 if combined is not None:
                     row["combined_us"] = statistics.median(time_events(combined, iters, sync_each=False))
+                row["host_python_us"] = host_calibration()
                 host = sorted(time_host(graph_call, 5 * iters))
                 row["host_us"] = statistics.median(host)
                 row["host_p10_us"] = host[len(host) // 10]  # this host's quieter moments
                 row["host_validate_us"] = statistics.median(time_host(lambda: engine.propose(**call), iters))
+                bound, n = bind_call(engine, call), call["target_token_ids"].shape[0]
+                row["bound_drafts_equal"] = bool(torch.equal(bound.propose(n, b)[:b], graph_call().draft_token_ids))
+                row["host_bound_us"] = statistics.median(time_host(lambda: bound.propose(n, b), 5 * iters))
                 if eager:
                     graphs, engine.graphs = engine.graphs, None
                     try:
@@ -303,8 +340,9 @@ def fmt_row(r: dict) -> str:
             f" | floor {r['floor_propose_us']:7.0f}"
             f" | ratio propose {r['ratio_propose']:5.2f} device {r['ratio_device']:5.2f} loop {loop}"
             f" roofline {r['ratio_roofline']:5.2f}"
-            f" | host {r['host_us']:5.0f} us (p10 {r.get('host_p10_us', float('nan')):4.0f}, validated"
-            f" {r['host_validate_us']:5.0f})")
+            f" | host {r['host_us']:5.0f} us (p10 {r.get('host_p10_us', float('nan')):4.0f},"
+            f" python {r.get('host_python_us', float('nan')):4.1f}, validated"
+            f" {r['host_validate_us']:5.0f}, bound {r.get('host_bound_us', float('nan')):5.0f})")
 
 
 # ---------------------------------------------------------------------- host time
@@ -674,7 +712,8 @@ def summary(rows: list[dict], log) -> None:
         log(f"  {head:10} k={k} ctx={ctx:5}: propose/floor max {worst['ratio_propose']:.2f} (b={worst['batch']}),"
             f" loop/floor max {loop:.2f}, device/roofline max {roof:.2f},"
             f" graphs faster than eager at every b<=64: {faster},"
-            f" host max {max(r['host_us'] for r in sel):.0f} us")
+            f" host max {max(r['host_us'] for r in sel):.0f} us"
+            f" (bound calls: {max(r.get('host_bound_us', math.nan) for r in sel):.0f} us)")
 
 
 def main(argv=None) -> int:

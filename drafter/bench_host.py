@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.bench import decode_call
+from drafter.bench import bind_call, decode_call
 from drafter.config import EngineConfig, KVGroupSpec
 from drafter.engine import DraftEngine, DraftOutput
 from drafter.inputs import ProposeInputs, as_group_list
@@ -87,6 +87,8 @@ def measure(batch: int = 16, k: int = 3, ctx: int = 1024) -> dict[str, float]:
     us["draft_output_us"] = per_call_us(lambda: DraftOutput(out, None, b_pad, t_pad))
     us["run_us"] = per_call_us(lambda: runner.run(inp, t_pad, b_pad))
     us["propose_trusted_us"] = per_call_us(lambda: engine.propose(**call, validate=False), calls=5000)
+    bound, n = bind_call(engine, call), call["target_token_ids"].shape[0]
+    us["propose_bound_us"] = per_call_us(lambda: bound.propose(n, batch), calls=5000)
     us["propose_validated_us"] = per_call_us(lambda: engine.propose(**call), calls=1000)
     header.device = emulated
     return us

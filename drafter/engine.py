@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,9 @@ from drafter.kv_cache import HiddenStateStore, PagedKVCache
 from drafter.models.loader import load_head
 from drafter.models.spec import ModelSpec, parse_head, read_config
 from drafter.proposer import Proposer
+
+if TYPE_CHECKING:
+    from drafter.bound import BoundPropose
 
 
 @dataclass
@@ -131,6 +135,38 @@ class DraftEngine:
         if num_rejected_tokens is not None and not self.config.padded_drafter_batch:
             inp = drop_rejected_tokens(inp)
         return self._propose_validated(inp, return_probs, return_logits, batch_padded, tokens_padded)
+
+    def bind(
+        self,
+        *,
+        target_token_ids: torch.Tensor,  # [max_tokens] int
+        target_positions: torch.Tensor,  # [max_tokens] int
+        target_hidden_states: torch.Tensor,  # [max_tokens, hidden (x num aux layers)]
+        next_token_ids: torch.Tensor,  # [max_batch] int
+        query_start_loc: torch.Tensor,  # [max_batch + 1] int
+        seq_lens: torch.Tensor,  # [max_batch] int
+        block_tables,  # [max_batch, >= max_blocks_per_req] int, or a list of them (one per KV group)
+        slot_mappings,  # [max_tokens] int, or a list of them (one per KV group)
+        token_indices_to_sample: torch.Tensor | None = None,  # [max_batch] int
+        num_rejected_tokens: torch.Tensor | None = None,  # [max_batch] int
+        drafts: torch.Tensor | None = None,  # [max_batch, k | nodes] int64; None: allocated here
+    ) -> "BoundPropose":
+        """A trusted caller's persistent input buffers, described once: each step the caller
+        fills their first rows and calls bound.propose(num_tokens, batch_size) (drafter.bound).
+        The buffers are read in place, so they must be kernel-readable as they are (contiguous,
+        int32 / int64, bf16 / fp16 / fp32 hidden states) on the engine's device or pinned."""
+        from drafter.bound import BoundPropose
+
+        if num_rejected_tokens is not None and not self.config.padded_drafter_batch:
+            raise InvalidInput("num_rejected_tokens", "bound calls use the padded drafter batch (the graphs' path)")
+        groups = len(self.config.kv_groups)
+        inp = ProposeInputs(
+            target_token_ids, target_positions, target_hidden_states, next_token_ids, query_start_loc, seq_lens,
+            as_group_list("block_tables", block_tables, groups), as_group_list("slot_mappings", slot_mappings, groups),
+            token_indices_to_sample, num_rejected_tokens)
+        if drafts is None and self.graphs is not None:
+            drafts = torch.empty(self.config.max_num_seqs, self.graphs.width, dtype=torch.int64, device=self.device)
+        return BoundPropose(self, inp, drafts)
 
     def _padded_sizes(self, inp: ProposeInputs, batch_padded, tokens_padded) -> tuple[int, int]:
         c = self.config

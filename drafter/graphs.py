@@ -160,6 +160,12 @@ class GraphRunner:
             self.capture()
         out = self.new_output(inp.next_token_ids.shape[0])
         self.header.write(on_device(inp, self.device), out)
+        self.replay(tokens_padded, batch_padded)
+        return out
+
+    def replay(self, tokens_padded: int, batch_padded: int) -> None:
+        """Replay the graphs (captured: capture() rewrites the header) of a call the header
+        already describes (run, or drafter.bound)."""
         combined = self.combined_graphs.get((tokens_padded, batch_padded))
         if combined is not None:
             combined()
@@ -169,7 +175,6 @@ class GraphRunner:
             self.loop_graphs[batch_padded]()
         self.header.loaded()  # after the last replay that reads the header
         self.replays += 1
-        return out
 
 
 def decode_size_pairs(cfg, width: int, token_sizes: list[int], batch_sizes: list[int]) -> list[tuple[int, int]]:

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from drafter.attention.metadata import PADDING_SLOT_ID
-from drafter.inputs import ProposeInputs
+from drafter.inputs import InvalidInput, ProposeInputs
 
 PAD_SLOT = tl.constexpr(PADDING_SLOT_ID)  # globals a kernel reads must be constexpr
 
@@ -201,7 +201,7 @@ class InputHeader:
             raise ValueError(f"the input header holds {MAX_GROUPS} KV groups")
         mapped = torch.device(device).type == "cuda"
         self.host = torch.zeros(int(HEADER_WORDS), dtype=torch.int64, pin_memory=mapped)  # [header words]
-        self.words = self.host.numpy()
+        self.host_words = self.host.numpy()  # a view: writes land in the pinned memory
         self.device = self.host if mapped else torch.zeros(int(HEADER_WORDS), dtype=torch.int64, device=device)
         self.read_event = torch.cuda.Event() if mapped else None
         self._device_index = torch.device(device).index if mapped else None
@@ -235,34 +235,61 @@ class InputHeader:
         """Describe `inp` (tensors on the buffers' device) and `out` (where the drafts go) and make
         the header visible to the device."""
         converted: list[torch.Tensor] = []
+        self.store(self.describe(inp, out, converted), (inp, out, converted))
+
+    def describe(self, inp: ProposeInputs, out: torch.Tensor, converted: list | None) -> list[int]:
+        """The header words for `inp` and `out` ([>= batch, width] int64, contiguous rows).  A tensor
+        the kernels cannot index as it is is converted into `converted` (kept by the caller until
+        the graphs have read it), or, with converted None, refused: InvalidInput naming it (a
+        bound caller's buffers are read in place, drafter.bound)."""
         hidden = inp.target_hidden_states
         kind, stride = HIDDEN_KINDS.get(hidden.dtype), hidden.stride()
         if kind is None or stride[1] != 1:
-            hidden, kind, stride = _readable_hidden(hidden, converted)
-        words = [inp.target_token_ids.shape[0], out.shape[0], out.data_ptr(), hidden.data_ptr(), kind, stride[0]]
+            hidden, kind, stride = _readable_hidden(hidden, _converting(converted, "target_hidden_states"))
+        words = [inp.target_token_ids.shape[0], inp.next_token_ids.shape[0], out.data_ptr(), hidden.data_ptr(),
+                 kind, stride[0]]
         # one loop, no call per tensor: this runs for ~9 tensors on every propose
-        for t in (inp.target_token_ids, inp.target_positions, inp.next_token_ids, inp.query_start_loc,
-                  inp.seq_lens, inp.token_indices_to_sample, inp.num_rejected_tokens, *inp.slot_mappings):
+        for name, t in zip(_INT_FIELDS, (inp.target_token_ids, inp.target_positions, inp.next_token_ids,
+                                         inp.query_start_loc, inp.seq_lens, inp.token_indices_to_sample,
+                                         inp.num_rejected_tokens, *inp.slot_mappings)):
             if t is None:
                 words += (0, 0)
                 continue
             wide = _WIDE.get(t.dtype)
             if wide is None or not t.is_contiguous():
-                t, wide = _readable_ints(t, converted)
+                t, wide = _readable_ints(t, _converting(converted, name))
             words += (t.data_ptr(), wide)
         words += self._unused_slots
         for table in inp.block_tables:
             wide, stride = _WIDE.get(table.dtype), table.stride()
             if wide is None or stride[1] != 1:
-                table, wide, stride = _readable_table(table, converted)
+                table, wide, stride = _readable_table(table, _converting(converted, "block_tables"))
             words += (table.data_ptr(), wide, stride[0], table.shape[1])
+        return words
+
+    def store(self, words: list[int], keep: tuple) -> None:
+        """Make `words` the header the device reads, once the previous call's graphs are done
+        with the old ones; `keep` (the tensors the words point at) stays referenced until the
+        next store."""
         if self._pending:
             self.read_event.synchronize()  # the previous call's graphs are done with the words
             self._pending = False
-        self._pack(self.words, 0, *words)
-        self.inputs = (inp, out, converted)
+        self._pack(self.host_words, 0, *words)
+        self.inputs = keep
         if self.device is not self.host:
             self.device.copy_(self.host)
+
+
+_INT_FIELDS = ("target_token_ids", "target_positions", "next_token_ids", "query_start_loc", "seq_lens",
+               "token_indices_to_sample", "num_rejected_tokens", "slot_mappings", "slot_mappings")
+
+
+def _converting(converted: list | None, field: str) -> list:
+    """Where a converted copy of `field` goes; None: no copy allowed (InvalidInput)."""
+    if converted is None:
+        raise InvalidInput(field, "a bound buffer is read in place: it must be contiguous (2-D: rows), "
+                                  "int32 / int64, or for the hidden states bfloat16 / float16 / float32")
+    return converted
 
 
 # What the kernels cannot index as they are is converted (rare: validate() admits int32 / int64

@@ -1,0 +1,152 @@
+"""Propose from a trusted in-process caller's persistent buffers, described once.
+
+    bound = engine.bind(target_token_ids=ids_buf, target_positions=pos_buf, ...)   # full-size buffers
+    ...                                    # every step: the caller fills the buffers' first rows
+    drafts = bound.propose(num_tokens, batch_size)   # [max_batch, k] int64; rows [:batch_size] are this step's
+
+A target engine that replays its own CUDA graphs keeps its inputs in persistent buffers (vLLM's
+runner does) and hands the proposer slices of them each step.  `engine.propose` then reads the
+address, dtype and layout of ~12 tensors on every call and allocates an output: a few
+microseconds on a quiet host, but each torch call costs 5-15x more right after the host waited
+for the GPU (bench/results/2026-11-24-h100/host-probe: a one-element view 7-16 us there, ~1 us
+in a loop), and that is where a decode step calls the drafter.  Bound, the buffers are described
+once; a call writes two sizes into the header the captured loader reads, replays the graphs and
+returns the bound output buffer: no torch call but the replay and its event.
+
+Trusted like propose(validate=False): the structure of the buffers is checked at bind time
+(dtypes, layouts, devices, capacities, InvalidInput naming the field) and the sizes of each call
+are checked, but the values the caller writes are not; a malformed step reads or writes the KV
+pool out of range.  Greedy chain or tree drafting at the captured sizes only: a call the graphs
+do not cover runs eagerly on slices of the buffers (correct, not fast).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafter.config import pad_to_capture_size
+from drafter.inputs import FLOAT_DTYPES, INT_DTYPES, InvalidInput, ProposeInputs
+
+
+class BoundPropose:
+    def __init__(self, engine, inputs: ProposeInputs, drafts: torch.Tensor):  # drafts: [max_batch, width] int64
+        runner = engine.graphs
+        if runner is None:
+            raise InvalidInput("engine", "binding buffers needs CUDA graphs (the Triton backend on a GPU)")
+        if inputs.temperatures is not None:
+            raise InvalidInput("temperatures", "bound calls draft greedily (the graphs' sampling)")
+        self.engine, self.runner = engine, runner
+        self.inputs = _checked(inputs, drafts, engine, runner)
+        self.drafts = drafts
+        self.max_tokens = min(t.shape[0] for t in (inputs.target_token_ids, inputs.target_positions,
+                                                   inputs.target_hidden_states, *inputs.slot_mappings))
+        self.max_batch = min(t.shape[0] for t in (
+            inputs.next_token_ids, inputs.seq_lens, drafts, *inputs.block_tables,
+            *(t for t in (inputs.token_indices_to_sample, inputs.num_rejected_tokens) if t is not None)))
+        self.max_batch = min(self.max_batch, inputs.query_start_loc.shape[0] - 1)
+        if not runner.captured:
+            runner.capture()  # before any header is written: capture zeroes it
+        # every word but the two sizes; rewritten whole on each call, as engine.propose shares the header
+        self._words = runner.header.describe(self.inputs, drafts, converted=None)
+        self._keep = (self.inputs, drafts, [])
+
+    def propose(self, num_tokens: int, batch_size: int, batch_padded: int | None = None,
+                tokens_padded: int | None = None) -> torch.Tensor:
+        """Draft for the call held in the buffers' first num_tokens token rows and batch_size
+        request rows; returns the bound drafts buffer, whose first batch_size rows the GPU fills
+        (stream-ordered, like engine.propose's output)."""
+        b_pad, t_pad = self._sizes(num_tokens, batch_size, batch_padded, tokens_padded)
+        runner = self.runner
+        if b_pad not in runner.loop_graphs or t_pad not in runner.first_graphs:
+            return self._eager(num_tokens, batch_size, b_pad, t_pad)
+        words = self._words.copy()
+        words[0], words[1] = num_tokens, batch_size
+        runner.header.store(words, self._keep)
+        runner.replay(t_pad, b_pad)
+        return self.drafts
+
+    def _sizes(self, num_tokens: int, batch_size: int, batch_padded, tokens_padded) -> tuple[int, int]:
+        if not 0 < batch_size <= self.max_batch:
+            raise InvalidInput("batch_size", f"{batch_size} must lie in [1, {self.max_batch}] (the bound buffers)")
+        if not batch_size <= num_tokens <= self.max_tokens:
+            raise InvalidInput("num_tokens", f"{num_tokens} must lie in [batch_size={batch_size}, {self.max_tokens}]")
+        c = self.engine.config
+        b = pad_to_capture_size(batch_size, c.capture_sizes) if batch_padded is None else batch_padded
+        t = pad_to_capture_size(num_tokens, c.token_capture_sizes) if tokens_padded is None else tokens_padded
+        if not batch_size <= b <= c.capture_sizes[-1]:
+            raise InvalidInput("batch_padded", f"{b} must lie in [batch_size={batch_size}, {c.capture_sizes[-1]}]")
+        if not num_tokens <= t <= c.token_capture_sizes[-1]:
+            raise InvalidInput("tokens_padded",
+                               f"{t} must lie in [num_tokens={num_tokens}, {c.token_capture_sizes[-1]}]")
+        return b, t
+
+    def _eager(self, n: int, b: int, b_pad: int, t_pad: int) -> torch.Tensor:
+        inp = self.inputs
+        rows = ProposeInputs(
+            inp.target_token_ids[:n], inp.target_positions[:n], inp.target_hidden_states[:n], inp.next_token_ids[:b],
+            inp.query_start_loc[:b + 1], inp.seq_lens[:b], [t[:b] for t in inp.block_tables],
+            [t[:n] for t in inp.slot_mappings], _rows(inp.token_indices_to_sample, b),
+            _rows(inp.num_rejected_tokens, b))
+        out = self.engine._propose_eager(rows, False, False, b_pad, t_pad)
+        self.drafts[:b].copy_(out.draft_token_ids)
+        return self.drafts
+
+
+def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if t is None else t[:n]
+
+
+def _checked(inp: ProposeInputs, drafts: torch.Tensor, engine, runner) -> ProposeInputs:
+    """The buffers' structure (not their values): dtypes, dimensions, one device the loader reads
+    in place; InvalidInput naming the first bad field."""
+    fields = {"target_token_ids": inp.target_token_ids, "target_positions": inp.target_positions,
+              "next_token_ids": inp.next_token_ids, "query_start_loc": inp.query_start_loc,
+              "seq_lens": inp.seq_lens, "token_indices_to_sample": inp.token_indices_to_sample,
+              "num_rejected_tokens": inp.num_rejected_tokens}
+    fields.update({f"slot_mappings[{g}]": t for g, t in enumerate(inp.slot_mappings)})
+    for name, t in fields.items():
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in INT_DTYPES
+                              or not t.is_contiguous()):
+            raise InvalidInput(name, "expected a contiguous 1-D int32 / int64 tensor (read in place)")
+    for g, table in enumerate(inp.block_tables):
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.dtype not in INT_DTYPES \
+                or table.stride(1) != 1:
+            raise InvalidInput(f"block_tables[{g}]", "expected a 2-D int32 / int64 tensor with contiguous rows")
+        if table.shape[1] < engine.config.max_blocks_per_req[g]:
+            raise InvalidInput(f"block_tables[{g}]", f"{table.shape[1]} columns, the engine's requests need up to "
+                                                     f"{engine.config.max_blocks_per_req[g]}")
+    hidden = inp.target_hidden_states
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2 or hidden.shape[1] != engine.spec.hidden_input_width \
+            or hidden.stride(1) != 1 or hidden.dtype not in FLOAT_DTYPES:
+        raise InvalidInput("target_hidden_states", f"expected [tokens, {engine.spec.hidden_input_width}] "
+                                                   "bfloat16 / float16 / float32 with contiguous rows")
+    if drafts.dtype != torch.int64 or drafts.dim() != 2 or drafts.shape[1] != runner.width \
+            or not drafts.is_contiguous():
+        raise InvalidInput("drafts", f"expected a contiguous [max_batch, {runner.width}] int64 tensor")
+    if inp.query_start_loc.shape[0] < 2:
+        raise InvalidInput("query_start_loc", "needs room for batch + 1 entries")
+    for name, t in _tensors(inp):
+        if not _readable_in_place(t, runner.device):
+            raise InvalidInput(name, f"a bound buffer must live on {runner.device} (or in pinned host memory, "
+                                     f"contiguous), got {t.device}")
+    if drafts.device != runner.device:
+        raise InvalidInput("drafts", f"must live on {runner.device}, got {drafts.device}")
+    return inp
+
+
+def _readable_in_place(t: torch.Tensor, device: torch.device) -> bool:
+    """What the captured loader reads without a copy (graphs.on_device leaves it where it is)."""
+    if t.device == device:
+        return True
+    return device.type == "cuda" and t.device.type == "cpu" and t.is_pinned() and t.is_contiguous()
+
+
+def _tensors(inp: ProposeInputs):
+    for name in ("target_token_ids", "target_positions", "target_hidden_states", "next_token_ids",
+                 "query_start_loc", "seq_lens", "token_indices_to_sample", "num_rejected_tokens"):
+        if getattr(inp, name) is not None:
+            yield name, getattr(inp, name)
+    for g, t in enumerate(inp.block_tables):
+        yield f"block_tables[{g}]", t
+    for g, t in enumerate(inp.slot_mappings):
+        yield f"slot_mappings[{g}]", t
