@@ -654,7 +654,7 @@ def run(args) -> dict:
             meta.setdefault("gemm_plans", {})[f"{head_name} k={k}"] = plans = gemm_plans(head)
             for name, plan in plans.items():
                 log(f"  GEMM plan {name} (row bucket: picked; us of cuBLAS and of each"
-                    " block_n/block_k/warps/stages[ swap][+prenorm]): "
+                    " block_n/block_k/warps/stages[ swap][+tma]): "
                     + " | ".join(f"{b}: {plan['picked'].get(b, 'cublas')}; "
                                  + ", ".join(f"{c} {us:.1f}" for c, us in t.items())
                                  for b, t in plan["timings_us"].items()))

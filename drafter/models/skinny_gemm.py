@@ -7,15 +7,14 @@ at 0.89 of the copy bandwidth where this kernel reaches 0.97, an o projection at
 bench/results/), adds split-K reduce launches, and cannot fuse what comes before or after.
 This kernel streams W once and fuses the step's elementwise work:
 
-    prologue  NORM_IN:   x <- RMSNorm(x) on the fly, from per-row partial sums of squares that
-                         the GEMM producing x left behind (so no norm launch and no extra pass)
-              ROW_SCALE: x already holds x * norm_weight (that GEMM's SCALE_OUT), so the norm is
-                         RMSNorm(x) @ W.T = inv_rms(row) * ((x * norm_weight) @ W.T): a per-row
-                         scale of the accumulator, no per-tile work at all
+    prologue  ROW_SCALE: x already holds x * norm_weight (the producing GEMM's SCALE_OUT), and
+                         that GEMM's per-row partial sums of squares give inv_rms(row), so the
+                         norm is RMSNorm(x) @ W.T = inv_rms(row) * ((x * norm_weight) @ W.T): a
+                         per-row scale of the accumulator, no norm launch, no per-tile work
     epilogue  RESIDUAL:  out = residual + x @ W.T   (one rounding, as addmm with beta=1)
               SILU_MUL:  out = silu(x @ Wg.T) * (x @ Wu.T)   (W = [gate; up], rounded as torch does)
               SUMSQ_OUT: also write each row's sum of squares over this program's columns, for
-                         the next GEMM's NORM_IN
+                         the next GEMM's ROW_SCALE
               SCALE_OUT: also write out * norm_weight (the next norm's weight), for its ROW_SCALE
               ARGMAX_OUT: also write each row's largest (rounded) value over this program's
                          columns and its column: greedy drafting then reduces a few hundred
@@ -25,7 +24,10 @@ This kernel streams W once and fuses the step's elementwise work:
 
 Each program owns BLOCK_N output columns of BLOCK_M rows and walks the whole K: no split-K, no
 partial outputs, no second launch.  Block sizes are chosen per weight and row bucket by timing
-candidates at start-up (drafter.models.weight_gemm.plan_gemm).
+candidates at start-up (drafter.models.weight_gemm.plan_gemm).  Rows to norm without the
+scaled copy (a NormedInput without .scaled) are normed by a launch of their own first: norming
+every x tile inside the K loop was measured slower at 32-64 rows (the lm_head at 64 rows: 108.5
+us vs 93.7, bench/results/2026-11-24-h100/tma-probe) and no longer pays for its code.
 """
 
 from __future__ import annotations
@@ -67,13 +69,13 @@ def skinny_gemm_kernel(
     w_ptr, stride_w,  # [N_W, K]; SILU_MUL: [2 * N, K] = [gate; up]; TMA: a descriptor, [BLOCK_N, BLOCK_K] boxes
     out_ptr, stride_out,  # [m, N]
     res_ptr, stride_res,  # [m, N], EPILOGUE_RESIDUAL only
-    norm_w_ptr, sumsq_in_ptr, stride_sin, n_parts_in, eps,  # NORM_IN: [K], [m, n_parts_in] f32
+    sumsq_in_ptr, stride_sin, n_parts_in, eps,  # ROW_SCALE: [m, n_parts_in] f32, the norm's eps
     sumsq_out_ptr, stride_sout,  # SUMSQ_OUT: [m, cdiv(N, BLOCK_N)] f32
     amax_val_ptr, amax_idx_ptr, stride_amax,  # ARGMAX_OUT: [m, cdiv(N, BLOCK_N)] f32 and int32
     scaled_ptr, stride_scaled, scale_w_ptr,  # SCALE_OUT: [m, N] = out * scale_w, scale_w [N]
     m, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    EPILOGUE: tl.constexpr, NORM_IN: tl.constexpr, BLOCK_P: tl.constexpr, SUMSQ_OUT: tl.constexpr,
+    EPILOGUE: tl.constexpr, BLOCK_P: tl.constexpr, SUMSQ_OUT: tl.constexpr,
     ARGMAX_OUT: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr,
     TMA: tl.constexpr, ROW_SCALE: tl.constexpr, SCALE_OUT: tl.constexpr, STORE_OUT: tl.constexpr,
     DTYPE: tl.constexpr,  # the activations' (and out's) dtype: every rounding point casts to it
@@ -89,7 +91,7 @@ def skinny_gemm_kernel(
     if not TMA:
         x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x
         w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w
-    if NORM_IN or ROW_SCALE:  # layers.RMSNorm: (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight
+    if ROW_SCALE:  # layers.RMSNorm's rsqrt(mean(x^2) + eps), per row
         parts = tl.arange(0, BLOCK_P)
         ss = tl.load(sumsq_in_ptr + offs_m[:, None] * stride_sin + parts[None, :],
                      mask=m_ok[:, None] & (parts < n_parts_in)[None, :], other=0.0)
@@ -110,9 +112,6 @@ def skinny_gemm_kernel(
         else:
             x = _load_tile(x_rows, k, m_ok, K, EVEN_K)
             w = _load_tile(w_rows, k, n_ok, K, EVEN_K)
-        if NORM_IN:
-            nw = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            x = ((x.to(tl.float32) * inv_rms[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype)
         if DOT_F32:  # the interpreter's bf16 dot is wrong (triton 3.9); products are exact in f32 anyway
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -169,17 +168,13 @@ class GemmConfig:
     # weight rows as the MMA's M side (acc = W_tile @ x.T): at 32 rows a row block is below the
     # H100 MMA's 64-row minimum and would waste half of each instruction
     swap: bool = False
-    # normalise the input rows in a launch of their own instead of in the K loop: at 32-64 rows
-    # the per-tile norm work of NORM_IN no longer hides behind the weight stream (lm_head at 64
-    # rows: 108 us fused vs 94 us plain on an H100, bench/results/2026-11-24-h100/tma-probe)
-    prenorm: bool = False
     # x and W tiles fetched by the Hopper tensor-memory accelerator (host-built descriptors)
     # instead of per-thread loads; used where the boxes and strides allow it (tma_usable)
     tma: bool = False
 
     @property
     def label(self) -> str:
-        flags = ("swap" if self.swap else "") + ("+tma" if self.tma else "") + ("+prenorm" if self.prenorm else "")
+        flags = ("swap" if self.swap else "") + ("+tma" if self.tma else "")
         return f"{self.block_n}/{self.block_k}/{self.num_warps}/{self.num_stages}" + (f" {flags}" if flags else "")
 
 
@@ -268,7 +263,7 @@ def skinny_gemm(
         if norm.scaled.shape != (m, k) or norm.scaled.stride(1) != 1:
             raise ValueError(f"skinny_gemm: NormedInput.scaled must be a [{m}, {k}] tensor with contiguous rows")
         x = norm.scaled
-    elif norm is not None and cfg.prenorm:
+    elif norm is not None:  # no scaled copy: the norm as a launch of its own
         x, norm = rms_norm(norm.x, norm.weight, norm.eps), None
     scaled = torch.empty(m, n, dtype=x.dtype, device=x.device) if scale_out is not None else None
     parts = triton.cdiv(n, cfg.block_n)
@@ -288,11 +283,10 @@ def skinny_gemm(
         w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
         skinny_gemm_kernel[(parts, triton.cdiv(m, block_m))](
             x_arg, x.stride(0), w_arg, weight.stride(0), any_out, any_out.stride(0), res, res.stride(0),
-            norm.weight if norm is not None else weight, s_in, s_in.stride(0),
-            norm.sumsq.shape[1] if norm is not None else 0, norm.eps if norm is not None else 0.0,
+            s_in, s_in.stride(0), norm.sumsq.shape[1] if norm is not None else 0, norm.eps if norm is not None else 0.0,
             s_out, s_out.stride(0), a_val, a_idx, a_val.stride(0), sc_out, sc_out.stride(0), sc_w, m, n, k,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0,
-            EPILOGUE=epilogue, NORM_IN=norm is not None and not row_scale,
+            EPILOGUE=epilogue,
             BLOCK_P=triton.next_power_of_2(norm.sumsq.shape[1]) if norm is not None else 1, SUMSQ_OUT=sumsq,
             ARGMAX_OUT=argmax,
             DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

@@ -13,7 +13,7 @@ skinny kernel, so CI covers it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,8 @@ ROW_BUCKETS = (16, 32, 64)  # the skinny kernel's row-block sizes: one decision 
 # the Llama-8B step shapes (bench/probe_step_gemms.py 2026-11-22; bench/probe_plan.py and
 # bench/probe_tma_gemm.py 2026-11-24: wide tiles with the norm as its own launch beat cuBLAS on
 # gate/up and the lm_head at 64 rows, the swapped MMA and TMA loads win at 32 rows); timing picks
-# among them per weight.  For a NormedInput without .scaled (probes and tests: fuse_head never
-# hands one on) each is also timed with the norm as a launch of its own (GemmConfig.prenorm).
+# among them per weight.  A NormedInput without .scaled (probes and tests: fuse_head never hands
+# one on) is normed by a launch of its own before the skinny kernel.
 _SWAP, _SWAP_TMA, _TMA = dict(swap=True), dict(swap=True, tma=True), dict(tma=True)
 CANDIDATES = {
     16: (GemmConfig(32, 256, 4, 3), GemmConfig(64, 256, 4, 3), GemmConfig(32, 512, 4, 3),
@@ -48,7 +48,7 @@ class WeightGemm:
     """x @ weight.T for one weight [N, K]: the skinny kernel with configs[bucket] for the row
     buckets it names, cuBLAS (and separate norm / SiLU launches) for the rest and for > 64 rows.
     Either way the same function, up to the GEMM's summation order.  A NormedInput without
-    .scaled (the norm in the K loop, or as a launch with GemmConfig.prenorm) also takes configs."""
+    .scaled (normed by a launch of its own first) also takes configs."""
     weight: torch.Tensor  # [N, K]; silu_mul: [2 * N', K] = [gate; up]
     configs: dict[int, GemmConfig] = field(default_factory=dict)
     plan_us: dict = field(default_factory=dict, repr=False)  # plan_gemm's timings, for diagnostics
@@ -142,8 +142,7 @@ def plan_gemm(weight: torch.Tensor, *, silu_mul: bool = False, residual: bool = 
 
         best, best_us = None, time_of({})
         seen = {"cublas": best_us}
-        prenormed = tuple(replace(c, prenorm=True) for c in candidates[bucket]) if normed and not prescaled else ()
-        for cfg in candidates[bucket] + prenormed:
+        for cfg in candidates[bucket]:
             us = seen[cfg] = time_of({bucket: cfg})
             if us < best_us:
                 best, best_us = cfg, us
