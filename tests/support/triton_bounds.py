@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import pytest
 
 
 class OutOfBounds(AssertionError):
@@ -100,3 +101,17 @@ def checking():
         yield True
     finally:
         executor.__call__, builder.create_masked_store, builder.create_masked_load = originals
+
+
+@pytest.fixture(autouse=True)
+def bounds_checked():
+    """Under the interpreter (no GPU), every kernel access of the test must stay inside its
+    tensors: a store of a padded row past an output would raise.  Import it into a test module
+    to have it there; on a GPU it checks nothing."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    with checking():
+        yield

@@ -25,22 +25,12 @@ from drafter.inputs import InvalidInput  # noqa: E402
 from tests.support.engines import build_engine  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402
 from tests.support.triton_bounds import allowing, allowing_outputs  # noqa: E402
+from tests.support.triton_bounds import bounds_checked  # noqa: E402,F401 - an autouse fixture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_MODEL_LEN = 48
 K = 3
 MAX_TOKENS, MAX_BATCH = 32, 4
-
-
-@pytest.fixture(autouse=True)
-def bounds_checked():
-    if DEVICE != "cpu":
-        yield
-        return
-    from tests.support.triton_bounds import checking
-
-    with checking():
-        yield
 
 
 def _engine(root, *, reference=False, max_graph_batch=None, **config):

@@ -24,24 +24,12 @@ from drafter.graphs import GraphRunner, decode_size_pairs  # noqa: E402
 from tests.support.engines import build_engine  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402
 from tests.support.triton_bounds import allowing, allowing_outputs  # noqa: E402
+from tests.support.triton_bounds import bounds_checked  # noqa: E402,F401 - an autouse fixture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_MODEL_LEN = 48
 K = 3
 TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
-
-
-@pytest.fixture(autouse=True)
-def bounds_checked():
-    """Under the interpreter, every kernel access must stay inside its tensors: a store of a
-    padded row past the [batch, k] output would raise."""
-    if DEVICE != "cpu":
-        yield
-        return
-    from tests.support.triton_bounds import checking
-
-    with checking():
-        yield
 
 
 def _engine(root, *, reference=False, **config):

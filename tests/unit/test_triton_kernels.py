@@ -27,20 +27,9 @@ from drafter.models.layers import RMSNorm, apply_rope  # noqa: E402
 from tests.support.engines import build_engine  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402
 from tests.support.triton_bounds import allowing, allowing_outputs  # noqa: E402
+from tests.support.triton_bounds import bounds_checked  # noqa: E402,F401 - an autouse fixture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def bounds_checked():
-    """Under the interpreter, every kernel access must stay inside its tensor arguments."""
-    if DEVICE != "cpu":
-        yield
-        return
-    from tests.support.triton_bounds import checking
-
-    with checking():
-        yield
 
 
 def _batch(qlens, seq_lens, *, heads=4, kv_heads=2, head_dim=16, block_size=8, num_blocks=40, max_blocks=8,
