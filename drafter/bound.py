@@ -54,7 +54,10 @@ class BoundPropose:
                 tokens_padded: int | None = None) -> torch.Tensor:
         """Draft for the call held in the buffers' first num_tokens token rows and batch_size
         request rows; returns the bound drafts buffer, whose first batch_size rows the GPU fills
-        (stream-ordered, like engine.propose's output)."""
+        (stream-ordered, like engine.propose's output).  Both are the caller's to keep in step
+        with the GPU: write the buffers for the next call only after this call's graphs have
+        read them (work queued later on the same stream is), and read the drafts before the next
+        bound call overwrites them."""
         b_pad, t_pad = self._sizes(num_tokens, batch_size, batch_padded, tokens_padded)
         runner = self.runner
         if b_pad not in runner.loop_graphs or t_pad not in runner.first_graphs:
