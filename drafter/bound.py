@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from drafter.config import pad_to_capture_size
 from drafter.inputs import FLOAT_DTYPES, INT_DTYPES, InvalidInput, ProposeInputs
 
 
@@ -73,15 +72,13 @@ class BoundPropose:
             raise InvalidInput("batch_size", f"{batch_size} must lie in [1, {self.max_batch}] (the bound buffers)")
         if not batch_size <= num_tokens <= self.max_tokens:
             raise InvalidInput("num_tokens", f"{num_tokens} must lie in [batch_size={batch_size}, {self.max_tokens}]")
-        c = self.engine.config
-        b = pad_to_capture_size(batch_size, c.capture_sizes) if batch_padded is None else batch_padded
-        t = pad_to_capture_size(num_tokens, c.token_capture_sizes) if tokens_padded is None else tokens_padded
-        if not batch_size <= b <= c.capture_sizes[-1]:
-            raise InvalidInput("batch_padded", f"{b} must lie in [batch_size={batch_size}, {c.capture_sizes[-1]}]")
-        if not num_tokens <= t <= c.token_capture_sizes[-1]:
-            raise InvalidInput("tokens_padded",
-                               f"{t} must lie in [num_tokens={num_tokens}, {c.token_capture_sizes[-1]}]")
-        return b, t
+        limits = self.engine.limits
+        if batch_size > limits.max_num_seqs:
+            raise InvalidInput("batch_size", f"{batch_size} exceeds max_num_seqs {limits.max_num_seqs}")
+        if num_tokens > limits.max_num_batched_tokens:
+            raise InvalidInput("num_tokens", f"{num_tokens} exceeds max_num_batched_tokens "
+                                             f"{limits.max_num_batched_tokens}")
+        return self.engine.padded_sizes(batch_size, num_tokens, batch_padded, tokens_padded)
 
     def _eager(self, n: int, b: int, b_pad: int, t_pad: int) -> torch.Tensor:
         inp = self.inputs

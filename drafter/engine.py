@@ -169,8 +169,14 @@ class DraftEngine:
         return BoundPropose(self, inp, drafts)
 
     def _padded_sizes(self, inp: ProposeInputs, batch_padded, tokens_padded) -> tuple[int, int]:
+        return self.padded_sizes(inp.next_token_ids.shape[0], inp.target_token_ids.shape[0], batch_padded,
+                                 tokens_padded)
+
+    def padded_sizes(self, batch: int, tokens: int, batch_padded: int | None = None,
+                     tokens_padded: int | None = None) -> tuple[int, int]:
+        """(batch_padded, tokens_padded) of a call: the next capture sizes, or the agreed ones
+        (checked to cover the call and to lie within the largest capture size)."""
         c = self.config
-        batch, tokens = inp.next_token_ids.shape[0], inp.target_token_ids.shape[0]
         b = pad_to_capture_size(batch, c.capture_sizes) if batch_padded is None else batch_padded
         t = pad_to_capture_size(tokens, c.token_capture_sizes) if tokens_padded is None else tokens_padded
         if not batch <= b <= c.capture_sizes[-1]:

@@ -170,6 +170,19 @@ def test_bound_call_sizes_are_checked_and_a_bad_one_harms_nothing(tiny_root):
         assert torch.equal(bound.propose(n, b)[:b].cpu(), expected)
 
 
+def test_buffers_larger_than_the_engine_still_get_the_engines_limits(tiny_root):
+    engine = _engine(tiny_root)
+    big = {name: (torch.cat([t, t[:2]]) if name in ("next_token_ids", "query_start_loc", "seq_lens",
+                                                   "num_rejected_tokens", "token_indices_to_sample") else t)
+           for name, t in Buffers(engine).kwargs.items()}
+    big["block_tables"] = [torch.cat([t, t[:2]]) for t in big["block_tables"]]
+    bound = engine.bind(**big, drafts=torch.zeros(MAX_BATCH + 2, K, dtype=torch.int64, device=DEVICE))
+    assert bound.max_batch == MAX_BATCH + 2
+    with pytest.raises(InvalidInput) as err:
+        bound.propose(12, MAX_BATCH + 1)
+    assert err.value.field == "batch_size" and "max_num_seqs" in str(err.value)
+
+
 def test_a_bound_call_no_graph_covers_runs_eagerly(tiny_root):
     """Graphs captured up to batch 2 only: the batch-3 and batch-4 steps take the eager path on
     slices of the buffers, and still land in the bound output."""
