@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from drafter.graphs import readable_in_place
 from drafter.inputs import FLOAT_DTYPES, INT_DTYPES, InvalidInput, ProposeInputs
 
 
@@ -99,14 +100,9 @@ def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
 def _checked(inp: ProposeInputs, drafts: torch.Tensor, engine, runner) -> ProposeInputs:
     """The buffers' structure (not their values): dtypes, dimensions, one device the loader reads
     in place; InvalidInput naming the first bad field."""
-    fields = {"target_token_ids": inp.target_token_ids, "target_positions": inp.target_positions,
-              "next_token_ids": inp.next_token_ids, "query_start_loc": inp.query_start_loc,
-              "seq_lens": inp.seq_lens, "token_indices_to_sample": inp.token_indices_to_sample,
-              "num_rejected_tokens": inp.num_rejected_tokens}
-    fields.update({f"slot_mappings[{g}]": t for g, t in enumerate(inp.slot_mappings)})
-    for name, t in fields.items():
-        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in INT_DTYPES
-                              or not t.is_contiguous()):
+    for name, t in _tensors(inp):
+        if name != "target_hidden_states" and not name.startswith("block_tables") and (
+                not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in INT_DTYPES or not t.is_contiguous()):
             raise InvalidInput(name, "expected a contiguous 1-D int32 / int64 tensor (read in place)")
     for g, table in enumerate(inp.block_tables):
         if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.dtype not in INT_DTYPES \
@@ -126,7 +122,7 @@ def _checked(inp: ProposeInputs, drafts: torch.Tensor, engine, runner) -> Propos
     if inp.query_start_loc.shape[0] < 2:
         raise InvalidInput("query_start_loc", "needs room for batch + 1 entries")
     for name, t in _tensors(inp):
-        if not _readable_in_place(t, runner.device):
+        if not readable_in_place(t, runner.device):
             raise InvalidInput(name, f"a bound buffer must live on {runner.device} (or in pinned host memory, "
                                      f"contiguous), got {t.device}")
     if drafts.device != runner.device:
@@ -134,14 +130,8 @@ def _checked(inp: ProposeInputs, drafts: torch.Tensor, engine, runner) -> Propos
     return inp
 
 
-def _readable_in_place(t: torch.Tensor, device: torch.device) -> bool:
-    """What the captured loader reads without a copy (graphs.on_device leaves it where it is)."""
-    if t.device == device:
-        return True
-    return device.type == "cuda" and t.device.type == "cpu" and t.is_pinned() and t.is_contiguous()
-
-
 def _tensors(inp: ProposeInputs):
+    """(field name, tensor) of every buffer given, block tables and slot mappings per group."""
     for name in ("target_token_ids", "target_positions", "target_hidden_states", "next_token_ids",
                  "query_start_loc", "seq_lens", "token_indices_to_sample", "num_rejected_tokens"):
         if getattr(inp, name) is not None:

@@ -198,9 +198,7 @@ def on_device(inp: ProposeInputs, device: torch.device) -> ProposeInputs:
     place (the service stages every call there: no copy launch per tensor).  A pinned tensor the
     header would have to convert (not contiguous) moves too: its converted copy would be pageable."""
     def move(t):
-        if t is None or t.device == device:
-            return t
-        if device.type == "cuda" and t.device.type == "cpu" and t.is_contiguous() and t.is_pinned():
+        if t is None or readable_in_place(t, device):
             return t
         return t.to(device, non_blocking=True)
     if inp.target_token_ids.device == device and inp.target_hidden_states.device == device:
@@ -209,6 +207,14 @@ def on_device(inp: ProposeInputs, device: torch.device) -> ProposeInputs:
         "target_token_ids", "target_positions", "target_hidden_states", "next_token_ids", "query_start_loc",
         "seq_lens")), [move(t) for t in inp.block_tables], [move(t) for t in inp.slot_mappings],
         move(inp.token_indices_to_sample), move(inp.num_rejected_tokens), move(inp.temperatures))
+
+
+def readable_in_place(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether the captured loader reads t where it is: on `device`, or contiguous in pinned host
+    memory when `device` is a GPU."""
+    if t.device == device:
+        return True
+    return device.type == "cuda" and t.device.type == "cpu" and t.is_contiguous() and t.is_pinned()
 
 
 def neutralize(buf) -> None:
