@@ -101,7 +101,7 @@ def call_parts(engine, call: dict, calls: int, wait=torch.cuda.synchronize) -> d
         tiny.add_(1)
     slab = torch.empty(256, inp.batch_size, runner.width, dtype=torch.int64, device=device)
     views: list = []
-    names = ("output_alloc", "event_sync", "free_previous", "header_write", "replay", "event_record", "part_sum", "whole_propose",
+    names = ("output_alloc", "header_wait", "free_previous", "header_write", "replay", "loaded", "part_sum", "whole_propose",
              "one_kernel_launch", "one_kernel_graph", "slab_view")
     times: dict[str, list[float]] = {n: [] for n in names}
     clock = time.perf_counter
@@ -111,9 +111,7 @@ def call_parts(engine, call: dict, calls: int, wait=torch.cuda.synchronize) -> d
             t0 = clock()
             out = runner.new_output(inp.batch_size)
             t1 = clock()
-            if runner.header._pending:  # the previous call's read_event: long complete
-                runner.header.read_event.synchronize()
-                runner.header._pending = False
+            runner.header.wait_until_read()  # the previous call's DONE word: long set
             t1b = clock()
             runner.header.inputs = ()  # frees the previous call's output tensor
             t1c = clock()

@@ -389,7 +389,7 @@ def host_breakdown(engine, call: dict, iters: int = 50) -> dict:
             "header_us": lambda: runner.header.write(inp, out),
             "replay_us": combined if combined is not None else (
                 lambda: (runner.first_graphs[t_pad](), runner.loop_graphs[b_pad]())),
-            "event_record_us": runner.header.loaded,
+            "loaded_us": runner.header.loaded,
             "draft_output_us": lambda: DraftOutput(out, None, b_pad, t_pad),
         }
         out_us.update({name: med(fn) for name, fn in parts.items()})

@@ -64,6 +64,7 @@ class GraphRunner:
         self.first_logit_h = torch.zeros(self.meta_batch, h, dtype=dtype, device=self.device)  # [max_batch, hidden]
         self.first_carry_h = torch.zeros(self.meta_batch, h, dtype=dtype, device=self.device)  # [max_batch, hidden]
         self.first_pos = torch.zeros(self.meta_batch, dtype=torch.long, device=self.device)  # [max_batch]
+        self._drafts_like = torch.empty(0, dtype=torch.int64, device=self.device)  # new_output's dtype and device
         # the call's sizes and tensor addresses, read by the loader and by the loop's output store
         self.header = InputHeader(len(engine.buffers.block_tables), self.device)
         self.first_graphs: dict[int, Callable[[], None]] = {}
@@ -149,7 +150,7 @@ class GraphRunner:
 
     def new_output(self, batch: int) -> torch.Tensor:
         """The call's drafts, [batch, k | nodes] int64: a fresh tensor the caller owns."""
-        return torch.empty((batch, self.width), dtype=torch.int64, device=self.device)
+        return self._drafts_like.new_empty((batch, self.width))  # no dtype / device arguments to parse
 
     def run(self, inp: ProposeInputs, tokens_padded: int, batch_padded: int) -> torch.Tensor:
         """Describe the call in the header and replay its graph(s); returns the drafts

@@ -163,7 +163,8 @@ def test_back_to_back_calls_behind_a_busy_gpu(tiny_root):
     """Two calls queued while the GPU is still busy: the second call's header write must wait
     for the first call's graphs (the loop graph reads the output address at its end), or the
     first call would run with the second call's header.  torch.cuda._sleep only keeps the GPU
-    busy so that the host runs ahead; the event in InputHeader is what the test checks."""
+    busy so that the host runs ahead; InputHeader's wait for the DONE word the loop graph's
+    last kernel sets is what the test checks."""
     from tests.support.engines import build_engine
 
     kw = dict(k=3, max_model_len=MAX_MODEL_LEN, max_num_seqs=8, max_num_batched_tokens=128, device=CUDA)

@@ -95,20 +95,23 @@ def test_drafts_land_in_a_fresh_tensor_of_the_real_batch(tiny_root):
 
 def test_store_drafts_writes_only_the_real_rows():
     """The loop graph's last kernel: rows [0, batch) of the drafts into the header's output;
-    the rest of a (deliberately larger) output keeps its sentinel."""
-    from drafter.attention.kernels.batch_inputs import HEADER_WORDS, B, OUT
+    the rest of a (deliberately larger) output keeps its sentinel.  Then it marks the header
+    read (word DONE), also for the capture-time header, which stores nothing."""
+    from drafter.attention.kernels.batch_inputs import DONE, HEADER_WORDS, B, OUT
     from drafter.attention.kernels.draft_output import store_drafts
 
     drafts = torch.arange(4 * 5, dtype=torch.int64, device=DEVICE).view(4, 5)  # [batch_padded 4, width 5]
     out = torch.full((4, 5), -7, dtype=torch.int64, device=DEVICE)
-    header = torch.zeros(int(HEADER_WORDS), dtype=torch.int64)
+    header = torch.zeros(int(HEADER_WORDS), dtype=torch.int64, device=DEVICE)
     header[int(B)], header[int(OUT)] = 2, out.data_ptr()
     with allowing([out]):
-        store_drafts(header.to(DEVICE), drafts)
+        store_drafts(header, drafts)
     assert torch.equal(out[:2].cpu(), drafts[:2].cpu())
     assert bool((out[2:] == -7).all()), "padded rows must not be stored"
-    header[int(B)], header[int(OUT)] = 0, 0  # the capture-time header: nothing stored, nothing read
-    store_drafts(header.to(DEVICE), drafts)
+    assert int(header[int(DONE)]) == 1, "the header must be marked read"
+    header.zero_()  # the capture-time header: nothing stored, nothing read but the header
+    store_drafts(header, drafts)
+    assert int(header[int(DONE)]) == 1
 
 
 # ---------------------------------------------------------------------- one replay per decode call
@@ -164,49 +167,49 @@ def test_decode_size_pairs_follow_the_padded_decode_call():
 
 
 # ---------------------------------------------------------------------- header rewrite safety
-class _ReadEvent:
-    """Stands in for the header's event: logs record / synchronize, and checks that the header
-    still holds the words the graphs read when the host waits to rewrite them.  On a GPU it
-    also records and waits on the real event, so the calls stay safe."""
-
-    def __init__(self, header, log):
-        self.header, self.log, self.inner = header, log, header.read_event
-        self.words_read = None
-
-    def record(self, stream=None):
-        if self.inner is not None:
-            self.inner.record(stream)
-        self.log.append("record")
-        self.words_read = self.header.host.clone()
-
-    def synchronize(self):
-        assert torch.equal(self.header.host, self.words_read), "header rewritten before the graphs were done"
-        if self.inner is not None:
-            self.inner.synchronize()
-        self.log.append("wait")
-
-
 def test_header_is_rewritten_only_after_the_last_replay_read_it(tiny_root):
-    """record() after the last replay of a call (the loop graph also reads the header: the
-    output's address), and the next write waits on it before touching a word."""
+    """The first pass reads the header but leaves word DONE unset; the loop's last kernel sets
+    it.  The next call rewrites the words at once when it is set, and when the caller queued
+    that call before the previous one was done (DONE still 0), only after waiting, with the
+    words the graphs read still in place."""
+    from drafter.attention.kernels.batch_inputs import DONE
+
     engine = _engine(tiny_root, max_num_seqs=2, max_num_batched_tokens=16, token_capture_sizes=(8,))
     runner = engine.graphs
     runner.capture()
-    log: list[str] = []
-    runner.header.read_event = _ReadEvent(runner.header, log)
+    header = runner.header
+    header.device, header.mapped = header.host, True  # as on a GPU: the kernels read and mark the host words
+    log: list = []
+    words_read: list[torch.Tensor] = []
 
     def logged(name, replay):
-        return lambda: (log.append(name), replay())
+        def run():
+            words_read[:] = [header.host[:int(DONE)].clone()]
+            replay()
+            log.append((name, int(header.host_words[DONE])))
+        return run
 
     runner.first_graphs = {t: logged("first", g) for t, g in runner.first_graphs.items()}
     runner.loop_graphs = {b: logged("loop", g) for b, g in runner.loop_graphs.items()}
     runner.combined_graphs = {k: logged("combined", g) for k, g in runner.combined_graphs.items()}
+
+    def device_finishing():  # stands in for the GPU finishing the previous call
+        assert torch.equal(header.host[:int(DONE)], words_read[0]), "header rewritten before the graphs were done"
+        log.append("wait")
+        header.host_words[DONE] = 1
+
+    header._wait_for_done = device_finishing
     scn = _scenario(engine)
-    for plan in ([(0, 5, 0), (1, 7, 0)], [(0, 4, 1), (1, 4, 0)], [(0, 4, 0), (1, 4, 2)]):  # 12 tokens, then 8
-        _propose(engine, scn.call(plan).kwargs)
-    assert log == ["first", "loop", "record",  # the prefill: two graphs, then the event
-                   "wait", "combined", "record",  # decode calls: one graph each
-                   "wait", "combined", "record"]
+    plans = ([(0, 5, 0), (1, 7, 0)], [(0, 4, 1), (1, 4, 0)], [(0, 4, 0), (1, 4, 2)])  # 12 tokens, then 8
+    _propose(engine, scn.call(plans[0]).kwargs)
+    _propose(engine, scn.call(plans[1]).kwargs)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # so that the GPU's own DONE store cannot land after the line below
+    header.host_words[DONE] = 0  # as if the second call were still running
+    _propose(engine, scn.call(plans[2]).kwargs)
+    assert log == [("first", 0), ("loop", 1),  # the prefill: two graphs, the second marks the header
+                   ("combined", 1),  # a decode call: one graph
+                   "wait", ("combined", 1)]
 
 
 # ---------------------------------------------------------------------- trusted in-process callers

@@ -20,6 +20,7 @@ and columns (attention reads a request's table only below its seq_len).
 from __future__ import annotations
 
 import struct
+import time
 
 import torch
 import triton
@@ -39,7 +40,10 @@ MAX_GROUPS = 2
 SLOTS = tl.constexpr(20)  # group g's slot mapping: the pair at SLOTS + 2 g
 # group g's block table from word TABLES + 4 g: address, wide, row stride, width
 TABLES, TABLE_WORDS = tl.constexpr(24), tl.constexpr(4)
-HEADER_WORDS = tl.constexpr(32)
+# written by the device, not the host: 1 once the call's last kernel has read every header word
+# it needs (draft_output.py), so the host may rewrite the header; the host sets it to 0 per call
+DONE = tl.constexpr(32)
+HEADER_WORDS = tl.constexpr(33)
 HIDDEN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _WIDE = {torch.int32: 0, torch.int64: 1}
 
@@ -187,14 +191,17 @@ class InputHeader:
     On a GPU the header lives in pinned host memory, which the device reads in place (pinned
     memory is mapped into the device's address space): no copy per call, and the kernels' few
     word loads cross PCIe once.  The host must not rewrite the words before the previous call's
-    graphs have read them: `loaded()`, called after the LAST replay that reads the header,
-    records `read_event`, and `write` waits on it (in steady state long passed: the caller has
-    consumed those drafts).  Elsewhere (the CPU emulation in tests) `device` is a separate
-    tensor, `write` copies, and `read_event` is None (tests may put a recorder there).
+    graphs have read them.  The loop's last kernel says when: after its own header loads it
+    sets word DONE to 1 in that same pinned memory, and `store` reads the word (a memory read,
+    no CUDA call) before rewriting; in steady state the caller has consumed the previous drafts
+    and the word is long set.  A CUDA event would say the same for two CUDA calls per propose
+    (record, then query or wait), each 3-7 us on the GPU host inside a call
+    (bench/results/2026-11-24-h100/host-probe), more than the rest of a bound call.  Elsewhere
+    (the CPU emulation in tests) `device` is a separate tensor, `store` copies, and nothing waits.
 
-    `write` runs on every propose call, so it reads each tensor's dtype, contiguity, stride and
-    address once, converts only what the kernels cannot index (rare), and fills the words with
-    one packed write into the header's memory."""
+    `describe` runs on every propose call, so it reads each tensor's dtype, contiguity, stride
+    and address once, converts only what the kernels cannot index (rare), and `store` fills the
+    words with one packed write into the header's memory."""
 
     def __init__(self, num_groups: int, device):
         if num_groups > MAX_GROUPS:
@@ -203,11 +210,9 @@ class InputHeader:
         self.host = torch.zeros(int(HEADER_WORDS), dtype=torch.int64, pin_memory=mapped)  # [header words]
         self.host_words = self.host.numpy()  # a view: writes land in the pinned memory
         self.device = self.host if mapped else torch.zeros(int(HEADER_WORDS), dtype=torch.int64, device=device)
-        self.read_event = torch.cuda.Event() if mapped else None
+        self.mapped = mapped
         self._device_index = torch.device(device).index if mapped else None
-        self._stream_key: tuple | None = None  # the current stream, as torch's C call names it
-        self._stream = None
-        self._pending = False
+        self._pending = False  # a call's graphs were queued and may not have read the words yet
         self._unused_slots = (0, 0) * (MAX_GROUPS - num_groups)  # keeps the tables at word TABLES
         words = int(TABLES) + int(TABLE_WORDS) * num_groups
         self._pack = struct.Struct(f"={words}q").pack_into  # native int64s, the tensor's own layout
@@ -215,21 +220,28 @@ class InputHeader:
 
     def loaded(self) -> None:
         """Call after the last replay that reads the header has been queued."""
-        if self.read_event is not None:
-            self.read_event.record(self._current_stream())
-            self._pending = True
+        self._pending = self.mapped
 
-    def _current_stream(self):
-        """torch.cuda.current_stream() without its per-call Python (device lookup, a new Stream
-        object): measured at several microseconds per call on a GPU host; one C call here."""
-        if self.device is not self.host:
-            return None  # the CPU emulation: no streams
-        key = torch._C._cuda_getCurrentStream(
-            self._device_index if self._device_index is not None else torch.cuda.current_device())
-        if key != self._stream_key:
-            self._stream_key = key
-            self._stream = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
-        return self._stream
+    def wait_until_read(self) -> None:
+        """Return once the last queued call's graphs are done with the words (DONE set)."""
+        if self._pending:
+            if self.host_words[DONE] != 1:
+                self._wait_for_done()
+            self._pending = False
+
+    def _wait_for_done(self) -> None:
+        """The caller queued this call before the previous one finished on the device (it did
+        not wait for those drafts): poll the word, giving up the GIL between reads, as a CUDA
+        event wait would spin; a device that stops making progress (a fault, a kernel stuck
+        behind other work for a second) gets a full synchronize, which raises its error."""
+        deadline = time.monotonic() + 1.0
+        while self.host_words[DONE] != 1:
+            if time.monotonic() > deadline:
+                torch.cuda.synchronize(self._device_index)
+                if self.host_words[DONE] != 1:
+                    raise RuntimeError("the draft graphs finished without marking the input header read")
+                break
+            time.sleep(0)  # lets other Python threads run while the device finishes
 
     def write(self, inp: ProposeInputs, out: torch.Tensor) -> None:  # out: [batch, width] int64
         """Describe `inp` (tensors on the buffers' device) and `out` (where the drafts go) and make
@@ -271,10 +283,9 @@ class InputHeader:
         """Make `words` the header the device reads, once the previous call's graphs are done
         with the old ones; `keep` (the tensors the words point at) stays referenced until the
         next store."""
-        if self._pending:
-            self.read_event.synchronize()  # the previous call's graphs are done with the words
-            self._pending = False
+        self.wait_until_read()
         self._pack(self.host_words, 0, *words)
+        self.host_words[DONE] = 0
         self.inputs = keep
         if self.device is not self.host:
             self.device.copy_(self.host)
