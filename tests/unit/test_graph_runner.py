@@ -186,6 +186,8 @@ def test_header_is_rewritten_only_after_the_last_replay_read_it(tiny_root):
         def run():
             words_read[:] = [header.host[:int(DONE)].clone()]
             replay()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()  # a real replay is asynchronous: read the word once it has run
             log.append((name, int(header.host_words[DONE])))
         return run
 
@@ -203,8 +205,6 @@ def test_header_is_rewritten_only_after_the_last_replay_read_it(tiny_root):
     plans = ([(0, 5, 0), (1, 7, 0)], [(0, 4, 1), (1, 4, 0)], [(0, 4, 0), (1, 4, 2)])  # 12 tokens, then 8
     _propose(engine, scn.call(plans[0]).kwargs)
     _propose(engine, scn.call(plans[1]).kwargs)
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()  # so that the GPU's own DONE store cannot land after the line below
     header.host_words[DONE] = 0  # as if the second call were still running
     _propose(engine, scn.call(plans[2]).kwargs)
     assert log == [("first", 0), ("loop", 1),  # the prefill: two graphs, the second marks the header
