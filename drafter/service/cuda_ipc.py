@@ -79,7 +79,7 @@ class TorchCudaIpc:
 
 
 class SessionRefs:
-    """One session's open storages (by CudaIpcRef.storage_key) and step events (by handle), LRU."""
+    """One session's open storages (Mapping, by CudaIpcRef.storage_key) and step events (by handle), LRU."""
 
     def __init__(self, per_session: int):
         self.per_session = per_session
@@ -96,6 +96,24 @@ class SessionRefs:
         while len(table) >= capacity:
             table.popitem(last=False)  # released here, in the engine thread
         table[key] = value
+
+
+class Mapping:
+    """An opened storage and the last view taken of it: a target sends the same static buffer,
+    usually with the same geometry, step after step, and two torch calls fewer per step count
+    on a GPU host (bench/results/2026-11-24-h100/host-probe).  The view holds the storage, so
+    it goes when the mapping does."""
+
+    def __init__(self, storage: torch.UntypedStorage):
+        self.storage = storage
+        self._geometry: tuple | None = None
+        self._view: torch.Tensor | None = None
+
+    def view_of(self, ref: CudaIpcRef) -> torch.Tensor:  # [num_tokens, hidden_width]
+        geometry = (ref.dtype, ref.storage_offset, ref.shape, ref.stride)
+        if geometry != self._geometry:
+            self._geometry, self._view = geometry, view(self.storage, ref)
+        return self._view
 
 
 def view(storage: torch.UntypedStorage, ref: CudaIpcRef) -> torch.Tensor:
@@ -122,13 +140,13 @@ class CudaIpcOpener:
             raise invalid(f"{FIELD}.device_uuid", f"GPU {ref.device_uuid[:64]} is neither this drafter's nor a "
                                                   f"peer it can read")
         refs = self.sessions.setdefault(session_id, SessionRefs(self.per_session))
-        storage = refs.get(refs.storages, ref.storage_key)
-        if storage is None:
-            storage = self._open(session_id, ref)
-            refs.put(refs.storages, ref.storage_key, storage, self.per_session)
+        mapping = refs.get(refs.storages, ref.storage_key)
+        if mapping is None:
+            mapping = Mapping(self._open(session_id, ref))
+            refs.put(refs.storages, ref.storage_key, mapping, self.per_session)
         if ref.step_event_handle:
             self.backend.wait(self._event(refs, ref.step_event_handle), self.device)
-        return view(storage, ref)
+        return mapping.view_of(ref)
 
     def forget(self, session_id: str) -> None:
         """Release everything the session opened (detach, expiry)."""

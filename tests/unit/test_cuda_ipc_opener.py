@@ -51,8 +51,13 @@ def test_opened_once_then_viewed_in_place():
     t[0, 0] = -1.0  # the same memory, not a copy
     again = opener.tensor("a", r)
     assert again[0, 0] == -1.0
+    assert again is t, "the same geometry reuses the view"
+    fewer = ref(3, 8, row_stride=12, storage_offset=15, storage_size_bytes=r.storage_size_bytes)  # a smaller step, same storage
+    assert fewer.storage_key == r.storage_key
+    assert torch.equal(opener.tensor("a", fewer), content.as_strided((3, 8), (12, 1), 15))
+    assert torch.equal(opener.tensor("a", r), t), "back to the first geometry"
     assert backend.opens == [r.storage_key] and opener.opened == 1
-    assert len(backend.event_opens) == 1 and len(backend.waits) == 2, "the step event is waited for every call"
+    assert len(backend.event_opens) == 1 and len(backend.waits) == 4, "the step event is waited for every call"
 
 
 def test_each_session_keeps_at_most_per_session_storages_least_recent_out():
