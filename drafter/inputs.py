@@ -78,19 +78,58 @@ def _length(name: str, value: torch.Tensor, expected: int, what: str) -> None:
         raise InvalidInput(name, f"has {value.shape[0]} rows, expected {expected} ({what})")
 
 
-def _in_range(name: str, value: np.ndarray, low: int, high: int) -> None:
-    if value.size and (int(value.min()) < low or int(value.max()) >= high):
-        raise InvalidInput(name, f"values must lie in [{low}, {high}), got [{int(value.min())}, {int(value.max())}]")
+# Range checks cost one unsigned view and one argmax on the success path: a value below `low` reads
+# as a huge unsigned number once `low` is subtracted, so [low, high) is a single upper bound; and
+# argmax + item is several times cheaper per call than max(), which goes through numpy's reduction
+# machinery (these arrays are small: the call overhead is the cost).
+_UNSIGNED = {np.dtype(np.int32): np.uint32, np.dtype(np.int64): np.uint64}
+_TOP = {np.dtype(np.int32): 2**31, np.dtype(np.int64): 2**63}  # one past each dtype's largest value
+
+
+def _max(a: np.ndarray) -> int:  # a is not empty
+    return a.item(a.argmax())
+
+
+def _min(a: np.ndarray) -> int:  # a is not empty
+    return a.item(a.argmin())
+
+
+def out_of_range(values: np.ndarray, low: int, high: int) -> bool:
+    """True when some value of an int32 / int64 array lies outside [low, high) (low < high, low a
+    value of the dtype).
+
+    values - low, read as unsigned, is exactly the distance above low for every value >= low, and
+    at least _TOP - low for every value below it (the subtraction wraps around at most once)."""
+    if not values.size:
+        return False
+    top = _TOP[values.dtype]
+    distance = (values - low if low else values).view(_UNSIGNED[values.dtype])
+    return _max(distance) >= min(high, top) - low
+
+
+def _in_range(name: str, values: np.ndarray, low: int, high: int) -> None:
+    if out_of_range(values, low, high):
+        raise InvalidInput(name, f"values must lie in [{low}, {high}), got [{_min(values)}, {_max(values)}]")
+
+
+def _outside(values: np.ndarray, start: np.ndarray | int, length: np.ndarray) -> np.ndarray:
+    """Where values do not lie in [start, start + length).  start: an int64 array >= 0, or 0; length:
+    an int64 array >= 1; start + length < 2**31.  One subtraction and one unsigned compare: as in
+    out_of_range, the unsigned difference is below length exactly for the values inside."""
+    diff = values - start if isinstance(start, np.ndarray) else values
+    return diff.view(_UNSIGNED[diff.dtype]) >= length.view(np.uint64)
 
 
 def _host(value: torch.Tensor) -> np.ndarray:
-    """Small integer metadata as an int64 numpy array (zero-copy for CPU tensors): numpy's
-    per-call overhead is a fraction of torch's, and validation sits on every step's path."""
-    return value.detach().cpu().numpy().astype(np.int64, copy=False)
+    """Integer metadata as a numpy array, zero-copy for CPU tensors (integer tensors carry no grad):
+    numpy's per-call overhead is a fraction of torch's, and validation sits on every step's path."""
+    return value.numpy() if value.is_cpu else value.detach().cpu().numpy()
 
 
-def _first_bad(mask: np.ndarray) -> int:
-    return int(np.flatnonzero(mask)[0])
+def _first_bad(mask: np.ndarray) -> int | None:
+    """The first True of a boolean mask, None when there is none (argmax: cheaper than any())."""
+    i = mask.argmax()
+    return int(i) if mask[i] else None
 
 
 def as_group_list(name: str, value, num_groups: int) -> list[torch.Tensor]:
@@ -127,31 +166,39 @@ def validate(inp: ProposeInputs, limits: Limits) -> None:
     _length("seq_lens", seq_lens_t, b, "one per request")
     _in_range("target_token_ids", _host(ids_t), 0, limits.vocab_size)
     _in_range("next_token_ids", _host(next_t), 0, limits.vocab_size)
-    qsl = _host(qsl_t)
+    qsl = _host(qsl_t).astype(np.int64, copy=False)  # int64: the differences of int32 ones could wrap
     if qsl[0] != 0 or qsl[-1] != n:
         raise InvalidInput("query_start_loc", f"must start at 0 and end at num_tokens={n}, got {qsl[0]}..{qsl[-1]}")
-    query_lens = np.diff(qsl)
-    if query_lens.min() < 1:
+    query_lens = qsl[1:] - qsl[:-1]
+    if _min(query_lens) < 1:
         raise InvalidInput("query_start_loc", "must be strictly increasing: every request has at least one token")
     lens = _host(seq_lens_t)
-    bad = (lens < query_lens) | (lens > limits.max_model_len)
-    if bad.any():
-        r = _first_bad(bad)
+    # lens within [0, max_model_len] first, so that lens - query_lens cannot wrap around
+    if out_of_range(lens, 0, limits.max_model_len + 1) or _min(context := lens - query_lens) < 0:
+        r = _first_bad((lens < query_lens) | (lens > limits.max_model_len))
         raise InvalidInput("seq_lens", f"request {r}: seq_len {lens[r]} must lie in "
                                        f"[query_len={query_lens[r]}, max_model_len={limits.max_model_len}]")
     positions = _host(positions_t)
     _in_range("target_positions", positions, 0, limits.max_model_len)
+    # token i of request r must sit at position context[r] + (i - qsl[r]): its position minus i is one
+    # number per request (every operand is in range by now: nothing can wrap)
     owner = np.repeat(np.arange(b), query_lens)  # request of each token
-    expected = (lens - query_lens)[owner] + (np.arange(n) - qsl[:-1][owner])
-    if not np.array_equal(positions, expected):
+    if _first_bad(positions - np.arange(n) != (context - qsl[:-1])[owner]) is not None:
         raise InvalidInput("target_positions", "must be each request's last query_len positions before seq_len")
     _validate_rejection(inp, query_lens, qsl)
-    _validate_kv(inp, limits, positions, owner, lens)
+    _validate_kv(inp, limits, positions, owner, b, _max(lens))
     if inp.temperatures is not None:
         temps = _tensor("temperatures", inp.temperatures, 1, FLOAT_DTYPES)
         _length("temperatures", temps, b, "one per request")
-        if not bool(torch.isfinite(temps).all()) or float(temps.min()) < 0:
+        if not _finite_non_negative(temps):
             raise InvalidInput("temperatures", "must be finite and >= 0")
+
+
+def _finite_non_negative(t: torch.Tensor) -> bool:  # [batch] float
+    if t.is_cpu and t.dtype != torch.bfloat16:  # numpy has no bfloat16
+        a = t.detach().numpy()
+        return bool(((a >= 0) & (a < np.inf)).all())  # NaN fails both comparisons
+    return bool(torch.isfinite(t).all()) and float(t.min()) >= 0
 
 
 def _validate_rejection(inp: ProposeInputs, query_lens: np.ndarray, qsl: np.ndarray) -> None:
@@ -160,29 +207,27 @@ def _validate_rejection(inp: ProposeInputs, query_lens: np.ndarray, qsl: np.ndar
         rejected_t = _tensor("num_rejected_tokens", inp.num_rejected_tokens, 1, INT_DTYPES)
         _length("num_rejected_tokens", rejected_t, b, "one per request")
         rejected = _host(rejected_t)
-        bad = (rejected < 0) | (rejected >= query_lens)
-        if bad.any():
-            r = _first_bad(bad)
+        r = _first_bad(_outside(rejected, 0, query_lens))
+        if r is not None:
             raise InvalidInput("num_rejected_tokens", f"request {r}: {rejected[r]} not in [0, query_len={query_lens[r]})")
     if inp.token_indices_to_sample is not None:
         sample_t = _tensor("token_indices_to_sample", inp.token_indices_to_sample, 1, INT_DTYPES)
         _length("token_indices_to_sample", sample_t, b, "one per request")
         sample = _host(sample_t)
-        bad = (sample < qsl[:-1]) | (sample >= qsl[1:])
-        if bad.any():
-            r = _first_bad(bad)
+        r = _first_bad(_outside(sample, qsl[:-1], query_lens))
+        if r is not None:
             raise InvalidInput("token_indices_to_sample",
                                f"request {r}: index {sample[r]} outside its tokens [{qsl[r]}, {qsl[r + 1]})")
 
 
-def _validate_kv(inp: ProposeInputs, limits: Limits, positions: np.ndarray, owner: np.ndarray,
-                 lens: np.ndarray) -> None:
+def _validate_kv(inp: ProposeInputs, limits: Limits, positions: np.ndarray, owner: np.ndarray, b: int,
+                 max_seq_len: int) -> None:
     groups = len(limits.num_blocks)
     tables = as_group_list("block_tables", inp.block_tables, groups)
     slots = as_group_list("slot_mappings", inp.slot_mappings, groups)
-    b, n = len(lens), len(positions)
+    n = len(positions)
     # the furthest position a draft step may write, over the batch
-    horizon = int(min(lens.max() + limits.draft_span, limits.max_model_len))
+    horizon = min(max_seq_len + limits.draft_span, limits.max_model_len)
     for g in range(groups):
         field = f"block_tables[{g}]"
         table_t = _tensor(field, tables[g], 2, INT_DTYPES)
@@ -197,9 +242,12 @@ def _validate_kv(inp: ProposeInputs, limits: Limits, positions: np.ndarray, owne
         slot_t = _tensor(field, slots[g], 1, INT_DTYPES)
         _length(field, slot_t, n, "one per token")
         slot = _host(slot_t)
-        expected = table[owner, positions // bs] * bs + positions % bs
-        bad = (slot != PADDING_SLOT_ID) & (slot != expected)
-        if bad.any():
-            i = _first_bad(bad)
-            raise InvalidInput(field, f"token {i}: slot {slot[i]} does not match block_tables[{g}] "
-                                      f"at position {positions[i]} (expected {expected[i]})")
+        column = positions // bs
+        # table * bs + positions % bs, in int64 (block id x block size may exceed int32 in a large pool)
+        expected = (table[owner, column] - column).astype(np.int64, copy=False) * bs + positions
+        bad = slot != expected
+        if _first_bad(bad) is not None:  # padding tokens (no slot) are the only exception: rare, so looked at here
+            i = _first_bad(bad & (slot != PADDING_SLOT_ID))
+            if i is not None:
+                raise InvalidInput(field, f"token {i}: slot {slot[i]} does not match block_tables[{g}] "
+                                          f"at position {positions[i]} (expected {expected[i]})")
