@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.service import schema
-from drafter.service.batcher import (Batcher, EngineRunner, EngineThread, HostStager, Pending, all_finite)
+from drafter.service.batcher import (Batcher, EngineRunner, EngineThread, HostStager, Pending, Staged,
+                                    all_finite)
 from drafter.service.errors import Code, DrafterError
 from drafter.service.ipc import (SUN_PATH_MAX, IpcPathError, bind_ipc, check_client_path, check_server_path,
                                  unlink_ipc)
@@ -225,6 +226,49 @@ def test_finite_check_agrees_with_torch_on_any_bit_pattern(dtype, n, data):
     assert all_finite(x) == want
     assert all_finite(x.view(2, -1) if n % 2 == 0 else x) == want
     assert all_finite(x[::2]) == bool(torch.isfinite(x[::2].float()).all()), "strided views too"
+
+
+FINITE = {torch.bfloat16: (3.3e38, 1e-40), torch.float16: (65504.0, 6e-8), torch.float32: (3.4e38, 1e-45)}
+
+
+@pytest.mark.parametrize("dtype", list(FINITE))
+def test_finite_check_refuses_nan_and_inf_anywhere_and_accepts_every_finite_value(dtype):
+    """NaN, +inf and -inf at the first, a middle and the last element (and across the hidden
+    states' rows) are refused; the largest finite values, -0.0 and subnormals are accepted."""
+    largest, subnormal = FINITE[dtype]
+    x = torch.randn(64, 300).to(dtype)
+    x[0, :4] = torch.tensor([largest, -largest, -0.0, subnormal], dtype=dtype)
+    x[-1, -1] = -subnormal
+    assert all_finite(x) and all_finite(x[:, 1:]) and all_finite(x.t())
+    for flat in (0, x.numel() // 2 - 1, x.numel() // 2, 300 * 17, x.numel() - 1):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            y = x.clone()
+            y.view(-1)[flat] = bad
+            assert not all_finite(y), (dtype, flat, bad)
+            assert not all_finite(y.t()), "any strides"
+
+
+def test_a_call_alone_is_staged_once_and_its_staged_copy_checked():
+    """A call alone in its engine call is staged in _prepare (Staged: _run_group's stage_call passes it
+    on), the finite check then refuses a NaN in the staged copy exactly as in the message, by field."""
+    engine = _RecordingEngine()
+    runner = EngineRunner(engine)
+    runner.stager = HostStager(1 << 20, pin=False)
+    s = Session("x", "c", (5,), (64,), (16,), 96, 8, 64, torch.bfloat16)
+    kw = {"target_token_ids": torch.zeros(4, dtype=torch.int64), "target_hidden_states": torch.randn(4, 32).to(
+          torch.bfloat16), "next_token_ids": torch.zeros(1, dtype=torch.int64), "query_start_loc": torch.tensor([0, 4]),
+          "block_tables": [torch.arange(3, dtype=torch.int32).view(1, 3)], "slot_mappings": [torch.tensor([0, 1, -1, 3])]}
+    staged = runner._prepare(Pending(s, ProposeCall("x", 0, 1, kw), None), alone=True)
+    assert isinstance(staged, Staged) and runner.stager.stage_call(staged) is staged
+    base, end = runner.stager.buf.data_ptr(), runner.stager.buf.data_ptr() + runner.stager.buf.numel()
+    assert base <= staged["target_hidden_states"].data_ptr() < end
+    assert torch.equal(staged["block_tables"][0], kw["block_tables"][0] + 5), "shifted, then staged"
+    assert staged["slot_mappings"][0].tolist() == [80, 81, -1, 83]
+    kw["target_hidden_states"][2, 7] = float("nan")
+    results = runner.run([Pending(s, ProposeCall("x", 0, 1, kw), concurrent.futures.Future())])
+    assert (results[0].code, results[0].field, results[0].message) == (
+        Code.INVALID_ARGUMENT, "target_hidden_states", "must be finite")
+    assert len(engine.seen) == 0
 
 
 def _reference_offsets(s: Session, kwargs: dict) -> dict:
