@@ -95,16 +95,18 @@ def _min(a: np.ndarray) -> int:  # a is not empty
 
 
 def out_of_range(values: np.ndarray, low: int, high: int) -> bool:
-    """True when some value of an int32 / int64 array lies outside [low, high) (low < high, low a
-    value of the dtype).
+    """True when some value of an integer array lies outside [low, high) (low < high, low a value of
+    the dtype).
 
     values - low, read as unsigned, is exactly the distance above low for every value >= low, and
     at least _TOP - low for every value below it (the subtraction wraps around at most once)."""
     if not values.size:
         return False
-    top = _TOP[values.dtype]
-    distance = (values - low if low else values).view(_UNSIGNED[values.dtype])
-    return _max(distance) >= min(high, top) - low
+    unsigned = _UNSIGNED.get(values.dtype)
+    if unsigned is None:  # a dtype no call carries (the checks accept int32 and int64 only): plainly
+        return _min(values) < low or _max(values) >= high
+    distance = (values - low if low else values).view(unsigned)
+    return _max(distance) >= min(high, _TOP[values.dtype]) - low
 
 
 def _in_range(name: str, values: np.ndarray, low: int, high: int) -> None:

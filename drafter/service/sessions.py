@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from drafter.inputs import out_of_range
 from drafter.service import schema
 from drafter.service.cuda_ref import FIELD as IPC_FIELD
 from drafter.service.errors import Code, DrafterError, invalid
@@ -196,13 +197,10 @@ class SessionTable:
 
 
 def _range(name: str, t: torch.Tensor, low: int, high: int) -> None:
-    if not t.numel():
-        return
     # numpy on the (CPU, decoded-from-the-wire) tensor: a fraction of torch's per-op overhead
-    a = t.numpy() if t.device.type == "cpu" and not t.requires_grad else t.detach().cpu().numpy()
-    lo, hi = int(a.min()), int(a.max())
-    if lo < low or hi >= high:
-        raise invalid(name, f"values must lie in [{low}, {high}), got [{lo}, {hi}]")
+    a = t.numpy() if t.is_cpu and not t.requires_grad else t.detach().cpu().numpy()
+    if out_of_range(a, low, high):
+        raise invalid(name, f"values must lie in [{low}, {high}), got [{int(a.min())}, {int(a.max())}]")
 
 
 def check_call(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
@@ -276,11 +274,12 @@ def offset_kwargs(s: Session, kwargs: dict) -> dict:
 
 
 def _shift(t: torch.Tensor, offset: int, keep_negative: bool = False) -> torch.Tensor:
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.to(torch.int64)
         return torch.where(t >= 0, t + offset, t) if keep_negative else t + offset
     a = t.numpy()
-    shifted = np.add(a, offset, dtype=np.int64)
-    if keep_negative:
+    shifted = a.astype(np.int64)  # a new array (also for int64): the request's own tensor stays as it was
+    shifted += offset  # in place: cheaper than np.add(..., dtype=np.int64), which casts as it goes
+    if keep_negative and a.size and a.item(a.argmin()) < 0:  # padding slots: only some calls have them
         np.copyto(shifted, a, where=a < 0)
     return torch.from_numpy(shifted)

@@ -210,7 +210,7 @@ def test_the_fuzzed_calls_are_mostly_refused_and_sometimes_accepted():
 
 
 # ------------------------------------------------------------------ the range helper
-@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64])
 @pytest.mark.parametrize("low,high", [(0, 1), (0, 50), (-1, 1 << 20), (1, 97), (0, 2**31), (-1, 2**33), (0, 2**62), (5, 6)])
 def test_out_of_range_is_exact_at_every_edge(dtype, low, high):
     info = np.iinfo(dtype)
