@@ -5,9 +5,9 @@
 What a ZMQ propose call costs the server besides the engine's drafting, in the order it runs:
 header_decode (msgpack body -> ProposeRequest), tensor_decode (frames -> tensors, wire.py),
 check (sessions.check_call, the core's check), prepare (what the engine thread does to a call
-alone in its engine call on a GPU host before engine.propose: EngineRunner._prepare, i.e.
-offset_kwargs and the finite check, and HostStager.stage_call, the copy into the pinned buffer;
-unpinned here) and validate (drafter.inputs.validate, which engine.propose(validate=True) runs on
+alone in its engine call on a GPU host before engine.propose: offset_kwargs, the finite check and
+HostStager.stage_call, the copy into the pinned buffer, unpinned here; EngineRunner._prepare and
+_run_group's stage_call, whichever of them stages) and validate (drafter.inputs.validate, which engine.propose(validate=True) runs on
 the staged call).  offsets, finite and stage time prepare's pieces alone; `total` runs the whole
 path back to back.
 
