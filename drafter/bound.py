@@ -47,9 +47,11 @@ class BoundPropose:
         self.max_batch = min(self.max_batch, inputs.query_start_loc.shape[0] - 1)
         if not runner.captured:
             runner.capture()  # before any header is written: capture zeroes it
-        # every word but the two sizes; rewritten whole on each call, as engine.propose shares the header
+        # every word but the two sizes, written whole when another call (engine.propose shares the
+        # header) wrote the header last; otherwise a call rewrites just the sizes
         self._words = runner.header.describe(self.inputs, drafts, converted=None)
         self._keep = (self.inputs, drafts, [])
+        self._plans: dict[tuple[int, int], tuple[int, int, bool]] = {}  # checked sizes -> padded sizes, graphs?
 
     def propose(self, num_tokens: int, batch_size: int, batch_padded: int | None = None,
                 tokens_padded: int | None = None) -> torch.Tensor:
@@ -59,15 +61,34 @@ class BoundPropose:
         with the GPU: write the buffers for the next call only after this call's graphs have
         read them (work queued later on the same stream is), and read the drafts before the next
         bound call overwrites them."""
-        b_pad, t_pad = self._sizes(num_tokens, batch_size, batch_padded, tokens_padded)
-        runner = self.runner
-        if b_pad not in runner.loop_graphs or t_pad not in runner.first_graphs:
+        plan = None if batch_padded or tokens_padded else self._plans.get((num_tokens, batch_size))
+        if plan is None:
+            plan = self._plan(num_tokens, batch_size, batch_padded, tokens_padded)
+        b_pad, t_pad, graphs = plan
+        if not graphs:
             return self._eager(num_tokens, batch_size, b_pad, t_pad)
-        words = self._words.copy()
-        words[0], words[1] = num_tokens, batch_size
-        runner.header.store(words, self._keep)
+        runner = self.runner
+        header = runner.header
+        if header.owner is self:
+            header.store_sizes(num_tokens, batch_size)
+        else:
+            words = self._words.copy()
+            words[0], words[1] = num_tokens, batch_size
+            header.store(words, self._keep, owner=self)
         runner.replay(t_pad, b_pad)
         return self.drafts
+
+    def _plan(self, num_tokens: int, batch_size: int, batch_padded, tokens_padded) -> tuple[int, int, bool]:
+        """The call's padded sizes, checked, and whether graphs cover them; remembered for the
+        next call of the same sizes (their checks depend on nothing else), a bounded number."""
+        b_pad, t_pad = self._sizes(num_tokens, batch_size, batch_padded, tokens_padded)
+        runner = self.runner
+        plan = (b_pad, t_pad, b_pad in runner.loop_graphs and t_pad in runner.first_graphs)
+        if not (batch_padded or tokens_padded):
+            if len(self._plans) >= _MAX_PLANS:
+                self._plans.clear()
+            self._plans[(num_tokens, batch_size)] = plan
+        return plan
 
     def _sizes(self, num_tokens: int, batch_size: int, batch_padded, tokens_padded) -> tuple[int, int]:
         if not 0 < batch_size <= self.max_batch:
@@ -92,6 +113,9 @@ class BoundPropose:
         out = self.engine._propose_eager(rows, False, False, b_pad, t_pad)
         self.drafts[:b].copy_(out.draft_token_ids)
         return self.drafts
+
+
+_MAX_PLANS = 4096  # distinct (num_tokens, batch_size) remembered: decode steps use a handful
 
 
 def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:

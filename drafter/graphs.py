@@ -91,7 +91,7 @@ class GraphRunner:
         if not self.emulate:
             self.pool = torch.cuda.graph_pool_handle()
         neutralize(self.engine.buffers)  # warm-up runs must write no KV
-        self.header.device.zero_()  # 0 tokens, 0 requests, no output: the kernels read and store nothing
+        self.header.clear()
         for t, b in reversed(self.combined_sizes):
             self.combined_graphs[(t, b)] = self._capture(lambda t=t, b=b: self._combined(t, b))
         for t in reversed(self.token_sizes):

@@ -151,8 +151,8 @@ def test_bound_call_sizes_are_checked_and_a_bad_one_harms_nothing(tiny_root):
     buffers = Buffers(fast)
     bound = fast.bind(**buffers.kwargs)
     kv_before = [t.clone() for t in fast.kv_snapshot()]
-    for (n, b), field in {(4, 0): "batch_size", (20, 5): "batch_size", (2, 3): "num_tokens",
-                          (33, 4): "num_tokens"}.items():
+    for (n, b), field in 2 * list({(4, 0): "batch_size", (20, 5): "batch_size", (2, 3): "num_tokens",
+                                   (33, 4): "num_tokens"}.items()):  # twice: a refusal is not remembered as a plan
         with pytest.raises(InvalidInput) as err:
             bound.propose(n, b)
         assert err.value.field == field

@@ -44,6 +44,7 @@ TABLES, TABLE_WORDS = tl.constexpr(24), tl.constexpr(4)
 # it needs (draft_output.py), so the host may rewrite the header; the host sets it to 0 per call
 DONE = tl.constexpr(32)
 HEADER_WORDS = tl.constexpr(33)
+_N, _B, _DONE = int(N), int(B), int(DONE)  # plain ints for the host's numpy indexing (constexprs are slower)
 HIDDEN_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _WIDE = {torch.int32: 0, torch.int64: 1}
 
@@ -213,6 +214,7 @@ class InputHeader:
         self.mapped = mapped
         self._device_index = torch.device(device).index if mapped else None
         self._pending = False  # a call's graphs were queued and may not have read the words yet
+        self.owner = None  # who wrote the words now in place (a bound call rewrites only its sizes)
         self._unused_slots = (0, 0) * (MAX_GROUPS - num_groups)  # keeps the tables at word TABLES
         words = int(TABLES) + int(TABLE_WORDS) * num_groups
         self._pack = struct.Struct(f"={words}q").pack_into  # native int64s, the tensor's own layout
@@ -225,7 +227,7 @@ class InputHeader:
     def wait_until_read(self) -> None:
         """Return once the last queued call's graphs are done with the words (DONE set)."""
         if self._pending:
-            if self.host_words[DONE] != 1:
+            if self.host_words[_DONE] != 1:
                 self._wait_for_done()
             self._pending = False
 
@@ -235,10 +237,10 @@ class InputHeader:
         event wait would spin; a device that stops making progress (a fault, a kernel stuck
         behind other work for a second) gets a full synchronize, which raises its error."""
         deadline = time.monotonic() + 1.0
-        while self.host_words[DONE] != 1:
+        while self.host_words[_DONE] != 1:
             if time.monotonic() > deadline:
                 torch.cuda.synchronize(self._device_index)
-                if self.host_words[DONE] != 1:
+                if self.host_words[_DONE] != 1:
                     raise RuntimeError("the draft graphs finished without marking the input header read")
                 break
             time.sleep(0)  # lets other Python threads run while the device finishes
@@ -279,16 +281,29 @@ class InputHeader:
             words += (table.data_ptr(), wide, stride[0], table.shape[1])
         return words
 
-    def store(self, words: list[int], keep: tuple) -> None:
+    def store(self, words: list[int], keep: tuple, owner=None) -> None:
         """Make `words` the header the device reads, once the previous call's graphs are done
         with the old ones; `keep` (the tensors the words point at) stays referenced until the
-        next store."""
+        next store; `owner` may later rewrite just the sizes (store_sizes)."""
         self.wait_until_read()
         self._pack(self.host_words, 0, *words)
-        self.host_words[DONE] = 0
-        self.inputs = keep
+        self.host_words[_DONE] = 0
+        self.inputs, self.owner = keep, owner
         if self.device is not self.host:
             self.device.copy_(self.host)
+
+    def store_sizes(self, num_tokens: int, batch: int) -> None:
+        """Rewrite only the sizes of the words the last store put in place (its owner's call)."""
+        self.wait_until_read()
+        words = self.host_words
+        words[_N], words[_B], words[_DONE] = num_tokens, batch, 0
+        if self.device is not self.host:
+            self.device.copy_(self.host)
+
+    def clear(self) -> None:
+        """0 tokens, 0 requests, no output: the kernels read and store nothing (capture)."""
+        self.device.zero_()
+        self.owner = None
 
 
 _INT_FIELDS = ("target_token_ids", "target_positions", "next_token_ids", "query_start_loc", "seq_lens",
