@@ -88,10 +88,54 @@ def engine_process(device, cases: dict, wait) -> None:
         print(f"{label:10s} collections so far: {[s['collections'] for s in gc.get_stats()]}", flush=True)
 
 
+def staging(mb: float, threads: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
+    """What the service does to each call's hidden states on the host: copy them out of the
+    message into pinned memory and check them (two max passes over their bits), with numpy (one
+    thread) and with torch at several intra-op thread counts; the sources cycle through 256 MB so
+    that each copy reads memory not in cache, as a fresh message's."""
+    n = int(mb * 2**20) // 2
+    sources = torch.empty((max(2, 2**28 // (2 * n)), n), dtype=torch.int16)
+    sources.random_(-2**15, 2**15)
+    dst = torch.empty(n, dtype=torch.int16, pin_memory=torch.cuda.is_available())
+    src_np, dst_np = sources.numpy(), dst.numpy()
+    turn = iter(range(10**9))
+
+    def cycled(fn, reps: int = 200) -> float:
+        out = []
+        for _ in range(reps):
+            i = next(turn) % len(sources)
+            t0 = time.perf_counter()
+            fn(i)
+            out.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(out)
+
+    print(f"staging {mb} MB: numpy copy {cycled(lambda i: np.copyto(dst_np, src_np[i])):7.1f} us, "
+          f"numpy copy + 2 max {cycled(lambda i: (np.copyto(dst_np, src_np[i]), dst_np.max(), dst_np.view(np.uint16).max())):7.1f} us",
+          flush=True)
+    scratch = torch.empty_like(dst)
+
+    def exponent_max(i):  # bf16: some element is NaN / inf iff its exponent bits are all set
+        dst.copy_(sources[i])
+        return int(torch.bitwise_and(dst, 0x7F80, out=scratch).max()) == 0x7F80
+
+    before = torch.get_num_threads()
+    for t in threads:
+        torch.set_num_threads(t)
+        copy = cycled(lambda i: dst.copy_(sources[i]))
+        both = cycled(exponent_max)
+        print(f"staging {mb} MB: torch threads {t:2d} copy {copy:7.1f} us, copy + masked max {both:7.1f} us", flush=True)
+    torch.set_num_threads(before)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--engine", action="store_true", help="also inside an engine process (see the module doc)")
+    p.add_argument("--staging", action="store_true", help="only the hidden states' staging (see staging())")
     args = p.parse_args()
+    if args.staging:
+        for mb in (1.5, 6.0):
+            staging(mb)
+        return
     device = torch.device("cuda")
     x = torch.zeros(1024, device=device)
 
