@@ -84,44 +84,23 @@ _EXPONENT = {torch.bfloat16: (torch.int16, np.uint16, 0x7F80, 0x8000),
              torch.float32: (torch.int32, np.uint32, 0x7F800000, 0x80000000)}
 
 
-# Several torch intra-op threads copy and scan a large array several times faster than numpy's one
-# thread; with one or two threads numpy is as fast or faster (bench/results/2026-11-25-h100/host-ops/
-# staging_log.txt, on the 16-core H100 host: 1.5 MB of hidden states copied and checked in 57 us
-# with 16 threads against 203 us with numpy, 6 MB in 134 against 1300 us).
-THREADED_MIN_BYTES = 1 << 18
-THREADED_MIN_THREADS = 4
-
-
-def threaded(nbytes: int) -> bool:
-    """Whether an array of nbytes is copied / scanned with torch's threads rather than numpy."""
-    return nbytes >= THREADED_MIN_BYTES and torch.get_num_threads() >= THREADED_MIN_THREADS
-
-
-def all_finite(t: torch.Tensor, scratch: torch.Tensor | None = None) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """True when no element is NaN or inf.  On the CPU two vectorised read-only passes over the
-    bits (bf16 torch.isfinite runs element by element: ~40x slower on a 1.5 MB hidden-state batch);
-    given a scratch buffer (uint8, at least t's bytes, a multiple of 4) and several torch threads,
-    one threaded pass: the exponent bits masked into the scratch, then their max."""
+    bits (bf16 torch.isfinite runs element by element: ~40x slower on a 1.5 MB hidden-state batch)."""
     if not t.is_floating_point() or t.numel() == 0:
         return True
     spec = _EXPONENT.get(t.dtype)
     if t.device.type != "cpu" or spec is None:
         return bool(torch.isfinite(t).all())
     signed, unsigned, exp, sign = spec
-    bits = t.detach().view(signed)  # same-size views: any strides, no copy
-    if scratch is not None and bits.is_contiguous() and threaded(bits.numel() * bits.element_size()):
-        masked = scratch.view(signed)[:bits.numel()].view(bits.shape)
-        # every masked value lies in [0, exp], and is exp exactly where all exponent bits are set
-        return int(torch.bitwise_and(bits, exp, out=masked).max()) < exp
-    bits = bits.numpy()
+    bits = t.detach().view(signed).numpy()  # same-size views: any strides, no copy
     return int(bits.max()) < exp and int(bits.view(unsigned).max()) < (sign | exp)
 
 
-def _check_finite(kwargs: dict, name: str = "target_hidden_states", stager: "HostStager | None" = None) -> None:
+def _check_finite(kwargs: dict, name: str = "target_hidden_states") -> None:
     # NaN/inf would only poison the sender's own KV, but a drafter should say so rather than draft garbage.
     # (A CUDA IPC tensor is checked on the GPU: one reduction, one flag read back, before any KV write.)
-    hidden = kwargs["target_hidden_states"]
-    if not (stager.all_finite(hidden) if stager is not None else all_finite(hidden)):
+    if not all_finite(kwargs["target_hidden_states"]):
         raise invalid(name, "must be finite")
 
 
@@ -158,7 +137,6 @@ class HostStager:
         self.buf_np: np.ndarray | None = None  # the same bytes: numpy slices cost a fraction of torch's
         self.views: dict[np.dtype, np.ndarray] = {}  # buf_np as each dtype staged so far
         self.allocations = 0
-        self.scratch: torch.Tensor | None = None  # all_finite's threaded pass (plain memory, grown as needed)
 
     def stage_call(self, kw: dict) -> Staged | dict:
         """kw with every CPU tensor (lists of them too) replaced by a copy in the buffer, each at a
@@ -191,13 +169,6 @@ class HostStager:
         self.buf_np, self.views = self.buf.numpy(), {}
         self.allocations += 1
 
-    def all_finite(self, t: torch.Tensor) -> bool:
-        """all_finite(t), through this stager's scratch buffer where the threaded pass applies."""
-        nbytes = t.numel() * t.element_size()
-        if t.is_cpu and threaded(nbytes) and (self.scratch is None or self.scratch.numel() < nbytes):
-            self.scratch = torch.empty(_aligned(nbytes), dtype=torch.uint8)
-        return all_finite(t, self.scratch)
-
     def _place(self, src: np.ndarray, dtype: torch.dtype, offset: int) -> tuple[torch.Tensor, int]:
         """src copied into the buffer at byte `offset`, as a tensor of `dtype`; and the next free offset."""
         view = self.views.get(src.dtype)
@@ -207,10 +178,7 @@ class HostStager:
         dst = view[start:start + src.size]
         if src.ndim != 1:
             dst = dst.reshape(src.shape)
-        if threaded(src.nbytes):
-            torch.from_numpy(dst).copy_(torch.from_numpy(src))  # the same bits, with torch's threads
-        else:
-            dst[...] = src  # numpy's copy: several times torch's copy_ for bf16 (and cheaper to call than np.copyto)
+        dst[...] = src  # numpy's copy: several times torch's copy_ for bf16 (and cheaper to call than np.copyto)
         staged = torch.from_numpy(dst)
         return staged.view(torch.bfloat16) if dtype == torch.bfloat16 else staged, offset + _aligned(src.nbytes)
 
@@ -364,7 +332,7 @@ class EngineRunner:
             # below then reads the staged copy while it is still in cache, not the message again
             kw = self.stager.stage_call(kw)
         # first in both paths (alone or fused), so a request's error never depends on its batch
-        _check_finite(kw, IPC_FIELD if call.hidden_ipc is not None else "target_hidden_states", self.stager)
+        _check_finite(kw, IPC_FIELD if call.hidden_ipc is not None else "target_hidden_states")
         if call.probe is not None:
             call.probe.mark("finite_check")
         if not alone:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import os
 import stat
 import threading
@@ -22,7 +21,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service import batcher, schema
+from drafter.service import schema
 from drafter.service.batcher import (Batcher, EngineRunner, EngineThread, HostStager, Pending, Staged,
                                     all_finite)
 from drafter.service.errors import Code, DrafterError
@@ -227,47 +226,26 @@ def test_finite_check_agrees_with_torch_on_any_bit_pattern(dtype, n, data):
     assert all_finite(x) == want
     assert all_finite(x.view(2, -1) if n % 2 == 0 else x) == want
     assert all_finite(x[::2]) == bool(torch.isfinite(x[::2].float()).all()), "strided views too"
-    scratch = torch.full((4 * n + 64,), 0xFF, dtype=torch.uint8)  # stale bits: the pass must overwrite them
-    with threaded_path():
-        assert all_finite(x, scratch) == want, "the threaded pass"
-        assert all_finite(x[::2], scratch) == bool(torch.isfinite(x[::2].float()).all())
-
-
-@contextlib.contextmanager
-def threaded_path():
-    """Staging copies and finite checks through torch's threads whatever the size and thread count
-    (this machine has too few cores for the real thresholds)."""
-    saved = batcher.THREADED_MIN_BYTES, batcher.THREADED_MIN_THREADS
-    batcher.THREADED_MIN_BYTES, batcher.THREADED_MIN_THREADS = 0, 1
-    try:
-        yield
-    finally:
-        batcher.THREADED_MIN_BYTES, batcher.THREADED_MIN_THREADS = saved
 
 
 FINITE = {torch.bfloat16: (3.3e38, 1e-40), torch.float16: (65504.0, 6e-8), torch.float32: (3.4e38, 1e-45)}
 
 
-@pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize("dtype", list(FINITE))
-def test_finite_check_refuses_nan_and_inf_anywhere_and_accepts_every_finite_value(dtype, threaded):
+def test_finite_check_refuses_nan_and_inf_anywhere_and_accepts_every_finite_value(dtype):
     """NaN, +inf and -inf at the first, a middle and the last element (and across the hidden
-    states' rows) are refused; the largest finite values, -0.0 and subnormals are accepted; by
-    numpy's two passes and by the stager's threaded one."""
+    states' rows) are refused; the largest finite values, -0.0 and subnormals are accepted."""
     largest, subnormal = FINITE[dtype]
     x = torch.randn(64, 300).to(dtype)
     x[0, :4] = torch.tensor([largest, -largest, -0.0, subnormal], dtype=dtype)
     x[-1, -1] = -subnormal
-    stager = HostStager(1 << 20, pin=False)
-    with threaded_path() if threaded else contextlib.nullcontext():
-        assert stager.all_finite(x) and stager.all_finite(x[:, 1:]) and stager.all_finite(x.t())
-        assert (stager.scratch is not None) == threaded
-        for flat in (0, x.numel() // 2 - 1, x.numel() // 2, 300 * 17, x.numel() - 1):
-            for bad in (float("nan"), float("inf"), -float("inf")):
-                y = x.clone()
-                y.view(-1)[flat] = bad
-                assert not stager.all_finite(y), (dtype, flat, bad)
-                assert not stager.all_finite(y.t()), "any strides"
+    assert all_finite(x) and all_finite(x[:, 1:]) and all_finite(x.t())
+    for flat in (0, x.numel() // 2 - 1, x.numel() // 2, 300 * 17, x.numel() - 1):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            y = x.clone()
+            y.view(-1)[flat] = bad
+            assert not all_finite(y), (dtype, flat, bad)
+            assert not all_finite(y.t()), "any strides"
 
 
 def test_a_call_alone_is_staged_once_and_its_staged_copy_checked():
@@ -318,21 +296,19 @@ def test_block_offsets_equal_the_torch_reference(bases, dtype, data):
 
 
 # ------------------------------------------------------------------ pinned staging
-@pytest.mark.parametrize("threaded", [False, True])
-def test_host_stager_copies_exactly_and_reuses_one_buffer(threaded):
+def test_host_stager_copies_exactly_and_reuses_one_buffer():
     stager = HostStager(max_bytes=1 << 20, pin=False)  # pin=True needs a GPU; the logic is the same
     ptrs = set()
-    with threaded_path() if threaded else contextlib.nullcontext():
-        for rows in (4, 2, 8, 8, 3, 16):
-            t = torch.randn(rows, 64).to(torch.bfloat16)
-            out = stager.stage_call({"t": t})["t"]
-            assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
-            ptrs.add(stager.buf.data_ptr())
-        assert stager.allocations == len(ptrs) <= 3, "grown geometrically, never allocated per call"
-        strided = torch.randn(8, 128).to(torch.bfloat16)[:, ::2]
-        assert torch.equal(stager.stage_call({"t": strided})["t"], strided)
-        huge = torch.zeros(1 << 19, dtype=torch.float32)  # 2 MiB: more than any call the engine accepts
-        assert stager.stage_call({"t": huge})["t"] is huge and stager.buf.numel() <= 1 << 20
+    for rows in (4, 2, 8, 8, 3, 16):
+        t = torch.randn(rows, 64).to(torch.bfloat16)
+        out = stager.stage_call({"t": t})["t"]
+        assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
+        ptrs.add(stager.buf.data_ptr())
+    assert stager.allocations == len(ptrs) <= 3, "grown geometrically, never allocated per call"
+    strided = torch.randn(8, 128).to(torch.bfloat16)[:, ::2]
+    assert torch.equal(stager.stage_call({"t": strided})["t"], strided)
+    huge = torch.zeros(1 << 19, dtype=torch.float32)  # 2 MiB: more than any call the engine accepts
+    assert stager.stage_call({"t": huge})["t"] is huge and stager.buf.numel() <= 1 << 20
 
 
 def test_host_stager_stages_a_whole_call_in_one_buffer():
