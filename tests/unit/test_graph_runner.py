@@ -112,6 +112,12 @@ def test_store_drafts_writes_only_the_real_rows():
     header.zero_()  # the capture-time header: nothing stored, nothing read but the header
     store_drafts(header, drafts)
     assert int(header[int(DONE)]) == 1
+    many = torch.arange(150 * 3, dtype=torch.int64, device=DEVICE).view(150, 3)  # rows in three blocks of 64
+    out = torch.full((150, 3), -7, dtype=torch.int64, device=DEVICE)
+    header[int(B)], header[int(OUT)] = 130, out.data_ptr()
+    with allowing([out]):
+        store_drafts(header, many)
+    assert torch.equal(out[:130].cpu(), many[:130].cpu()) and bool((out[130:] == -7).all())
 
 
 # ---------------------------------------------------------------------- one replay per decode call

@@ -28,14 +28,16 @@ def store_drafts_kernel(
     rows_captured, width,  # the padded batch the graph was captured for; drafts per request
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    rows = tl.arange(0, BLOCK_R)  # one program: BLOCK_R covers every captured row
     cols = tl.arange(0, BLOCK_W)
     batch = tl.load(hdr_ptr + B)
     out_addr = tl.load(hdr_ptr + OUT)
     out = out_addr.to(tl.pointer_type(tl.int64))  # an address: the caller's fresh tensor
-    ok = ((rows < batch) & (rows < rows_captured))[:, None] & (cols < width)[None, :]
-    ids = tl.load(drafts_ptr + rows[:, None] * stride_d + cols[None, :], mask=ok)
-    tl.store(out + rows[:, None] * width + cols[None, :], ids, mask=ok)
+    real = tl.minimum(batch, rows_captured)
+    for r0 in range(0, real, BLOCK_R):  # one program walks the real rows: it alone marks the header
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ok = (rows < real)[:, None] & (cols < width)[None, :]
+        ids = tl.load(drafts_ptr + rows[:, None] * stride_d + cols[None, :], mask=ok)
+        tl.store(out + rows[:, None] * width + cols[None, :], ids, mask=ok)
     # 1 for every header the host writes (batch >= 0, a real or null address), but not knowable
     # before both loads return: the store waits for them
     tl.store(hdr_ptr + DONE, tl.where((batch < 0) | (out_addr == -1), 0, 1).to(tl.int64))
@@ -50,7 +52,6 @@ def store_drafts(
     rows, width = drafts.shape
     if drafts.stride(1) != 1:
         drafts = drafts.contiguous()
-    block_r = triton.next_power_of_2(rows)
     store_drafts_kernel[(1,)](
         header, drafts, drafts.stride(0), rows, width,
-        BLOCK_R=block_r, BLOCK_W=triton.next_power_of_2(width), num_warps=1 if block_r <= 64 else 4)
+        BLOCK_R=min(64, triton.next_power_of_2(rows)), BLOCK_W=triton.next_power_of_2(width), num_warps=1)
