@@ -94,19 +94,28 @@ def measure(batch: int = 16, k: int = 3, ctx: int = 1024) -> dict[str, float]:
     return us
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m drafter.bench_host", description=__doc__.split("\n")[0])
+def call_shape_args(prog: str, description: str) -> argparse.ArgumentParser:
+    """The arguments every host-time bench takes: the decode call's shape and where to write."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--json", help="also write the numbers here")
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)  # host overhead, not OpenMP: one thread keeps the numbers steady
-    us = measure(args.batch, args.k, args.ctx)
+    return p
+
+
+def report(us: dict[str, float], args: argparse.Namespace) -> None:
+    """Print microseconds per part, and write them as JSON where --json says."""
     for key, value in us.items():
-        print(f"{key:28} {value:7.2f}")
+        print(f"{key:28} {value:8.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"batch": args.batch, "k": args.k, "ctx": args.ctx, **us}, indent=1))
+
+
+def main(argv=None) -> int:
+    args = call_shape_args("python -m drafter.bench_host", __doc__.split("\n")[0]).parse_args(argv)
+    torch.set_num_threads(1)  # host overhead, not OpenMP: one thread keeps the numbers steady
+    report(measure(args.batch, args.k, args.ctx), args)
     return 0
 
 

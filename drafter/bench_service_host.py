@@ -21,15 +21,12 @@ microseconds per call, best of several repeats of many calls (drafter.bench_host
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-from pathlib import Path
 
 import msgspec
 import torch
 
-from drafter.bench_host import per_call_us
+from drafter.bench_host import call_shape_args, per_call_us, report
 from drafter.bench_transport import BLOCK_SIZE, decode_call, null_engine
 from drafter.service import schema
 from drafter.service.batcher import EngineRunner, HostStager, Pending, _check_finite, _engine_validate
@@ -107,19 +104,11 @@ def _prepare(runner: EngineRunner, session, call) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m drafter.bench_service_host", description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--k", type=int, default=3)
-    p.add_argument("--ctx", type=int, default=1024)
+    p = call_shape_args("python -m drafter.bench_service_host", __doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=2000, help="calls per repeat")
-    p.add_argument("--json", help="also write the numbers here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # host overhead, not OpenMP: one thread keeps the numbers steady
-    us = measure(args.batch, args.k, args.ctx, args.calls)
-    for key, value in us.items():
-        print(f"{key:20} {value:8.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"batch": args.batch, "k": args.k, "ctx": args.ctx, **us}, indent=1))
+    report(measure(args.batch, args.k, args.ctx, args.calls), args)
     return 0
 
 
