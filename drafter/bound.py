@@ -61,7 +61,8 @@ class BoundPropose:
         with the GPU: write the buffers for the next call only after this call's graphs have
         read them (work queued later on the same stream is), and read the drafts before the next
         bound call overwrites them."""
-        plan = None if batch_padded or tokens_padded else self._plans.get((num_tokens, batch_size))
+        agreed = batch_padded is not None or tokens_padded is not None  # checked per call: not remembered
+        plan = None if agreed else self._plans.get((num_tokens, batch_size))
         if plan is None:
             plan = self._plan(num_tokens, batch_size, batch_padded, tokens_padded)
         b_pad, t_pad, graphs = plan
@@ -84,7 +85,7 @@ class BoundPropose:
         b_pad, t_pad = self._sizes(num_tokens, batch_size, batch_padded, tokens_padded)
         runner = self.runner
         plan = (b_pad, t_pad, b_pad in runner.loop_graphs and t_pad in runner.first_graphs)
-        if not (batch_padded or tokens_padded):
+        if batch_padded is None and tokens_padded is None:
             if len(self._plans) >= _MAX_PLANS:
                 self._plans.clear()
             self._plans[(num_tokens, batch_size)] = plan
