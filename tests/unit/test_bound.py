@@ -168,6 +168,9 @@ def test_bound_call_sizes_are_checked_and_a_bad_one_harms_nothing(tiny_root):
     n, b = buffers.fill(call)
     with allowing(buffers.tensors() + [bound.drafts]):
         assert torch.equal(bound.propose(n, b)[:b].cpu(), expected)
+    with pytest.raises(InvalidInput) as err:  # the same sizes, now remembered, with a bad agreed size
+        bound.propose(n, b, batch_padded=0)
+    assert err.value.field == "batch_padded"
 
 
 def test_buffers_larger_than_the_engine_still_get_the_engines_limits(tiny_root):
