@@ -61,9 +61,9 @@ class BoundPropose:
         with the GPU: write the buffers for the next call only after this call's graphs have
         read them (work queued later on the same stream is), and read the drafts before the next
         bound call overwrites them."""
-        agreed = batch_padded is not None or tokens_padded is not None  # checked per call: not remembered
-        plan = None if agreed else self._plans.get((num_tokens, batch_size))
-        if plan is None:
+        if batch_padded is None and tokens_padded is None:
+            plan = self._plans.get((num_tokens, batch_size)) or self._remembered_plan(num_tokens, batch_size)
+        else:  # agreed sizes are checked on every call
             plan = self._plan(num_tokens, batch_size, batch_padded, tokens_padded)
         b_pad, t_pad, graphs = plan
         if not graphs:
@@ -80,15 +80,17 @@ class BoundPropose:
         return self.drafts
 
     def _plan(self, num_tokens: int, batch_size: int, batch_padded, tokens_padded) -> tuple[int, int, bool]:
-        """The call's padded sizes, checked, and whether graphs cover them; remembered for the
-        next call of the same sizes (their checks depend on nothing else), a bounded number."""
+        """The call's padded sizes, checked, and whether graphs cover them."""
         b_pad, t_pad = self._sizes(num_tokens, batch_size, batch_padded, tokens_padded)
-        runner = self.runner
-        plan = (b_pad, t_pad, b_pad in runner.loop_graphs and t_pad in runner.first_graphs)
-        if batch_padded is None and tokens_padded is None:
-            if len(self._plans) >= _MAX_PLANS:
-                self._plans.clear()
-            self._plans[(num_tokens, batch_size)] = plan
+        return b_pad, t_pad, b_pad in self.runner.loop_graphs and t_pad in self.runner.first_graphs
+
+    def _remembered_plan(self, num_tokens: int, batch_size: int) -> tuple[int, int, bool]:
+        """_plan of a call without agreed sizes, kept for the next call of the same sizes (their
+        checks depend on nothing else; a refused call raises and is not kept), a bounded number."""
+        plan = self._plan(num_tokens, batch_size, None, None)
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[(num_tokens, batch_size)] = plan
         return plan
 
     def _sizes(self, num_tokens: int, batch_size: int, batch_padded, tokens_padded) -> tuple[int, int]:
