@@ -4,6 +4,11 @@ Acceptance per draft position: each step the target reports, per request, how ma
 previous step's drafts it accepted; draft position i (1-based) counts as verified for every
 report and as accepted when at least i drafts were accepted.  The acceptance gauge is
 accepted / verified since start.
+
+A scrape shows every call whose reply left before the scrape began.  The ZMQ transport sends a
+Propose reply from the engine thread and records the call's metrics afterwards, in the event
+loop (off the reply's path); it takes a ticket from the ReplyLedger before the send and returns
+it once the metrics are recorded, and /metrics waits (bounded) for the tickets taken before it.
 """
 
 from __future__ import annotations
@@ -17,10 +22,67 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+class ReplyLedger:
+    """Replies already sent whose metrics are not recorded yet, so that a scrape can wait for them.
+
+    sent() (any thread, just before a reply leaves) returns a ticket; recorded(ticket) (after the
+    call's metrics are in) returns it.  settle() waits until every ticket taken before it was
+    returned, at most wait_s (a wedged event loop must not wedge the scrapes too).
+    """
+
+    def __init__(self, wait_s: float = 2.0):
+        self.wait_s = wait_s
+        self.on_wait = None  # test hook: called in the scraping thread when a scrape has to wait
+        self._cond = threading.Condition()
+        self._next = 0
+        self._open: set[int] = set()
+
+    def sent(self) -> int:
+        with self._cond:
+            ticket = self._next
+            self._next += 1
+            self._open.add(ticket)
+            return ticket
+
+    def recorded(self, ticket: int) -> None:
+        with self._cond:
+            self._open.discard(ticket)
+            self._cond.notify_all()
+
+    def settle(self) -> bool:
+        """Wait until the replies sent before now are accounted; False when wait_s ran out first."""
+        with self._cond:
+            limit = self._next
+            pending = lambda: bool(self._open) and min(self._open) < limit  # noqa: E731
+            if not pending():
+                return True
+            hook = self.on_wait
+        if hook is not None:
+            hook()
+        with self._cond:
+            return self._cond.wait_for(lambda: not pending(), self.wait_s)
+
+
+class _Settle:
+    """Registered first: the registry collects it before any metric, so a scrape settles first."""
+
+    def __init__(self, ledger: ReplyLedger):
+        self.ledger = ledger
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        self.ledger.settle()
+        return []
+
+
 class Metrics:
     def __init__(self, method: str = "", registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.method = method
+        self.replies = ReplyLedger()
+        self.registry.register(_Settle(self.replies))
         r = self.registry
         self.latency = Histogram(
             "drafter_propose_latency_seconds", "Propose latency inside the server, from decode to reply",

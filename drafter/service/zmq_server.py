@@ -16,7 +16,8 @@ is decoded and checked in the reader callback and posted straight to the engine 
 encodes and sends the reply itself as soon as the drafts are on the host.  Each socket is used
 under its own lock (ZMQ sockets are not thread-safe; a lock serialises the loop's reads and the
 engine thread's replies).  The bookkeeping (metrics, in-flight counts) follows in the event loop,
-off the reply's path.  Errors are answered from the event loop.  Attach, Detach and Info run as
+off the reply's path; each such reply holds a ticket of metrics.ReplyLedger until its metrics are
+recorded, so a scrape after the reply still counts the call.  Errors are answered from the event loop.  Attach, Detach and Info run as
 tasks, as they await the core.
 """
 
@@ -104,11 +105,12 @@ class _Endpoint:
 class _ProposeReply:
     """One Propose in flight: its reply leaves from the engine thread, its bookkeeping from the loop."""
 
-    __slots__ = ("server", "ep", "head", "env", "call", "rec", "sent")
+    __slots__ = ("server", "ep", "head", "env", "call", "rec", "sent", "ticket")
 
     def __init__(self, server: "ZmqServer", ep: _Endpoint, head: list, env: schema.Envelope, call, rec):
         self.server, self.ep, self.head, self.env, self.call, self.rec = server, ep, head, env, call, rec
         self.sent = False
+        self.ticket: int | None = None  # held from the send until done() has recorded the metrics
 
     def reply(self, result) -> None:  # engine thread, successful results only
         probe = self.call.probe
@@ -119,6 +121,8 @@ class _ProposeReply:
                   _ENCODER.encode(header), *tensors]
         if probe is not None:
             probe.mark("reply_encode")
+        if self.ticket is None:
+            self.ticket = self.server.core.metrics.replies.sent()
         self.ep.send(frames)
         self.sent = True
         if probe is not None:
@@ -126,6 +130,13 @@ class _ProposeReply:
             probe.finish()
 
     def done(self, result) -> None:  # event loop, after reply(): answer what was not sent, then account
+        try:
+            self._account(result)
+        finally:
+            if self.ticket is not None:
+                self.server.core.metrics.replies.recorded(self.ticket)
+
+    def _account(self, result) -> None:
         server, core = self.server, self.server.core
         try:
             if not self.sent:
