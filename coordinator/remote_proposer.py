@@ -254,7 +254,7 @@ class RemoteProposer:
         except Exception as e:  # noqa: BLE001
             if code_name(e) in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"):
                 # a refusal of our layout (or a full drafter) is configuration, not an outage
-                log.error("%s: %s refused the session: %s", self.key, ep, e)
+                log.error("%s: %s refused the session (%s): %s", self.key, ep, code_name(e), error_detail(e))
             self._failure(ep, e, started, prefix="attach ")
             return
         if attached:
@@ -267,4 +267,20 @@ class RemoteProposer:
         if ep is not None:
             self._breaker(ep).record_failure()
             self._drop_transport(ep)
-        self._no_drafts(prefix + code_name(e), ep, str(e)[:200], started)
+        self._no_drafts(prefix + code_name(e), ep, error_detail(e), started)
+
+
+# An attach refusal lists every mismatch (a few hundred characters); longer texts are cut.
+_DETAIL_CHARS = 1000
+
+
+def error_detail(e: Exception) -> str:
+    """An error's text without its status code (the reason in front of it already names the code once):
+    "max_model_len: the target has 4096, ..." rather than "FAILED_PRECONDITION max_model_len: ..."."""
+    message = getattr(e, "message", None)
+    if message is None:
+        return str(e)[:_DETAIL_CHARS]
+    field = getattr(e, "field", "") or ""
+    # several fields (an attach refusal listing every mismatch) are named inside the message already
+    text = f"{field}: {message}" if field and "," not in field else message
+    return text[:_DETAIL_CHARS]

@@ -19,6 +19,12 @@ ENGINE_TENSORS = tuple(n for n in TENSOR_FIELDS if n != "accepted_counts") + tup
 PROPOSE_OPTIONS = ("return_probs", "batch_padded", "tokens_padded", "accepted_counts", "request_id", "timeout")
 
 
+def ms(seconds: float) -> str:
+    """A duration for error texts: "50 ms", "2.5 ms" (whole milliseconds from 10 ms up)."""
+    value = seconds * 1000.0
+    return f"{value:.0f} ms" if value >= 10 else f"{value:.1f} ms"
+
+
 @dataclass
 class SessionState:
     session_id: str = ""

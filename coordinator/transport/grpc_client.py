@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.transport.base import SessionState, as_attach_request, dispatch_propose, draft_output
+from coordinator.transport.base import SessionState, as_attach_request, dispatch_propose, draft_output, ms
 from coordinator.transport.cuda_share import CudaShare
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.service import probes, schema
@@ -208,7 +208,7 @@ class GrpcProposeStream:
             return await asyncio.wait_for(self._step(req), timeout)
         except asyncio.TimeoutError:
             await self._reset()
-            raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no answer within {timeout} s") from None
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no answer within {ms(timeout)}") from None
         except (grpc.RpcError, grpc.aio.UsageError, asyncio.InvalidStateError, DrafterError) as exc:
             err = await self._ended(exc)  # the stream is over: its status says why
             await self._reset()

@@ -20,7 +20,7 @@ import msgspec
 import zmq
 import zmq.auth
 
-from coordinator.transport.base import SessionState, as_attach_request, dispatch_propose, draft_output
+from coordinator.transport.base import SessionState, as_attach_request, dispatch_propose, draft_output, ms
 from coordinator.transport.cuda_share import CudaShare
 from drafter.service import probes, schema
 from drafter.service.errors import Code, DrafterError
@@ -101,14 +101,14 @@ class ZmqDrafterClient:
                 send_frames(self.sock, msg, NOBLOCK)
             except zmq.Again:
                 raise DrafterError(Code.DEADLINE_EXCEEDED, "",
-                                   f"no connection to {self.endpoint} within {timeout} s") from None
+                                   f"no connection to {self.endpoint} within {ms(timeout)}") from None
         probe = self._probe
         if probe is not None:
             probe.mark("send")
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not _poll(self.sock, zmq.POLLIN, max(1, int(left * 1000))):
-                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no reply from {self.endpoint} within {timeout} s")
+                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"no reply from {self.endpoint} within {ms(timeout)}")
             reply = recv_frames(self.sock, NOBLOCK)
             if probe is not None:
                 probe.mark("wait")

@@ -99,44 +99,106 @@ class BlockAllocator:
         return sum(l for _, l in self.free)
 
 
-def _mismatch(name: str, got, want) -> DrafterError:
-    return DrafterError(Code.FAILED_PRECONDITION, name, f"the target says {got}, this drafter serves {want}")
+@dataclass(frozen=True)
+class Mismatch:
+    """One way an attaching target differs from what this drafter serves."""
+
+    field: str  # the AttachRequest field, e.g. "kv_groups[0].block_size"
+    code: Code
+    problem: str  # "the target has 4096, this drafter serves 2048"
+    fix: str = ""  # the `drafter serve` flag (with the value) that makes the drafter fit; "" when none does
+
+    def detail(self) -> str:
+        return self.problem + (f" (set drafter serve {self.fix})" if self.fix else "")
+
+    def text(self) -> str:
+        return f"{self.field}: {self.detail()}"
 
 
-def check_layout(req: schema.AttachRequest, eng: EngineDescription) -> None:
-    """Refuse a target whose layout this drafter cannot serve (before any block is reserved)."""
+def refusal(found: list[Mismatch]) -> DrafterError:
+    """All mismatches in one error: the operator fixes the drafter's flags once, not one restart per field.
+    One mismatch keeps its own code and field; several are FAILED_PRECONDITION with the fields joined by ','."""
+    if len(found) == 1:
+        one = found[0]
+        return DrafterError(one.code, one.field, one.detail())
+    return DrafterError(Code.FAILED_PRECONDITION, ",".join(m.field for m in found),
+                        f"{len(found)} mismatches: " + "; ".join(m.text() for m in found))
+
+
+def _differs(name: str, got, want, fix: str = "") -> Mismatch:
+    return Mismatch(name, Code.FAILED_PRECONDITION, f"the target has {got}, this drafter serves {want}", fix)
+
+
+def _per_group_flag(flag: str, values: tuple[int, ...], g: int, needed: int) -> str:
+    """`--kv-blocks 16384` (one group) or `--kv-blocks 16384,60` (the others as they are)."""
+    out = list(values)
+    out[g] = needed
+    return f"{flag} {','.join(str(v) for v in out)}"
+
+
+def layout_mismatches(req: schema.AttachRequest, eng: EngineDescription) -> list[Mismatch]:
+    """Every way the target's layout differs from what this drafter can serve (empty: it can)."""
+    found: list[Mismatch] = []
     if req.protocol_version != PROTOCOL_VERSION:
-        raise _mismatch("protocol_version", req.protocol_version, PROTOCOL_VERSION)
+        # nothing else can be read reliably from a request of another protocol
+        return [_differs("protocol_version", req.protocol_version, PROTOCOL_VERSION)]
     if req.method != eng.method:
-        raise _mismatch("method", repr(req.method), repr(eng.method))
+        found.append(_differs("method", repr(req.method), repr(eng.method), f"--method {req.method}"))
     tree = tuple(tuple(p.ranks) for p in req.speculative_token_tree) or None
     if tree != eng.speculative_token_tree:
-        raise _mismatch("speculative_token_tree", tree, eng.speculative_token_tree)
+        fix = f"--speculative-token-tree '{[list(p) for p in tree]}'" if tree else "--speculative-token-tree ''"
+        found.append(_differs("speculative_token_tree", tree, eng.speculative_token_tree, fix))
     # A smaller k would still make the engine write k - 1 lookahead slots the target never allocated.
     if tree is None and req.num_speculative_tokens != eng.num_speculative_tokens:
-        raise _mismatch("num_speculative_tokens", req.num_speculative_tokens, eng.num_speculative_tokens)
+        found.append(_differs("num_speculative_tokens", req.num_speculative_tokens, eng.num_speculative_tokens,
+                              f"--num-speculative-tokens {req.num_speculative_tokens}"))
     if req.hidden_dtype not in DTYPES or not DTYPES[req.hidden_dtype].is_floating_point:
-        raise invalid("hidden_dtype", f"{req.hidden_dtype!r} is not one of float32, float16, bfloat16")
+        found.append(Mismatch("hidden_dtype", Code.INVALID_ARGUMENT,
+                              f"{req.hidden_dtype!r} is not one of float32, float16, bfloat16"))
+    # the head's own width and inputs: serve the head (and target) the target drafts with
+    head_fix = "--model / --target-model: the head and target vLLM was given"
     if req.hidden_size != eng.hidden_size:
-        raise _mismatch("hidden_size", req.hidden_size, eng.hidden_size)
+        found.append(_differs("hidden_size", req.hidden_size, eng.hidden_size, head_fix))
     if req.num_aux_layers != eng.num_aux_layers:
-        raise _mismatch("num_aux_layers", req.num_aux_layers, eng.num_aux_layers)
+        found.append(_differs("num_aux_layers", req.num_aux_layers, eng.num_aux_layers, head_fix))
     # Draft steps past max_model_len are clamped by the engine's limit: the target's must be the same.
     if req.max_model_len != eng.max_model_len:
-        raise _mismatch("max_model_len", req.max_model_len, eng.max_model_len)
+        found.append(_differs("max_model_len", req.max_model_len, eng.max_model_len,
+                              f"--max-model-len {req.max_model_len}"))
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         got, most = getattr(req, name), getattr(eng, name)
         if got == 0:
-            raise invalid(name, "must be positive")
-        if got > most:
-            raise DrafterError(Code.FAILED_PRECONDITION, name, f"{got} exceeds this drafter's {most}")
+            found.append(Mismatch(name, Code.INVALID_ARGUMENT, "must be positive"))
+        elif got > most:
+            flag = "--" + name.replace("_", "-")
+            found.append(Mismatch(name, Code.FAILED_PRECONDITION, f"the target has {got}, more than this "
+                                  f"drafter's {most}", f"{flag} {got}"))
     if len(req.kv_groups) != len(eng.block_sizes):
-        raise _mismatch("kv_groups", f"{len(req.kv_groups)} KV groups", len(eng.block_sizes))
-    for g, (group, bs) in enumerate(zip(req.kv_groups, eng.block_sizes)):
+        found.append(_differs("kv_groups", f"{len(req.kv_groups)} KV groups", len(eng.block_sizes),
+                              f"--block-sizes {','.join(str(g.block_size) for g in req.kv_groups)} "
+                              f"--kv-blocks {','.join(str(g.num_blocks) for g in req.kv_groups)}"))
+        return found
+    for g, (group, bs, pool) in enumerate(zip(req.kv_groups, eng.block_sizes, eng.pool_blocks)):
         if group.block_size != bs:
-            raise _mismatch(f"kv_groups[{g}].block_size", group.block_size, bs)
+            found.append(_differs(f"kv_groups[{g}].block_size", group.block_size, bs,
+                                  _per_group_flag("--block-sizes", eng.block_sizes, g, group.block_size)))
         if group.num_blocks == 0:
-            raise invalid(f"kv_groups[{g}].num_blocks", "must be positive")
+            found.append(Mismatch(f"kv_groups[{g}].num_blocks", Code.INVALID_ARGUMENT, "must be positive"))
+        elif group.num_blocks > pool:
+            # the drafter's pool mirrors the target's block ids: it must hold all of them
+            found.append(Mismatch(f"kv_groups[{g}].num_blocks", Code.RESOURCE_EXHAUSTED,
+                                  f"the target has {group.num_blocks} blocks, more than this drafter's whole "
+                                  f"pool of {pool}", _per_group_flag("--kv-blocks", eng.pool_blocks, g,
+                                                                      group.num_blocks)))
+    return found
+
+
+def check_layout(req: schema.AttachRequest, eng: EngineDescription) -> None:
+    """Refuse a target whose layout this drafter cannot serve (before any block is reserved), naming
+    every mismatch at once."""
+    found = layout_mismatches(req, eng)
+    if found:
+        raise refusal(found)
 
 
 class SessionTable:
