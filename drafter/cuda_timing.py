@@ -13,6 +13,20 @@ from typing import Callable
 
 import torch
 
+_capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One stream of this module's own per device for the timing graphs, so that the cuBLAS
+    workspace their captures allocate (in a pool that dies with them) is never the one torch
+    keeps for its shared default capture stream, which another caller's long-lived graphs would
+    then borrow (drafter.graphs explains the hazard)."""
+    from drafter.graphs import private_stream
+
+    if device not in _capture_streams:
+        _capture_streams[device] = private_stream(device)
+    return _capture_streams[device]
+
 
 def graph_time_us(fn: Callable[[int], object], calls: int = 8, reps: int = 10) -> float:
     """Median device microseconds of one fn(i) call, i = 0 .. calls-1 captured back to back
@@ -25,7 +39,7 @@ def graph_time_us(fn: Callable[[int], object], calls: int = 8, reps: int = 10) -
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=_capture_stream(torch.device("cuda", torch.cuda.current_device()))):
         for i in range(calls):
             fn(i)
     graph.replay()

@@ -23,6 +23,20 @@ two graphs.  Graphs are captured largest first into one shared memory pool: only
 at a time, so their intermediates may share memory; what must outlive a replay lives outside
 the pool.
 
+The graphs own every address they were captured with, whatever the process does around them
+(tests/gpu/test_graph_neighbours.py).  The one address they would otherwise borrow is cuBLAS's
+workspace: torch keeps one per (cuBLAS handle, stream), allocated on the pair's first GEMM, and
+a captured GEMM keeps that workspace's address.  On torch.cuda.graph's shared default capture
+stream the workspace was allocated by whichever capture came first (our GEMM planner's timing
+graphs, another library's), in that graph's pool, which dies with it; inductor's CUDA graph
+trees (torch.compile mode="reduce-overhead") free every workspace before they warm up or record,
+and their recording's empty_cache then hands that dead pool's memory back to the driver: the
+next replay here wrote to unmapped memory (an illegal memory access).  So the runner captures
+on a stream created for it alone (private_stream), never used before and never used by anyone
+else: the workspace of its graphs is allocated during its first capture, inside its own pool,
+which lives as long as its graphs; freed by inductor, that memory stays in the pool, mapped and
+unused by others.
+
 Greedy drafting only: a call with temperatures, or asking for probabilities or logits, runs
 eagerly, as does a call above the largest size captured.
 
@@ -32,6 +46,7 @@ calling it again: the same static-buffer data flow, checkable where no GPU exist
 
 from __future__ import annotations
 
+import ctypes
 from typing import Callable
 
 import torch
@@ -74,6 +89,7 @@ class GraphRunner:
         self.combined_sizes = decode_size_pairs(cfg, self.width, self.token_sizes, self.batch_sizes) \
             if use_combined else []
         self.pool = None
+        self.stream = None  # the capture stream, this runner's alone (private_stream)
         self.graphs: list = []  # keeps captured CUDAGraph objects alive
         self.replays = 0  # calls answered by graphs
         self.combined_replays = 0  # of which by one combined graph
@@ -90,6 +106,7 @@ class GraphRunner:
             return
         if not self.emulate:
             self.pool = torch.cuda.graph_pool_handle()
+            self.stream = private_stream(self.device)
         neutralize(self.engine.buffers)  # warm-up runs must write no KV
         self.header.clear()
         for t, b in reversed(self.combined_sizes):
@@ -106,13 +123,14 @@ class GraphRunner:
             replay()
             return replay
         # warm up on a side stream first: Triton compiles and cuBLAS picks its kernels outside capture
+        # (never on self.stream: its cuBLAS workspace must be allocated inside the capture, in the pool)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             fn()
         self.graphs.append(graph)
         # the C++ replay itself where torch exposes it: the Python override adds a per-call check
@@ -191,6 +209,26 @@ def decode_size_pairs(cfg, width: int, token_sizes: list[int], batch_sizes: list
         if pair[0] in token_sizes and pair[1] in batch_sizes:
             pairs.add(pair)
     return sorted(pairs, key=lambda p: (p[1], p[0]))
+
+
+_CU_STREAM_NON_BLOCKING = 1
+
+
+def private_stream(device: torch.device) -> torch.cuda.Stream:
+    """A CUDA stream created for the caller alone: not one of torch's pooled streams, which
+    torch.cuda.Stream() hands out round-robin to every caller in the process (torch.cuda.graph's
+    default capture stream is one of them).  Never destroyed: a later stream could get its
+    address, and with it the cuBLAS workspace torch keeps for that address, in this caller's
+    pool (a CUDA stream is a few hundred bytes of driver state)."""
+    device = torch.device(device)
+    driver = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()  # the runtime makes the device's primary context current on this thread
+        rc = driver.cuStreamCreate(ctypes.byref(handle), ctypes.c_uint(_CU_STREAM_NON_BLOCKING))
+        if rc != 0:
+            raise RuntimeError(f"cuStreamCreate failed with CUresult {rc}")
+        return torch.cuda.ExternalStream(handle.value, device=device)
 
 
 def on_device(inp: ProposeInputs, device: torch.device) -> ProposeInputs:
