@@ -6,6 +6,11 @@
         --transport zmq,grpc --mode open,closed --rate 100,400 --duration 25 --out bench/results/x
 
 Several transports / modes / rates make several runs (one report each) against one drafter.
+Without --rate, the open loop doubles its rate from a start that fits the drafter's device
+(CPU 8 calls/s, GPU 100) until a rate loses more than 1% of its calls, and says where the knee is.
+Workload defaults fit the device too (CPU: 8 request slots, short prompts); the flags' help gives
+both.  Exit status: 0; 2 bad arguments; 1 the run could not start or was cut short; 3 some
+transport got no answer at all (the line before says why); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -26,6 +31,22 @@ from drafter.loadtest.schedule import ARRIVALS, ClosedLoop, OpenLoop
 from drafter.loadtest.workload import Dist, SessionShape, WorkloadConfig, blocks_per_slot
 
 DEFAULT_PORTS = {"zmq": 5555, "grpc": 50051, "grpc-unary": 50051}
+NOTHING_ANSWERED = 3  # exit status: some transport got no successful call in any run
+
+# Defaults that fit the drafter's device: a CPU drafter serves a tiny head in tens of ms a call.
+PROFILES = {
+    "cpu": dict(rates=(8.0, 16.0, 32.0, 64.0), max_num_seqs=8, max_num_batched_tokens=256,
+                prompt_len="lognormal:64:0.8", output_len="lognormal:48:0.7", prefill_chunk=64, max_model_len=512),
+    "gpu": dict(rates=(100.0, 200.0, 400.0, 800.0), max_num_seqs=64, max_num_batched_tokens=2048,
+                prompt_len="lognormal:256:0.8", output_len="lognormal:192:0.7", prefill_chunk=512,
+                max_model_len=2048),
+}
+
+
+def _default(key: str) -> str:
+    cpu, gpu = PROFILES["cpu"][key], PROFILES["gpu"][key]
+    show = lambda v: ",".join(f"{x:g}" for x in v) if isinstance(v, tuple) else v  # noqa: E731
+    return f"[CPU drafter {show(cpu)}; GPU {show(gpu)}]"
 
 
 def _list(kind):
@@ -56,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="spawned drafter's device: cpu | cuda:N | auto (without "
                                                     "--spawn-server: a label for the report)")
     g.add_argument("--k", type=int, default=3, help="spawned drafter's num_speculative_tokens [3]")
-    g.add_argument("--max-model-len", type=int, default=2048, help="spawned drafter's max_model_len [2048]")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help=f"spawned drafter's max_model_len {_default('max_model_len')}")
     g.add_argument("--block-size", type=int, default=16, help="spawned drafter's KV block size [16]")
     g.add_argument("--server-arg", action="append", default=[], metavar="--FLAG=VALUE",
                    help="extra `drafter serve` flag for the spawned drafter (repeat), e.g. "
@@ -70,24 +92,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TP ranks per DP rank; recorded only: TP rank 0 sends for its group (hidden states are "
                         "replicated) and the drafts reach the others through the target's own group, so TP does "
                         "not multiply drafter traffic [1]")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="request slots per session (capped by the "
-                                                                "drafter's limit) [64]")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step [2048]")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="request slots per session (capped by the drafter's limit and by its free KV blocks) "
+                        + _default("max_num_seqs"))
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step " + _default("max_num_batched_tokens"))
     g.add_argument("--batch", default="", help="batch size per step: fixed:N | uniform:LO:HI | normal:MEAN:STD | "
                                                "lognormal:MEDIAN:SIGMA [uniform:1:max-num-seqs]")
-    g.add_argument("--prompt-len", default="lognormal:256:0.8", help="prompt tokens per request [lognormal:256:0.8]")
-    g.add_argument("--output-len", default="lognormal:192:0.7", help="output tokens per request [lognormal:192:0.7]")
-    g.add_argument("--prefill-chunk", type=int, default=512, help="most prompt tokens per request and step [512]")
+    g.add_argument("--prompt-len", default=None, help="prompt tokens per request " + _default("prompt_len"))
+    g.add_argument("--output-len", default=None, help="output tokens per request " + _default("output_len"))
+    g.add_argument("--prefill-chunk", type=int, default=None,
+                   help="most prompt tokens per request and step " + _default("prefill_chunk"))
     g.add_argument("--max-request-len", type=int, default=0,
                    help="cap on a request's length; sizes each session's KV pool [max_model_len]")
     g.add_argument("--acceptance", type=float, default=0.7, help="per-draft acceptance probability, sets the "
                                                                  "rejected counts [0.7]")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seeds the schedule, the workload and a tiny checkpoint [0]")
 
     g = p.add_argument_group("schedule and bounds")
     g.add_argument("--mode", type=_list(str), default=["open"], help="open | closed, or both: open,closed [open]")
-    g.add_argument("--rate", type=_list(float), default=[100.0],
-                   help="open loop: calls/s over all sessions; a comma list makes one run per rate [100]")
+    g.add_argument("--rate", type=_list(float), default=None,
+                   help="open loop: calls/s over all sessions; a comma list makes one run per rate [doubling from "
+                        "8 (CPU drafter) or 100 (GPU) until a rate loses > 1%% of its calls, at most 4 runs]")
     g.add_argument("--arrival", choices=ARRIVALS, default="poisson", help="open-loop arrivals [poisson]")
     g.add_argument("--max-inflight", type=int, default=8, help="open loop: senders (connections) per session [8]")
     g.add_argument("--concurrency", type=int, default=1, help="closed loop: calls in flight per session [1]")
@@ -102,7 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default="", help="directory for the reports [./loadtest-DATE-TIME]")
     g.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
     g.add_argument("--quiet", action="store_true", help="no progress bar (also when stderr is no terminal)")
-    g.add_argument("--fail-on-errors", action="store_true", help="exit 1 when any measured call failed")
+    g.add_argument("--fail-on-errors", action="store_true", help="exit 1 when any measured call failed (a run "
+                                                                  "with no answer at all exits 3 regardless)")
 
 
 def register(subparsers) -> None:
@@ -121,6 +148,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------ checks and plans
+def _profile_name(ns) -> str:
+    """cpu or gpu: the device of the drafter under load (spawned: where it runs; --endpoint: --device
+    when given, else this machine's)."""
+    if ns.device != "auto":
+        return "cpu" if ns.device == "cpu" else "gpu"
+    import torch
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def apply_profile(ns) -> str:
+    """Fill every workload flag left unset from the device's profile; returns its name."""
+    name = _profile_name(ns)
+    for key, value in PROFILES[name].items():
+        if key != "rates" and getattr(ns, key) is None:
+            setattr(ns, key, value)
+    return name
+
+
 def _check(ns) -> str | None:
     bad = [t for t in ns.transport if t not in TRANSPORTS]
     if bad or not ns.transport:
@@ -140,7 +185,7 @@ def _check(ns) -> str | None:
         return f"--duration ({ns.duration}) must exceed --warmup ({ns.warmup})"
     if ns.dp < 1 or ns.tp < 1 or ns.max_inflight < 1 or ns.concurrency < 1:
         return "--dp, --tp, --max-inflight and --concurrency must be >= 1"
-    if "open" in ns.mode and any(r <= 0 for r in ns.rate):
+    if "open" in ns.mode and ns.rate is not None and (not ns.rate or any(r <= 0 for r in ns.rate)):
         return "--rate must be positive"
     if not 0.0 <= ns.acceptance <= 1.0:
         return "--acceptance must lie in [0, 1]"
@@ -159,37 +204,45 @@ def _workload(ns) -> WorkloadConfig:
         max_request_len=ns.max_request_len)
 
 
-def _runs(ns) -> list[tuple[str, object, str]]:
-    """(transport, schedule, name) for every run, in order."""
+def _plan(ns, profile: str):
+    """(transport, [(schedule, name)], sweep) per transport and mode, in order; sweep: the rates are
+    the profile's doubling ladder, climbed only while each rate is served."""
     out = []
     for transport in ns.transport:
         for mode in ns.mode:
             if mode == "open":
-                for rate in ns.rate:
-                    out.append((transport, OpenLoop(rate, ns.arrival, ns.max_inflight), f"{transport}-open-{rate:g}"))
+                rates = ns.rate or list(PROFILES[profile]["rates"])
+                runs = [(OpenLoop(r, ns.arrival, ns.max_inflight), f"{transport}-open-{r:g}") for r in rates]
+                out.append((transport, runs, ns.rate is None))
             else:
-                out.append((transport, ClosedLoop(ns.concurrency), f"{transport}-closed-c{ns.concurrency}"))
+                out.append((transport, [(ClosedLoop(ns.concurrency), f"{transport}-closed-c{ns.concurrency}")],
+                            False))
     return out
 
 
-def _spawn(ns, out: Path, tmp: Path):
-    from drafter.loadtest.spawn import SpawnedServer
-
-    target = ns.target_model
+def _checkpoint(ns, tmp: Path) -> tuple[str, Path, Path | None]:
+    """(method, head dir, target dir) of what the spawned drafter serves."""
     if ns.tiny:
         from drafter.models.tiny import write_tiny
 
         method = write_tiny(ns.tiny, tmp / "tiny", seed=ns.seed)
-        model, target = tmp / "tiny" / "head", tmp / "tiny" / "target"
-    elif ns.shape:
+        return method, tmp / "tiny" / "head", tmp / "tiny" / "target"
+    if ns.shape:
         from drafter.loadtest.shapes import write_shaped
 
         where = Path(ns.shape_dir) if ns.shape_dir else Path(tempfile.gettempdir()) / "drafter-shapes" / ns.shape
         t0 = time.monotonic()
         method, model, target = write_shaped(ns.shape, where, seed=ns.seed)
         print(f"shape {ns.shape}: checkpoint in {where} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
-    else:
-        method, model = ns.method, ns.model
+        return method, Path(model), Path(target) if target else None
+    return ns.method, Path(ns.model), Path(ns.target_model) if ns.target_model else None
+
+
+def _server(ns, out: Path, tmp: Path):
+    """The drafter to spawn, not started yet (the caller holds it before it can fail to start)."""
+    from drafter.loadtest.spawn import SpawnedServer
+
+    method, model, target = _checkpoint(ns, tmp)
     # The pool: every session gets one block range per request slot (workload.blocks_per_slot).
     probe = SessionShape(hidden_width=1, hidden_dtype="float32", vocab_size=2, max_model_len=ns.max_model_len,
                          block_sizes=(ns.block_size,), num_speculative_tokens=ns.k, draft_span=ns.k - 1,
@@ -201,14 +254,17 @@ def _spawn(ns, out: Path, tmp: Path):
     server = SpawnedServer(method=method, model=str(model), target_model=str(target) if target else None,
                            device=ns.device, settings=settings, log_path=out / "server.log",
                            extra_args=ns.server_arg)
+    desc = {"spawned": True, "method": method, "model": str(model), "target_model": str(target or ""),
+            "tiny": ns.tiny, "shape": ns.shape, "device": _device(ns.device), "args": server.args[3:]}
+    return server, desc
+
+
+def _start(ns, server, desc: dict) -> None:
     t0 = time.monotonic()
     server.start(ns.ready_timeout)
-    desc = {"spawned": True, "method": method, "model": str(model), "target_model": str(target or ""),
-            "tiny": ns.tiny, "shape": ns.shape, "device": _device(ns.device), "args": server.args[3:],
-            "ready_s": round(time.monotonic() - t0, 1), "ready": server.ready}
+    desc.update(ready_s=round(time.monotonic() - t0, 1), ready=server.ready)
     print(f"drafter serve ready in {desc['ready_s']} s on {desc['device']} (grpc {server.ready['grpc_port']}, "
           f"zmq {server.ready['zmq_port']})", file=sys.stderr)
-    return server, desc
 
 
 def _device(device: str) -> str:
@@ -240,22 +296,99 @@ def _line(name: str, summ: dict) -> str:
 
 
 # ------------------------------------------------------------------ run
+class _Session:
+    """One invocation's runs against one drafter: the reports, the index, the knees, the verdict."""
+
+    def __init__(self, ns, out: Path, server, server_desc: dict, command: list[str]):
+        self.ns, self.out, self.server, self.server_desc, self.command = ns, out, server, server_desc, command
+        self.index: list[dict] = []
+        self.open_runs: dict[str, list] = {}  # transport -> [(rate, summary)]
+        self.answered: dict[str, bool] = {}  # transport -> any successful call in any run
+        self.failures: list[str] = []  # why a run got no answer at all
+        self.failed = False  # some measured call failed
+        self.interrupted = False
+
+    def one(self, transport: str, sched, name: str) -> dict:
+        from drafter.loadtest.progress import progress_bar
+        from drafter.loadtest.report import build_report, plot, write_json
+        from drafter.loadtest.runner import RunConfig, Runner
+        from drafter.loadtest.verdict import answered, why_all_failed
+
+        ns = self.ns
+        endpoint = _endpoint(ns, transport, self.server)
+        wl = _workload(ns)
+        runner = Runner(RunConfig(transport=transport, endpoint=endpoint, schedule=sched, workload=wl, dp=ns.dp,
+                                  tp=ns.tp, duration_s=ns.duration, warmup_s=ns.warmup,
+                                  max_requests=ns.max_requests, timeout_s=ns.timeout, seed=ns.seed))
+        with progress_bar(name, ns.duration, ns.quiet) as bar:
+            result = runner.run(bar)
+        wl_used = replace(wl, max_num_seqs=result.layout.max_num_seqs,
+                          max_num_batched_tokens=result.layout.max_num_batched_tokens)
+        report = build_report(result, config=_config(ns, transport, sched, endpoint, wl_used),
+                              server=self.server_desc, command=self.command)
+        write_json(report, self.out / f"{name}.json")
+        if not ns.no_plot:
+            plot(report, self.out / f"{name}.png")
+        summ = report["summary"]
+        self.failed |= summ["errors"] > 0
+        print(_line(name, summ), flush=True)
+        for note in result.notes:
+            print(f"  note: {note}", file=sys.stderr)
+        got = answered(summ)
+        self.answered[transport] = self.answered.get(transport, False) or got
+        if not got and not runner.stop.is_set():
+            self.failures.append(f"{name}: {why_all_failed(report)}")
+        if isinstance(sched, OpenLoop):
+            self.open_runs.setdefault(transport, []).append((sched.rate, summ))
+        self.index.append({"name": name, "report": f"{name}.json", "png": None if ns.no_plot else f"{name}.png",
+                           "transport": transport, "schedule": sched.describe(), "notes": result.notes,
+                           "summary": {k: summ[k] for k in ("calls", "ok", "errors", "errors_by_code",
+                                                            "latency_us", "service_us", "throughput",
+                                                            "request_bytes", "response_bytes")}})
+        self.interrupted = runner.stop.is_set()
+        return summ
+
+    def all(self, plan) -> None:
+        from drafter.loadtest.verdict import served
+
+        print(f"{'run':<24} {'calls/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'p99.9':>8} "
+              f"{'req bytes':>11} {'errors':>6}")
+        for transport, runs, sweep in plan:
+            for sched, name in runs:
+                summ = self.one(transport, sched, name)
+                if self.interrupted:
+                    return
+                if sweep and not served(summ):
+                    break  # the knee is found: higher rates would only fail more
+
+    def knees(self) -> list:
+        from drafter.loadtest.verdict import find_knee
+
+        return [k for k in (find_knee(t, runs) for t, runs in self.open_runs.items()) if k is not None]
+
+    def write_index(self) -> None:
+        if not self.index:
+            return
+        server = {k: v for k, v in self.server_desc.items() if k != "ready"}
+        (self.out / "index.json").write_text(json.dumps(
+            {"server": server, "runs": self.index, "knees": [k.to_json() for k in self.knees()],
+             "no_answer": self.failures}, indent=1) + "\n")
+
+
 def run(ns) -> int:
+    profile = apply_profile(ns)
     problem = _check(ns)
     if problem:
         print(f"drafter loadtest: {problem}", file=sys.stderr)
         return 2
-    from drafter.loadtest.progress import progress_bar
-    from drafter.loadtest.report import build_report, plot, write_json
-    from drafter.loadtest.runner import RunConfig, Runner
-
+    made = not (ns.out and Path(ns.out).exists())
     out = Path(ns.out or time.strftime("loadtest-%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     command = ["drafter", "loadtest", *sys.argv[2:]] if sys.argv[1:2] == ["loadtest"] else sys.argv[:]
     # a drafter we did not start: --device, when given, only labels the report
-    server, server_desc = None, {"spawned": False, "device": None if ns.device == "auto" else ns.device}
-    failed = False
-    index = []
+    server_desc = {"spawned": False, "device": None if ns.device == "auto" else ns.device, "profile": profile}
+    server = None
+    session = None
     # SIGTERM (e.g. `timeout`) ends the run like Ctrl-C: the current run keeps what it measured, the
     # spawned drafter is stopped, the index is written.
     restore = None
@@ -265,55 +398,70 @@ def run(ns) -> int:
     with tempfile.TemporaryDirectory(prefix="drafter-loadtest-") as tmp:
         try:
             if ns.spawn_server:
-                server, server_desc = _spawn(ns, out, Path(tmp))
-            print(f"{'run':<24} {'calls/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'p99.9':>8} "
-                  f"{'req bytes':>11} {'errors':>6}")
-            for transport, sched, name in _runs(ns):
-                endpoint = _endpoint(ns, transport, server)
-                wl = _workload(ns)
-                cfg = RunConfig(transport=transport, endpoint=endpoint, schedule=sched, workload=wl, dp=ns.dp,
-                                tp=ns.tp, duration_s=ns.duration, warmup_s=ns.warmup, max_requests=ns.max_requests,
-                                timeout_s=ns.timeout, seed=ns.seed)
-                runner = Runner(cfg)
-                with progress_bar(name, ns.duration, ns.quiet) as bar:
-                    result = runner.run(bar)
-                wl_used = replace(wl, max_num_seqs=result.layout.max_num_seqs,
-                                  max_num_batched_tokens=result.layout.max_num_batched_tokens)
-                report = build_report(result, config=_config(ns, transport, sched, endpoint, wl_used),
-                                      server=server_desc, command=command)
-                write_json(report, out / f"{name}.json")
-                if not ns.no_plot:
-                    plot(report, out / f"{name}.png")
-                summ = report["summary"]
-                failed |= summ["errors"] > 0
-                print(_line(name, summ), flush=True)
-                index.append({"name": name, "report": f"{name}.json", "png": None if ns.no_plot else f"{name}.png",
-                              "transport": transport, "schedule": sched.describe(), "notes": result.notes,
-                              "summary": {k: summ[k] for k in ("calls", "ok", "errors", "errors_by_code",
-                                                               "latency_us", "service_us", "throughput",
-                                                               "request_bytes", "response_bytes")}})
-                if runner.stop.is_set():
-                    print("drafter loadtest: interrupted", file=sys.stderr)
-                    rc = 130
-                    break
+                server, server_desc = _server(ns, out, Path(tmp))
+                server_desc["profile"] = profile
+                _start(ns, server, server_desc)  # `server` is held first: every exit below stops it
+            session = _Session(ns, out, server, server_desc, command)
+            session.all(_plan(ns, profile))
+            if session.interrupted:
+                _say("drafter loadtest: interrupted")
+                rc = 130
         except KeyboardInterrupt:
-            print("drafter loadtest: interrupted", file=sys.stderr)
+            _say("drafter loadtest: interrupted")
             rc = 130
+        except BrokenPipeError:  # our output was closed (`| head`): stop, quietly
+            _mute()
+            rc = 1
         except (RuntimeError, TimeoutError, OSError, ValueError) as exc:
-            print(f"drafter loadtest: {exc}", file=sys.stderr)
+            _say(f"drafter loadtest: {exc}")
             rc = 1
         finally:
             if restore is not None:
                 signal.signal(signal.SIGTERM, restore)
             if server is not None:
                 server_desc["exit_code"] = server.stop()
-            if index:
-                (out / "index.json").write_text(json.dumps(
-                    {"server": {k: v for k, v in server_desc.items() if k != "ready"}, "runs": index}, indent=1) + "\n")
-    print(f"reports in {out}{os.sep}", file=sys.stderr)
+            if session is not None:
+                session.write_index()
+    return _finish(ns, out, made, session, rc)
+
+
+def _finish(ns, out: Path, made: bool, session, rc: int) -> int:
+    """The knee and the verdict (stderr), where the reports are; the exit status."""
+    if session is None or not session.index:
+        if made and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # nothing was measured: leave no empty folder behind
+        elif (out / "server.log").exists():
+            _say(f"the spawned drafter's log: {out / 'server.log'}")
+        return rc or 1
+    for knee in session.knees():
+        _say(f"knee: {knee.describe()}")
+    for why in session.failures:
+        _say(f"drafter loadtest: no answer in {why}")
+    _say(f"reports in {out}{os.sep}")
     if rc:
         return rc
-    return 1 if (failed and ns.fail_on_errors) else 0
+    if not all(session.answered.values()):
+        return NOTHING_ANSWERED
+    return 1 if (session.failed and ns.fail_on_errors) else 0
+
+
+def _say(line: str) -> None:
+    """One line on stderr; nothing when stderr is closed."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (BrokenPipeError, ValueError):
+        _mute()
+
+
+def _mute() -> None:
+    """Our stdout or stderr pipe is gone: send what is left to /dev/null (no traceback at exit)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
+    os.close(devnull)
 
 
 def _interrupt(signum, frame):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -31,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from drafter.loadtest.clients import Connection
 from drafter.loadtest.schedule import ClosedLoop, OpenLoop
 from drafter.loadtest.stats import OK, Samples
-from drafter.loadtest.workload import SessionShape, SessionWorkload, WorkloadConfig, session_blocks
+from drafter.loadtest.workload import (SessionShape, SessionWorkload, WorkloadConfig, blocks_per_slot,
+                                      session_blocks)
 from drafter.service import schema
 from drafter.service.errors import DrafterError
 
@@ -98,6 +100,42 @@ def fit_workload(wl: WorkloadConfig, info: schema.InfoResponse) -> WorkloadConfi
     lim = info.limits
     return replace(wl, max_num_seqs=min(wl.max_num_seqs, lim.max_num_seqs),
                    max_num_batched_tokens=min(wl.max_num_batched_tokens, lim.max_num_batched_tokens))
+
+
+def fit_pool(wl: WorkloadConfig, info: schema.InfoResponse, shape: SessionShape, sessions: int
+             ) -> tuple[WorkloadConfig, str | None]:
+    """Fewer request slots per session when `sessions` sessions of this workload would not fit the
+    drafter's free KV blocks (a drafter started with `serve`'s defaults holds 4096 per group).
+    Returns the workload and a note saying what was lowered (None: it fitted)."""
+    free = list(info.free_blocks) or [g.num_blocks for g in info.limits.kv_groups]
+    width = blocks_per_slot(shape, wl)  # blocks one request slot needs, per KV group
+    slots = min(f // sessions // w for f, w in zip(free, width))
+    if slots >= wl.max_num_seqs:
+        return wl, None
+    need = [wl.max_num_seqs * w * sessions for w in width]
+    if slots < 1:
+        raise RuntimeError(f"the drafter has {free} free KV blocks; {sessions} session(s) of one request slot "
+                           f"need {[w * sessions for w in width]}: start it with a larger --kv-blocks (or lower "
+                           "--dp, --max-request-len or --max-model-len)")
+    return replace(wl, max_num_seqs=slots), (
+        f"--max-num-seqs lowered {wl.max_num_seqs} -> {slots}: {sessions} session(s) of {wl.max_num_seqs} slots need "
+        f"{need} KV blocks, the drafter has {free} free (its --kv-blocks)")
+
+
+def check_reachable(transport: str, endpoint: str, timeout_s: float) -> None:
+    """A TCP connect first, so that a drafter that is not running is one clear line, at once."""
+    from drafter.loadtest.clients import zmq_endpoint
+
+    address = zmq_endpoint(endpoint)
+    if not address.startswith("tcp://"):
+        return  # ipc:// and friends: the client reports
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise RuntimeError(f"no drafter at {endpoint} ({transport}): {why}; start one with `drafter serve` "
+                           "(then --endpoint HOST:PORT), or add --spawn-server --tiny eagle3") from None
 
 
 def _tagged(times, session: int):
@@ -195,13 +233,18 @@ class Runner:
         wall0 = time.monotonic()
         conns: list[list[Connection]] = []
         try:
+            check_reachable(cfg.transport, cfg.endpoint, max(cfg.timeout_s, 5.0))
             first = Connection(cfg.transport, cfg.endpoint, cfg.timeout_s)
             conns.append([first])
-            info = first.client.info(timeout=max(cfg.timeout_s, 10.0))
+            try:
+                info = first.client.info(timeout=max(cfg.timeout_s, 10.0))
+            except DrafterError as exc:
+                raise RuntimeError(f"the drafter at {cfg.endpoint} ({cfg.transport}) did not answer Info: {exc}; "
+                                   "is it a drafter, and is --transport its protocol on that port?") from None
             if info.state != "serving":
                 raise RuntimeError(f"the drafter is {info.state}, not serving")
             shape = shape_from_info(info)
-            wl = fit_workload(cfg.workload, info)
+            wl, fitted = fit_pool(fit_workload(cfg.workload, info), info, shape, cfg.dp)
             layout = attach_layout(info, wl, shape, cfg.client_name)
             attached = []
             for s in range(cfg.dp):
@@ -273,7 +316,7 @@ class Runner:
             end_s = cfg.duration_s
             if done and (truncated or isinstance(sched, ClosedLoop)):
                 end_s = min(cfg.duration_s, max(done))
-            notes = []
+            notes = [fitted] if fitted else []
             if self.stop.is_set():
                 notes.append("interrupted")
             for s in range(cfg.dp):

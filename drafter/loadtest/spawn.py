@@ -2,7 +2,9 @@
 
 Ports are 0 (the server picks free ones) and come back in its JSON "ready" event on stdout, so
 nothing races for a port and nothing sleeps: we wait for the line.  Its stderr (the structured
-log) goes to a file kept beside the report.
+log) goes to a file kept beside the report.  The child is stopped on every way out: a failed
+start stops it before raising, the caller holds the handle before start() and stops it in a
+finally, and on Linux it gets SIGTERM should this process die without running either.
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the process that spawned it dies, so that a
+    load generator killed outright (SIGKILL) does not leave its drafter behind either."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class SpawnedServer:
@@ -39,22 +51,30 @@ class SpawnedServer:
         self.ready: dict = {}
 
     def start(self, timeout_s: float) -> "SpawnedServer":
+        """Start it and wait for its ready line; on any failure (Ctrl-C included) it is stopped again."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=log, env=self.env)
+            self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=log, env=self.env,
+                                         preexec_fn=_die_with_parent)
         threading.Thread(target=self._read, daemon=True, name="server-stdout").start()
+        try:
+            self.ready = self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> dict:
         while True:
             try:
                 ev = self.events.get(timeout=timeout_s)
             except queue.Empty:
-                self.stop()
                 raise TimeoutError(f"drafter serve was not ready within {timeout_s} s; log: {self.log_tail()}") from None
             if ev.get("event") == "ready":
-                self.ready = ev
-                return self
+                return ev
             if ev.get("event") in ("failed", "eof"):
-                self.stop()
-                raise RuntimeError(f"drafter serve ended before it was ready: {ev}; log: {self.log_tail()}")
+                reason = ev.get("reason") or self.last_log_line() or "it exited"
+                raise RuntimeError(f"the spawned drafter did not start: {reason} (its log: {self.log_path})")
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -69,6 +89,10 @@ class SpawnedServer:
             return self.log_path.read_bytes()[-n:].decode(errors="replace")
         except OSError:
             return ""
+
+    def last_log_line(self) -> str:
+        lines = [ln for ln in self.log_tail().splitlines() if ln.strip()]
+        return lines[-1].strip()[:500] if lines else ""
 
     def endpoint(self, transport: str) -> str:
         port = self.ready["zmq_port"] if transport == "zmq" else self.ready["grpc_port"]
