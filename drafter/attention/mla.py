@@ -1,0 +1,56 @@
+"""Paged attention over MLA's compressed KV cache, in plain torch (the behaviour faster kernels must match).
+
+A layer's cache is [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: per token the
+normed latent c_kv followed by the rotated k_pe, addressed by the same block tables and slot
+mappings as every other KV group.  Attention runs in the absorbed form: the query arrives
+already multiplied into latent space ([q_nope W_UK ; q_pe], the cache's width), every head
+reads the one latent "key" per token, and the values are the latent part of the same entries,
+so the output stays latent ([num_tokens, num_heads, kv_lora_rank]); W_UV is applied after.
+Like ReferenceBackend, it reads query_start_loc / seq_lens on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafter.attention.metadata import AttentionMetadata
+from drafter.attention.reference import visible_keys
+
+
+def write_latent(
+    cache: torch.Tensor,  # [num_blocks, block_size, width]
+    entries: torch.Tensor,  # [num_tokens, width]: c_kv then k_pe
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    flat = cache.view(-1, cache.shape[-1])
+    keep = slot_mapping >= 0
+    flat[slot_mapping[keep]] = entries[keep].to(cache.dtype)
+
+
+def _request_slots(meta: AttentionMetadata, r: int, seq_len: int, device) -> torch.Tensor:  # [seq_len] int64
+    idx = torch.arange(seq_len, device=device)
+    blocks = meta.block_table[r, idx // meta.block_size].long()
+    return blocks * meta.block_size + idx % meta.block_size
+
+
+def paged_mla_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, width], width = latent + rope
+    cache: torch.Tensor,  # [num_blocks, block_size, width]
+    meta: AttentionMetadata,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, latent_dim], q's dtype
+    """Softmax(q . entry * scale) over each request's visible tokens, weighting their latents."""
+    out = torch.zeros(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
+    flat = cache.view(-1, cache.shape[-1])
+    starts = meta.query_start_loc.tolist()
+    for r, seq_len in enumerate(meta.seq_lens.tolist()):
+        q_start, q_end = starts[r], starts[r + 1]
+        if q_end == q_start or seq_len == 0:
+            continue  # padded request: reads nothing, outputs zeros
+        entries = flat[_request_slots(meta, r, seq_len, q.device)].float()  # [seq_len, width]
+        scores = torch.einsum("qhw,kw->hqk", q[q_start:q_end].float(), entries) * scale
+        allowed = visible_keys(seq_len, q_end - q_start, None, meta.tree_mask, meta.tree_depths, q.device)
+        probs = torch.nan_to_num(torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1))
+        out[q_start:q_end] = torch.einsum("hqk,kc->qhc", probs, entries[:, :latent_dim]).to(q.dtype)
+    return out
