@@ -279,7 +279,8 @@ def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, s
 
 
 def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts, bw: float, peak: float,
-                 iters: int, eager: bool, log) -> list[dict]:
+                 iters: int, eager: bool, log, peer=None) -> list[dict]:
+    """peer: a drafter.bench_peer.CompiledPeer of this engine, timed on every row, or None."""
     rows = []
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -314,6 +315,10 @@ def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts
                         row["eager_propose_us"] = statistics.median(time_events(graph_call, max(3, iters // 2)))
                     finally:
                         engine.graphs = graphs
+                if peer is not None:
+                    from drafter.bench_peer import peer_row
+
+                    row.update(peer_row(peer, call, graph_call().draft_token_ids, iters))
             f = floors(wbytes, spec, b, ctx, k, bw)
             row.update({f"floor_{key}": v for key, v in f.items()})
             row["ratio_propose"] = row["propose_us"] / f["propose_us"]
@@ -326,6 +331,13 @@ def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts
             if k > 1:
                 # one decode step: the loop graph minus its step-0 sampling, over k-1 steps
                 row["ratio_loop"] = row["loop_us"] / f["loop_us"]
+            if "peer_us" in row:
+                # the engine's whole public call against the peer's replay alone (no host work),
+                # and replay against replay (the combined graph, else first pass + loop)
+                row["ratio_peer"] = row["propose_us"] / row["peer_us"]
+                replay_us = row.get("combined_us", row["first_us"] + row["loop_us"])
+                row["ratio_peer_graph"] = replay_us / row["peer_replay_us"]
+                row["ratio_peer_floor"] = row["peer_us"] / f["propose_us"]
             rows.append(row)
             log(fmt_row(row))
     return rows
@@ -340,7 +352,10 @@ def fmt_row(r: dict) -> str:
             f" | floor {r['floor_propose_us']:7.0f}"
             f" | ratio propose {r['ratio_propose']:5.2f} device {r['ratio_device']:5.2f} loop {loop}"
             f" roofline {r['ratio_roofline']:5.2f}"
-            f" | host {r['host_us']:5.0f} us (p10 {r.get('host_p10_us', float('nan')):4.0f},"
+            + (f" | peer {r['peer_us']:7.0f} us (replays {r['peer_replay_us']:7.0f}, drafts agree"
+               f" {r['peer_drafts_agree']:.2f}) engine/peer {r['ratio_peer']:5.2f} graph/graph"
+               f" {r['ratio_peer_graph']:5.2f} peer/floor {r['ratio_peer_floor']:5.2f}" if "peer_us" in r else "")
+            + f" | host {r['host_us']:5.0f} us (p10 {r.get('host_p10_us', float('nan')):4.0f},"
             f" python {r.get('host_python_us', float('nan')):4.1f}, validated"
             f" {r['host_validate_us']:5.0f}, bound {r.get('host_bound_us', float('nan')):5.0f})")
 
@@ -596,6 +611,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=_ints, default=[1024, 8192])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--no-eager", action="store_true", help="skip the eager timings")
+    p.add_argument("--no-peer", action="store_true", help="skip the torch.compile'd peer (drafter.bench_peer)")
     p.add_argument("--profile", action="store_true", help="per-kernel device times for a few shapes")
     p.add_argument("--attention-sweep", action="store_true", help="time the decode attention kernel alone")
     p.add_argument("--gemm-sweep", action="store_true", help="time the step's weight GEMMs alone, two layouts")
@@ -658,8 +674,14 @@ def run(args) -> dict:
                     + " | ".join(f"{b}: {plan['picked'].get(b, 'cublas')}; "
                                  + ", ".join(f"{c} {us:.1f}" for c, us in t.items())
                                  for b, t in plan["timings_us"].items()))
+            from drafter.bench_peer import make_peer
+
+            peer = None if args.no_peer else make_peer(head, spec, engine, log)
             rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, peak,
-                                 args.iters, not args.no_eager, log)
+                                 args.iters, not args.no_eager, log, peer)
+            if peer is not None:
+                peer.close()
+                del peer
             if head_name == "eagle3-8b":
                 for b in (1, 16, 64):
                     if b in args.batches:
@@ -714,6 +736,13 @@ def summary(rows: list[dict], log) -> None:
             f" graphs faster than eager at every b<=64: {faster},"
             f" host max {max(r['host_us'] for r in sel):.0f} us"
             f" (bound calls: {max(r.get('host_bound_us', math.nan) for r in sel):.0f} us)")
+        peer = [r for r in sel if "ratio_peer" in r]
+        if peer:
+            worst = max(peer, key=lambda r: r["ratio_peer"])
+            log(f"  {'':10} vs the compiled peer: engine/peer max {worst['ratio_peer']:.2f} (b={worst['batch']}),"
+                f" graph/graph max {max(r['ratio_peer_graph'] for r in peer):.2f},"
+                f" engine ahead at every b<=64: {all(r['ratio_peer'] < 1 for r in peer)},"
+                f" drafts agree min {min(r['peer_drafts_agree'] for r in peer):.2f}")
 
 
 def main(argv=None) -> int:

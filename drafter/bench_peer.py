@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -145,9 +146,8 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-@dataclass(frozen=True)
-class StepMeta:
-    """One forward's attention inputs (one KV group)."""
+class StepMeta(NamedTuple):
+    """One forward's attention inputs (one KV group); a tuple: built inside the compiled code."""
     query_start_loc: torch.Tensor  # [batch + 1] int32
     seq_lens: torch.Tensor  # [batch] int32
     block_table: torch.Tensor  # [batch, max_blocks] int32
@@ -171,7 +171,8 @@ def _layer(p: PeerWeights, attn_in: torch.Tensor, residual: torch.Tensor, positi
     return x + F.linear(F.silu(gate) * up, p.down)
 
 
-def _head(p: PeerWeights, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
+def _head(p: PeerWeights, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+          meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [n], hidden [n, H]) -> (the rows the lm_head reads, the rows carried to the next step)."""
     embeds = F.embedding(ids, p.embed)
     if p.method == "eagle3":
@@ -323,3 +324,34 @@ def _allow_recompiles(limit: int = 64) -> None:
     for name in ("recompile_limit", "cache_size_limit"):
         if getattr(dc, name, limit) < limit:
             setattr(dc, name, limit)
+
+
+# ---------------------------------------------------------------------- in drafter bench
+def make_peer(head, spec, engine, log) -> CompiledPeer | None:
+    """The bench's peer for this engine, or None (logged) for a head it does not cover."""
+    try:
+        return CompiledPeer(head, spec, engine)
+    except ValueError as exc:
+        log(f"  no compiled peer: {exc}")
+        return None
+
+
+def peer_row(peer: CompiledPeer, call: dict, engine_drafts: torch.Tensor, iters: int) -> dict:
+    """One bench row's peer figures: its captured step timed as the engine's call is (events
+    around each replay on an idle GPU: peer_us; replays back to back: peer_replay_us), the
+    seconds its compile + capture took, and the share of its drafts equal to the engine's
+    (bf16 rounding differs between the two, so a near-tie may go either way)."""
+    import statistics
+    import time
+
+    from drafter.bench import time_events
+
+    t0 = time.perf_counter()
+    graph = peer.capture(call)
+    graph.replay()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    agree = (graph.drafts == engine_drafts).float().mean().item()
+    return {"peer_us": statistics.median(time_events(graph.replay, iters)),
+            "peer_replay_us": statistics.median(time_events(graph.replay, iters, sync_each=False)),
+            "peer_capture_s": seconds, "peer_drafts_agree": agree}
