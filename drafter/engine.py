@@ -94,7 +94,8 @@ class DraftEngine:
             config = EngineConfig(**overrides)
         if config.method == "extract_hidden_states":
             return cls(None, parse_head(read_config(head_dir), config.method), config)
-        head = load_head(head_dir, config.method, target_dir, device=config.device, dtype=config.torch_dtype)
+        head = load_head(head_dir, config.method, target_dir, device=config.device, dtype=config.torch_dtype,
+                         max_model_len=config.max_model_len)
         return cls(head, head.spec, config)
 
     # ------------------------------------------------------------------ propose

@@ -18,6 +18,7 @@ from drafter.attention.kernels.kv_write import rope_write_kernel, write_kv_kerne
 from drafter.attention.kernels.paged_attention import combine_splits_kernel, paged_attention_kernel
 from drafter.attention.kernels.step_inputs import decode_step_inputs
 from drafter.attention.metadata import AttentionMetadata
+from drafter.models.rope import RopeTables
 
 MAX_SPLITS = 64
 BLOCK_N = 64  # keys per tile: four 16-token pages, 16 KB of bf16 keys at head_dim 128
@@ -98,7 +99,7 @@ class TritonBackend:
         self,
         qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim], before rotary
         positions: torch.Tensor,  # [num_tokens] int
-        inv_freq: torch.Tensor,  # [head_dim // 2] float32
+        rope: RopeTables | torch.Tensor,  # drafter.models.rope tables; a bare [head_dim // 2] f32 inv_freq = plain rope
         num_heads: int,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
@@ -113,14 +114,16 @@ class TritonBackend:
         # the kernel indexes row t at ptr + t: a broadcast view (stride 0, as the tree's
         # per-node positions can be) must become real rows first
         positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
+        if not isinstance(rope, RopeTables):
+            rope = RopeTables(rope, 1.0, 1.0, head_dim)
         if n:
             q_heads = min(8, _pow2(num_heads))  # several programs per token: a one-row step is latency-bound
             rope_write_kernel[(n, triton.cdiv(num_heads, q_heads) + 1)](
-                qkv, qkv.stride(0), positions, inv_freq, q,
+                qkv, qkv.stride(0), positions, rope.inv_freq, rope.position_divisor, rope.magnitude, q,
                 kv_cache, kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(0),
                 slots, num_heads, num_kv_heads,
                 BLOCK_SIZE=meta.block_size, Q_HEADS=q_heads, KV_HEADS_PAD=_pow2(num_kv_heads),
-                HEAD_DIM=head_dim)
+                HEAD_DIM=head_dim, ROT_HALF=rope.rotary_dim // 2)
         return self.attend(q, kv_cache, meta, sliding_window)
 
     def write_kv(self, k, v, kv_cache, slot_mapping, block_size: int) -> None:

@@ -36,13 +36,17 @@ from drafter.models.skinny_gemm import NormedInput
 from drafter.models.weight_gemm import WeightGemm, plan_gemm
 
 
-def _concat_weights(linears: list[nn.Linear]) -> torch.Tensor:
-    """One [sum(out), in] matrix whose row blocks are the given layers' weights (now views of it)."""
-    fused = torch.cat([lin.weight.detach() for lin in linears], dim=0).contiguous()
+def _concat_weights(linears: list[nn.Linear], name: str = "weight") -> torch.Tensor | None:
+    """One [sum(out), in] matrix (name="bias": one [sum(out)] vector) whose row blocks are the given
+    layers' parameters (now views of it); None where the layers have no such parameter."""
+    params = [getattr(lin, name) for lin in linears]
+    if any(p is None for p in params):
+        return None
+    fused = torch.cat([p.detach() for p in params], dim=0).contiguous()
     start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight.data = fused[start:start + rows]
+    for p in params:
+        rows = p.shape[0]
+        p.data = fused[start:start + rows]
         start += rows
     return fused
 
@@ -70,18 +74,16 @@ def fuse_head(head: DraftHead, skinny: str = "auto") -> DraftHead:
 
     for m in head.modules():
         if isinstance(m, Attention):
-            if any(p.bias is not None for p in (m.q_proj, m.k_proj, m.v_proj)):
-                raise ValueError("fused attention expects bias-free q/k/v projections")
             m.qkv_weight = _concat_weights([m.q_proj, m.k_proj, m.v_proj])
+            m.qkv_bias = _concat_weights([m.q_proj, m.k_proj, m.v_proj], "bias")  # [q + 2 kv widths] or None
             m.qkv_gemm = gemm(m.qkv_weight)
             m.o_gemm = gemm(m.o_proj.weight, residual=True)
-            d = m.shape.head_dim
-            # the same table apply_rope computes on every call
-            m.inv_freq = 1.0 / (m.shape.rope_theta ** (
-                torch.arange(0, d, 2, device=m.qkv_weight.device, dtype=torch.float32) / d))
+            m.rope_tables = m.rope.tables(m.qkv_weight.device)  # the inverse frequencies apply_rope uses
         elif isinstance(m, MLP):
             m.gate_up_weight = _concat_weights([m.gate_proj, m.up_proj])
-            m.gate_up_gemm = gemm(m.gate_up_weight, silu_mul=True, normed=True)
+            m.gate_up_bias = _concat_weights([m.gate_proj, m.up_proj], "bias")
+            # with biases the SiLU waits for the bias add: its own launch after a plain GEMM
+            m.gate_up_gemm = gemm(m.gate_up_weight, silu_mul=m.gate_up_bias is None, normed=True)
             m.down_gemm = gemm(m.down_proj.weight, residual=True)
         for cls, fn in _FORWARDS:
             if isinstance(m, cls):
@@ -140,16 +142,30 @@ def attention(attn: Attention, x: torch.Tensor, positions, kv_cache, meta, backe
     """x [num_tokens, input_size] -> attention output before o_proj, [num_tokens, num_heads * head_dim]."""
     s = attn.shape
     qkv = attn.qkv_gemm(x)
-    out = backend.forward_rope(qkv, positions, attn.inv_freq, s.num_heads, kv_cache, meta, s.sliding_window)
+    if attn.qkv_bias is not None:
+        qkv = qkv + attn.qkv_bias
+    out = backend.forward_rope(qkv, positions, attn.rope_tables, s.num_heads, kv_cache, meta, s.sliding_window)
     return out.view(x.shape[0], s.num_heads * s.head_dim)
 
 
+def _plus_bias(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """x + linear.bias (a new tensor), or x itself for a bias-free layer: [rows, out]."""
+    return x if linear.bias is None else x + linear.bias
+
+
+def _activation(m: MLP, h: torch.Tensor | NormedInput) -> torch.Tensor:
+    """silu(gate(h)) * up(h), [rows, intermediate]: in the GEMM's epilogue, or after the bias add."""
+    if m.gate_up_bias is None:
+        return m.gate_up_gemm(h, silu_mul=True)
+    return K.silu_mul(m.gate_up_gemm(h) + m.gate_up_bias)
+
+
 def mlp(m: MLP, h: torch.Tensor) -> torch.Tensor:
-    return m.down_gemm(m.gate_up_gemm(h, silu_mul=True))
+    return _plus_bias(m.down_gemm(_activation(m, h)), m.down_proj)
 
 
 def attention_module(attn: Attention, x, positions, kv_cache, meta, backend) -> torch.Tensor:
-    return attn.o_gemm(attention(attn, x, positions, kv_cache, meta, backend))
+    return _plus_bias(attn.o_gemm(attention(attn, x, positions, kv_cache, meta, backend)), attn.o_proj)
 
 
 def _attention_then_mlp(layer, attn_in, residual, positions, kv_cache, meta, backend,
@@ -162,9 +178,11 @@ def _attention_then_mlp(layer, attn_in, residual, positions, kv_cache, meta, bac
     """
     attn = layer.self_attn
     norm = layer.post_attention_layernorm
+    residual = _plus_bias(residual, attn.o_proj)  # an o_proj bias rides on the residual the GEMM adds
     s, h = attn.o_gemm.residual_and_norm(attention(attn, attn_in, positions, kv_cache, meta, backend), residual,
                                          norm.weight, norm.eps)
-    act = layer.mlp.gate_up_gemm(h, silu_mul=True)
+    act = _activation(layer.mlp, h)
+    s = _plus_bias(s, layer.mlp.down_proj)
     if norm_after is None:
         return layer.mlp.down_gemm(act, residual=s, out=s), None  # s is ours: accumulate in place
     return layer.mlp.down_gemm.residual_and_norm(act, s, norm_after.weight, norm_after.eps, out=s)

@@ -79,7 +79,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(h, shape.rms_norm_eps)
         self.self_attn = Attention(shape, input_size=2 * h)
         self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
-        self.mlp = MLP(h, shape.intermediate_size)
+        self.mlp = MLP(h, shape.intermediate_size, shape.mlp_bias)
 
     def forward(self, embeds, hidden, positions, kv_cache, meta, backend):
         normed_hidden = self.hidden_norm(hidden)

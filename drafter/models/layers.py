@@ -13,6 +13,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from drafter.attention.metadata import AttentionMetadata
+from drafter.models.rope import Rope, apply_rope  # noqa: F401 - apply_rope: the one rotary for the torch path
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,14 @@ class LayerShape:
     rms_norm_eps: float
     rope_theta: float
     sliding_window: int | None = None  # None = full attention
+    rope: Rope | None = None  # None = plain rope of rope_theta over the whole head
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def rotary(self) -> Rope:
+        return self.rope if self.rope is not None else Rope.plain(self.rope_theta, self.head_dim)
 
 
 class RMSNorm(nn.Module):
@@ -40,22 +49,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def apply_rope(
-    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    positions: torch.Tensor,  # [num_tokens]
-    theta: float,
-) -> torch.Tensor:
-    """Neox-style rotary embedding (rotate halves), as Llama checkpoints expect."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [num_tokens, head_dim/2]
-    cos = angles.cos()[:, None, :]
-    sin = angles.sin()[:, None, :]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x.dtype)
-
-
 class Attention(nn.Module):
     """GQA self-attention whose KV lives in a paged cache owned by the engine."""
 
@@ -63,10 +56,11 @@ class Attention(nn.Module):
         super().__init__()
         in_size = input_size or shape.hidden_size
         self.shape = shape
-        self.q_proj = nn.Linear(in_size, shape.num_heads * shape.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_size, shape.num_kv_heads * shape.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_size, shape.num_kv_heads * shape.head_dim, bias=False)
-        self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=False)
+        self.rope = shape.rotary
+        self.q_proj = nn.Linear(in_size, shape.num_heads * shape.head_dim, bias=shape.qkv_bias)
+        self.k_proj = nn.Linear(in_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
+        self.v_proj = nn.Linear(in_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(shape.num_heads * shape.head_dim, shape.hidden_size, bias=shape.o_bias)
 
     def forward(
         self,
@@ -81,18 +75,18 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(n, s.num_heads, s.head_dim)
         k = self.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
         v = self.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
-        q = apply_rope(q, positions, s.rope_theta)
-        k = apply_rope(k, positions, s.rope_theta)
+        q = apply_rope(q, positions, self.rope)
+        k = apply_rope(k, positions, self.rope)
         out = backend.forward(q, k, v, kv_cache, meta, sliding_window=s.sliding_window)
         return self.o_proj(out.reshape(n, s.num_heads * s.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -107,7 +101,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps) if input_norm else None
         self.self_attn = Attention(shape)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
+        self.mlp = MLP(shape.hidden_size, shape.intermediate_size, shape.mlp_bias)
 
     def forward(
         self,

@@ -17,7 +17,10 @@ from safetensors.torch import load_file
 
 from drafter.models.heads import HEADS, DraftHead
 from drafter.models.llama import LlamaForCausalLM
-from drafter.models.spec import ModelSpec, default_aux_layer_ids, parse_head, parse_target, read_config, with_aux
+from drafter.models.spec import (
+    HeadConfigError, ModelSpec, check_aux, config_source, default_aux_layer_ids, parse_head, parse_target, read_config,
+    with_aux,
+)
 
 IGNORED = re.compile(r"(^t2d$|rotary_emb\.inv_freq$)")
 
@@ -52,12 +55,16 @@ def _strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, to
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in weights.items()}
 
 
-def target_weights(target_dir: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    spec = parse_target(read_config(target_dir))
+def _target_tensors(target_dir: str | Path) -> dict[str, torch.Tensor]:
     weights = _strip_prefix(read_weights(target_dir), "model.")
     if "lm_head.weight" not in weights:  # tied embeddings
         weights["lm_head.weight"] = weights["embed_tokens.weight"]
-    return spec, weights
+    return weights
+
+
+def target_weights(target_dir: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """The target as the reference target model runs it (every layer key checked)."""
+    return parse_target(read_config(target_dir), config_source(target_dir)), _target_tensors(target_dir)
 
 
 def load_target(target_dir: str | Path, device="cpu", dtype=torch.float32) -> LlamaForCausalLM:
@@ -103,21 +110,36 @@ def _share_from_target(method: str, spec: ModelSpec, weights: dict, target: dict
             weights[head_name] = target[target_name]
 
 
+def _check_against_target(spec: ModelSpec, source: str, target_cfg: dict, target_source: str) -> None:
+    """The head's sizes that must agree with the target it drafts for."""
+    if target_cfg.get("vocab_size") != spec.vocab_size:
+        raise HeadConfigError(source, "vocab_size", spec.vocab_size,
+                              f"the target ({target_source}) has vocab_size {target_cfg.get('vocab_size')}")
+    if spec.method != "eagle3" and target_cfg.get("hidden_size") != spec.hidden_size:
+        raise HeadConfigError(source, "hidden_size", spec.hidden_size,
+                              f"the target ({target_source}) has hidden_size {target_cfg.get('hidden_size')}")
+
+
 def load_head(
     head_dir: str | Path,
     method: str,
     target_dir: str | Path | None = None,
     device="cpu",
     dtype=torch.float32,
+    max_model_len: int | None = None,
 ) -> DraftHead:
-    spec = parse_head(read_config(head_dir), method)
+    """max_model_len: the engine's (rope: vLLM raises an EAGLE head's max_position_embeddings to it)."""
+    source = config_source(head_dir)
+    spec = parse_head(read_config(head_dir), method, source, max_model_len)
     target = None
     if target_dir is not None:
-        target_spec, target = target_weights(target_dir)
-        if target_spec.hidden_size != spec.hidden_size and method != "eagle3":
-            raise ValueError(f"head hidden_size {spec.hidden_size} != target hidden_size {target_spec.hidden_size}")
+        # only the target's sizes and tensors: its own layers never run here
+        target_cfg = read_config(target_dir)
+        _check_against_target(spec, source, target_cfg, config_source(target_dir))
+        target = _target_tensors(target_dir)
         if method == "eagle3" and not spec.aux_layer_ids:
-            spec = with_aux(spec, default_aux_layer_ids(target_spec.num_layers))
+            spec = with_aux(spec, default_aux_layer_ids(target_cfg["num_hidden_layers"]))
+            check_aux(spec, source)
     if method == "eagle3" and not spec.aux_layer_ids:
         raise ValueError("eagle3 head config names no eagle_aux_hidden_state_layer_ids: pass the target directory")
     weights = _head_weights(method, spec, read_weights(head_dir))
