@@ -11,9 +11,6 @@ import pytest
 import torch
 
 from drafter.attention.metadata import AttentionMetadata
-from drafter.buffers import StaticBuffers
-from drafter.engine import drop_rejected_tokens
-from drafter.inputs import ProposeInputs
 from drafter.models import fp8
 from drafter.models.deepseek_config import MoEShape, UnsupportedConfig, parse_deepseek
 from drafter.models.deepseek_loader import load_deepseek_mtp
@@ -21,13 +18,9 @@ from drafter.models.deepseek_rope import apply_interleaved_rope, cos_sin, invers
 from drafter.models.deepseek_v3 import kv_cache_shape
 from drafter.models.moe import route
 from drafter.models.tiny_deepseek import TinyDeepseekSizes, deepseek_config, write_tiny_deepseek
-from drafter.proposer import Proposer
 from tests.support.dense_deepseek import DenseDeepseekMTP, DenseDeepseekReference
+from tests.support.mtp_engine import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, EagerMTPEngine, plans
 from tests.support.scenario import Scenario
-
-MAX_MODEL_LEN = 96
-BLOCK_SIZE = 16
-NUM_BLOCKS = 64
 
 # The released DeepSeek-V3 config.json's keys that shape the MTP layer.
 RELEASED = {
@@ -226,41 +219,6 @@ def test_absorbed_paged_mla_matches_naive_attention(tmp_path, q_lora_rank):
 
 
 # ------------------------------------------------------------------ whole head, chains of k steps
-class EagerMTPEngine:
-    """DraftEngine's eager propose path (StaticBuffers + Proposer) over the MTP head and its MLA caches,
-    padded beyond every call's sizes (3 extra token rows, 1 extra request)."""
-
-    def __init__(self, head, k: int):
-        self.head = head
-        self.caches = [torch.zeros(kv_cache_shape(s, NUM_BLOCKS, BLOCK_SIZE)) for s in head.config.layers]
-        self.buf = StaticBuffers(256, 8, head.config.hidden_size, (-(-MAX_MODEL_LEN // BLOCK_SIZE),), (BLOCK_SIZE,),
-                                 torch.device("cpu"), torch.float32)
-        self.proposer = Proposer(head, self.caches, None, k, MAX_MODEL_LEN, None)
-
-    @torch.inference_mode()
-    def propose(self, kwargs: dict, padded: bool):
-        inp = ProposeInputs(**{k: v for k, v in kwargs.items() if k not in ("block_tables", "slot_mappings")},
-                            block_tables=list(kwargs["block_tables"]), slot_mappings=list(kwargs["slot_mappings"]))
-        if inp.num_rejected_tokens is not None and not padded:
-            inp = drop_rejected_tokens(inp)
-        t_pad, b_pad = inp.num_tokens + 3, inp.batch_size + 1
-        self.buf.load(inp, t_pad, b_pad)
-        first = self.proposer.first_pass(self.buf, t_pad, b_pad)
-        drafts = self.proposer.chain(self.buf, b_pad, inp.batch_size, first, None, None, False, True)
-        return drafts.token_ids[: inp.batch_size], drafts.logits[: inp.batch_size]
-
-
-def _plans(k: int):
-    """Prefills over several blocks, decode steps with rejections, and a request whose drafts cross
-    max_model_len."""
-    q = k + 1
-    yield [(0, 5, 0), (1, 37, 0), (2, 1, 0)]
-    yield [(0, q, min(1, q - 1)), (1, q, 0), (2, 20, 0)]
-    yield [(1, q, q - 1), (0, q, 0), (2, 60, 0)]
-    yield [(0, q, q // 2), (2, MAX_MODEL_LEN - 81 - 1, 0), (1, q, 1 % q)]
-    yield [(2, 1, 0), (0, q, 0)]  # request 2 now sits at the limit: its drafts run past it
-
-
 VARIANTS = {
     # name: (sizes, k values)
     "released-layout": (TinyDeepseekSizes(), (1, 3)),
@@ -288,7 +246,7 @@ def test_drafts_match_the_dense_reference_call_for_call(deepseek_dirs, variant, 
     scn = Scenario(block_sizes=(BLOCK_SIZE,), num_blocks=(NUM_BLOCKS,), vocab_size=512, hidden_width=64, k=k,
                    max_model_len=MAX_MODEL_LEN, seed=6)
     worst, crossed = 0.0, False
-    for plan in _plans(k):
+    for plan in plans(k):
         call = scn.call(plan, padded=padded)
         ids, logits = engine.propose(call.kwargs, padded)
         dense.last_logits = []
