@@ -283,9 +283,11 @@ class CompiledPeer:
             _allow_recompiles()
             self.fn = torch.compile(self._step, fullgraph=True, dynamic=False, **options)
         self.pool = self.stream = None
+        self.graphs: list[PeerGraph] = []  # kept: a pool whose graphs are all gone takes no new capture
 
     def close(self) -> None:
-        """Forget the KV copy (the op's registry holds it otherwise)."""
+        """Drop the graphs and the KV copy (the op's registry holds it otherwise)."""
+        self.graphs.clear()
         _CACHES.pop(self.cache_id, None)
 
     def _step(self, *args: torch.Tensor) -> torch.Tensor:
@@ -314,7 +316,8 @@ class CompiledPeer:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             drafts = self.fn(*args)
-        return PeerGraph(graph, args, drafts)
+        self.graphs.append(PeerGraph(graph, args, drafts))
+        return self.graphs[-1]
 
 
 def _allow_recompiles(limit: int = 64) -> None:
