@@ -331,6 +331,9 @@ class _Session:
             plot(report, self.out / f"{name}.png")
         summ = report["summary"]
         self.failed |= summ["errors"] > 0
+        if not self.index:  # the table's header, once there is a row to show
+            print(f"{'run':<24} {'calls/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'p99.9':>8} "
+                  f"{'req bytes':>11} {'errors':>6}")
         print(_line(name, summ), flush=True)
         for note in result.notes:
             print(f"  note: {note}", file=sys.stderr)
@@ -351,8 +354,6 @@ class _Session:
     def all(self, plan) -> None:
         from drafter.loadtest.verdict import served
 
-        print(f"{'run':<24} {'calls/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'p99.9':>8} "
-              f"{'req bytes':>11} {'errors':>6}")
         for transport, runs, sweep in plan:
             for sched, name in runs:
                 summ = self.one(transport, sched, name)

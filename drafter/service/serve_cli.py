@@ -8,6 +8,7 @@ import os
 import sys
 
 from drafter.service.config import add_arguments, from_args
+from drafter.service.startup import StartupError
 
 
 def register(subparsers) -> None:
@@ -34,9 +35,12 @@ def run(ns: argparse.Namespace) -> int:
     setup_logging(cfg.log_format, cfg.log_level)
     try:
         code = asyncio.run(serve(cfg))
-    except (OSError, ValueError) as exc:  # a port in use, an unreadable certificate, a bad checkpoint
-        logging.getLogger("drafter.service.server").error("cannot start", exc_info=exc,
+    except (StartupError, OSError, ValueError) as exc:  # a port in use, a wrong flag, an unreadable file
+        # one plain line for whoever started it, the reason in the "failed" event for a supervisor;
+        # the traceback only in a debug log
+        logging.getLogger("drafter.service.server").debug("cannot start", exc_info=exc,
                                                           extra={"event": "start_failed"})
+        print(f"drafter serve: {exc}", file=sys.stderr)
         event("failed", reason=str(exc))
         code = 1
     sys.stdout.flush()

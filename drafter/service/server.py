@@ -24,6 +24,7 @@ from drafter.service.core import ServiceCore
 from drafter.service.grpc_server import DrafterGrpcService, HealthState, build_health_server, build_main_server
 from drafter.service.logs import event
 from drafter.service.metrics import Metrics
+from drafter.service.startup import StartupError, bind_error, check_port_free, load_error, preflight
 from drafter.service.zmq_server import ZmqServer
 
 log = logging.getLogger("drafter.service.server")
@@ -92,8 +93,70 @@ class _PauseGate:
         event("resumed")
 
 
+def _bind(flag: str, cfg: ServerConfig, port: int, start):
+    """start() binds one port; a failure becomes the one-line StartupError naming `flag`."""
+    import zmq
+
+    try:
+        return start()
+    except (OSError, RuntimeError, zmq.ZMQError) as exc:
+        log.debug("bind failed", exc_info=exc, extra={"event": "bind_failed", "flag": flag})
+        raise bind_error(flag, cfg.host, port, exc, cfg) from None
+
+
+async def _listen(cfg: ServerConfig, core: ServiceCore, metrics: Metrics, health_state: HealthState,
+                  drain_event: asyncio.Event, opened: list):
+    """Bind every port (metrics, health, gRPC, ZMQ); what is open goes into `opened` (to close on failure)."""
+    metrics_port = _bind("metrics-port", cfg, cfg.metrics_port, lambda: metrics.serve_http(cfg.host, cfg.metrics_port))
+    opened.append(metrics.shutdown_http)
+    check_port_free("health-port", cfg.host, cfg.health_port)
+    check_port_free("grpc-port", cfg.host, cfg.grpc_port)
+    health_server, health_port = _bind("health-port", cfg, cfg.health_port,
+                                       lambda: build_health_server(health_state, host=cfg.host, port=cfg.health_port))
+    grpc_server, grpc_port = _bind("grpc-port", cfg, cfg.grpc_port, lambda: build_main_server(
+        DrafterGrpcService(core, drain_event), health_state, host=cfg.host, port=cfg.grpc_port,
+        max_message_bytes=cfg.max_message_bytes, keepalive_time_s=cfg.keepalive_time_s,
+        keepalive_timeout_s=cfg.keepalive_timeout_s, tls_cert=cfg.tls_cert or None, tls_key=cfg.tls_key or None,
+        tls_client_ca=cfg.tls_client_ca or None))
+    await health_server.start()
+    opened.append(lambda: health_server.stop(0))
+    await grpc_server.start()
+    opened.append(lambda: grpc_server.stop(0))
+    zmq_server = ZmqServer(core, host=cfg.host, port=cfg.zmq_port, max_message_bytes=cfg.max_message_bytes,
+                           heartbeat_s=cfg.keepalive_time_s, heartbeat_timeout_s=cfg.keepalive_timeout_s,
+                           curve_server_cert=cfg.curve_server_cert or None,
+                           curve_clients_dir=cfg.curve_clients_dir or None, ipc_path=cfg.zmq_ipc or None,
+                           ipc_mode=cfg.ipc_mode)
+    opened.append(lambda: zmq_server.close(timeout=0.1))
+    # the tcp socket binds first: a failure after it is the ipc socket's
+    zmq_port = _bind("zmq-port", cfg, cfg.zmq_port, lambda: _start_zmq(zmq_server, cfg))
+    ports = {"grpc_port": grpc_port, "zmq_port": zmq_port, "health_port": health_port, "metrics_port": metrics_port}
+    return ports, health_server, grpc_server, zmq_server
+
+
+def _start_zmq(zmq_server: ZmqServer, cfg: ServerConfig) -> int:
+    try:
+        return zmq_server.start()
+    except Exception as exc:
+        if zmq_server.sock is not None and cfg.zmq_ipc:  # tcp is bound: the ipc path failed
+            raise StartupError("zmq-ipc", cfg.zmq_ipc, f"cannot bind it ({exc})",
+                               "pass a path in a directory this user may write, or leave --zmq-ipc empty") from None
+        raise
+
+
+async def _close_opened(opened: list) -> None:
+    for close in reversed(opened):
+        try:
+            done = close()
+            if asyncio.iscoroutine(done) or isinstance(done, asyncio.Future):
+                await done
+        except Exception as exc:  # noqa: BLE001 - closing after a failed start: keep closing the rest
+            log.debug("close after failed start", exc_info=exc)
+
+
 async def serve(cfg: ServerConfig) -> int:
     cfg.check()
+    preflight(cfg)
     engine_cfg = engine_config(cfg)
     loop = asyncio.get_running_loop()
     metrics = Metrics(method=cfg.method)
@@ -107,22 +170,14 @@ async def serve(cfg: ServerConfig) -> int:
     health_state = HealthState()
     await health_state.set_serving(False)
     await health_state.set_live(True)
-    metrics_port = metrics.serve_http(cfg.host, cfg.metrics_port)
-    health_server, health_port = build_health_server(health_state, host=cfg.host, port=cfg.health_port)
-    grpc_server, grpc_port = build_main_server(
-        DrafterGrpcService(core, drain_event), health_state, host=cfg.host, port=cfg.grpc_port,
-        max_message_bytes=cfg.max_message_bytes, keepalive_time_s=cfg.keepalive_time_s,
-        keepalive_timeout_s=cfg.keepalive_timeout_s, tls_cert=cfg.tls_cert or None, tls_key=cfg.tls_key or None,
-        tls_client_ca=cfg.tls_client_ca or None)
-    await health_server.start()
-    await grpc_server.start()
-    zmq_server = ZmqServer(core, host=cfg.host, port=cfg.zmq_port, max_message_bytes=cfg.max_message_bytes,
-                           heartbeat_s=cfg.keepalive_time_s, heartbeat_timeout_s=cfg.keepalive_timeout_s,
-                           curve_server_cert=cfg.curve_server_cert or None,
-                           curve_clients_dir=cfg.curve_clients_dir or None, ipc_path=cfg.zmq_ipc or None,
-                           ipc_mode=cfg.ipc_mode)
-    zmq_port = zmq_server.start()
-    ports = {"grpc_port": grpc_port, "zmq_port": zmq_port, "health_port": health_port, "metrics_port": metrics_port}
+    opened: list = []
+    try:
+        ports, health_server, grpc_server, zmq_server = await _listen(cfg, core, metrics, health_state, drain_event,
+                                                                      opened)
+    except BaseException:
+        await _close_opened(opened)
+        await core.close()
+        raise
     if zmq_server.ipc_endpoint:
         ports["zmq_ipc"] = zmq_server.ipc_endpoint
     event("listening", host=cfg.host, **ports)
@@ -140,8 +195,14 @@ async def serve(cfg: ServerConfig) -> int:
     stopping = loop.create_task(stop.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if loading.done() and loading.exception() is not None:
-        log.error("engine failed to load", exc_info=loading.exception(), extra={"event": "load_failed"})
-        event("failed", reason=str(loading.exception()))
+        exc = loading.exception()
+        known = load_error(cfg, exc)
+        if known is None:  # no user mistake we know: the traceback is the report
+            log.error("engine failed to load", exc_info=exc, extra={"event": "load_failed"})
+        else:
+            log.debug("engine failed to load", exc_info=exc, extra={"event": "load_failed"})
+            log.error(f"drafter serve: {known}", extra={"event": "load_failed", "flag": known.flag})
+        event("failed", reason=str(known or exc))
         code = 1
     elif loading.done():
         if cfg.test_hooks:
