@@ -45,11 +45,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser: its usage, not the top level's
+        sub = _subparser(parser, getattr(ns, "command", None))
+        (sub or parser).error(_unrecognized(unknown, sub or parser))
     if not getattr(ns, "func", None):
         parser.print_help()
         return 2
     return ns.func(ns)
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return None
+
+
+def _unrecognized(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's words, plus the nearest flag the parser knows when one is close."""
+    import difflib
+
+    text = f"unrecognized arguments: {' '.join(unknown)}"
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    for arg in unknown:
+        if arg.startswith("--"):
+            near = difflib.get_close_matches(arg.split("=", 1)[0], flags, n=1)
+            if near:
+                return f"{text} (did you mean {near[0]}?)"
+    return text
 
 
 if __name__ == "__main__":
