@@ -7,19 +7,33 @@ import importlib
 import sys
 
 def _register_make_tiny(subparsers) -> None:
-    from drafter.models.tiny import VARIANTS
+    from drafter.models.tiny import EAGLE3_LAYOUTS, ROPE_LAYOUTS, ROPE_PRESETS, VARIANTS
 
     p = subparsers.add_parser("make-tiny", help="write a tiny random head + matching target checkpoint")
     p.add_argument("--method", required=True, choices=sorted(VARIANTS), help="checkpoint layout to write")
     p.add_argument("--out", required=True, help="directory; gets out/target and out/head")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rope", default="default", choices=sorted(ROPE_PRESETS),
+                   help="the head's rope (llama3: Llama-3.1's scaling with original_max_position_embeddings 32; "
+                        "qwen3: theta 1e6; yarn / linear / dynamic / ntk: factor 4)")
+    p.add_argument("--rope-layout", default="legacy", choices=ROPE_LAYOUTS,
+                   help="legacy: rope_theta + rope_scaling; params: transformers-5 rope_parameters")
+    p.add_argument("--eagle3-layout", default="speculators", choices=EAGLE3_LAYOUTS,
+                   help="EAGLE-3 config.json: vLLM speculators, or SafeAILab's plain LlamaForCausalLMEagle3")
+    p.add_argument("--attention-bias", action="store_true", help="q/k/v and o_proj biases in the head")
+    p.add_argument("--mlp-bias", action="store_true", help="gate/up/down biases in the head")
+    p.add_argument("--head-dim", type=int, default=None, help="attention head_dim (default 32; != hidden / heads)")
+    p.add_argument("--partial-rotary-factor", type=float, default=None, help="rotate only this share of head_dim")
     p.set_defaults(func=_make_tiny)
 
 
 def _make_tiny(ns) -> int:
-    from drafter.models.tiny import write_tiny
+    from drafter.models.tiny import head_sizes, write_tiny
 
-    method = write_tiny(ns.method, ns.out, seed=ns.seed)
+    sizes = head_sizes(ns.method, rope=ns.rope, rope_layout=ns.rope_layout, eagle3_layout=ns.eagle3_layout,
+                       attention_bias=ns.attention_bias, mlp_bias=ns.mlp_bias, head_dim=ns.head_dim,
+                       partial_rotary_factor=ns.partial_rotary_factor)
+    method = write_tiny(ns.method, ns.out, seed=ns.seed, sizes=sizes)
     print(f"wrote {ns.out}/head ({method}) and {ns.out}/target")
     return 0
 

@@ -270,9 +270,9 @@ def _linear(p, base, inputs) -> Rope:
 
 
 def _dynamic_rope(p, base, inputs) -> Rope:
+    factor = _number(p, "factor")  # transformers requires it even where alpha takes over
     if p.get("alpha") is not None:
         return Rope(**base, dynamic_base_ratio=_number(p, "alpha"))
-    factor = _number(p, "factor")
     limit = inputs.max_position_embeddings
     trained = _number(p, "max_trained_positions", default=limit, kind=int)
     ratio = (factor * limit / trained) - (factor - 1)
@@ -313,10 +313,12 @@ def _longrope_rope(p, base, inputs) -> Rope:
         raise RopeRefused("rope_type", "longrope", "needs the engine's max_model_len to pick short or long factors")
     old = _number(p, "original_max_position_embeddings", kind=int)
     long = inputs.max_model_len > old
-    key = "long_factor" if long else "short_factor"
-    factors = p.get(key)
-    if not isinstance(factors, (list, tuple)) or len(factors) != base["rotary_dim"] // 2:
-        raise RopeRefused(key, factors, f"needs {base['rotary_dim'] // 2} numbers (rotary_dim / 2)")
+    for key in ("short_factor", "long_factor"):  # vLLM builds both tables
+        factors = p.get(key)
+        if not isinstance(factors, (list, tuple)) or len(factors) != base["rotary_dim"] // 2 or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) for f in factors):
+            raise RopeRefused(key, factors, f"needs {base['rotary_dim'] // 2} numbers (rotary_dim / 2)")
+    factors = p["long_factor" if long else "short_factor"]
     scale = inputs.max_position_embeddings / old
     default_mscale = 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(old))
     mkey = "long_mscale" if long else "short_mscale"

@@ -9,7 +9,8 @@ which should not hinge on float rounding.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +34,56 @@ class TinySizes:
     sliding_window: int = 24
     head_layer_types: tuple[str, ...] = ("full_attention",)
     num_mtp_layers: int = 1
+    # the head's own config (the target keeps rope_theta alone): how its rope is written
+    rope: tuple[tuple[str, object], ...] = ()  # rope parameters besides rope_theta, e.g. (("rope_type", "yarn"), ...)
+    rope_layout: str = "legacy"  # legacy: rope_theta + rope_scaling | params: transformers-5 rope_parameters
+    head_rope_theta: float | None = None  # None = rope_theta
+    partial_rotary_factor: float | None = None
+    attention_bias: bool = False  # q/k/v and o_proj biases (EAGLE-3 layer 0: q/k/v and o)
+    mlp_bias: bool = False
+    eagle3_layout: str = "speculators"  # speculators | plain (SafeAILab LlamaForCausalLMEagle3, midlayer.*)
+
+    def __post_init__(self):
+        if self.rope_layout not in ROPE_LAYOUTS:
+            raise ValueError(f"rope_layout must be one of {ROPE_LAYOUTS}, got {self.rope_layout!r}")
+        if self.eagle3_layout not in EAGLE3_LAYOUTS:
+            raise ValueError(f"eagle3_layout must be one of {EAGLE3_LAYOUTS}, got {self.eagle3_layout!r}")
+
+
+ROPE_LAYOUTS = ("legacy", "params")
+EAGLE3_LAYOUTS = ("speculators", "plain")
+# named rope settings for make-tiny --rope (small original contexts, so scaling bites below position 128)
+ROPE_PRESETS: dict[str, tuple[float, tuple[tuple[str, object], ...]]] = {
+    "default": (10000.0, ()),
+    "qwen3": (1000000.0, ()),
+    "llama3": (500000.0, (("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0),
+                          ("high_freq_factor", 4.0), ("original_max_position_embeddings", 32))),
+    "yarn": (10000.0, (("rope_type", "yarn"), ("factor", 4.0), ("original_max_position_embeddings", 32))),
+    "linear": (10000.0, (("rope_type", "linear"), ("factor", 4.0))),
+    "dynamic": (10000.0, (("rope_type", "dynamic"), ("factor", 4.0), ("max_trained_positions", 64))),
+    "ntk": (10000.0, (("rope_type", "ntk"), ("factor", 4.0))),
+}
+
+
+def _rope_keys(s: TinySizes) -> dict:
+    """The head's rope keys in the chosen layout."""
+    theta = s.rope_theta if s.head_rope_theta is None else s.head_rope_theta
+    params = dict(s.rope)
+    if s.rope_layout == "params":
+        return {"rope_parameters": {"rope_type": "default", **params, "rope_theta": theta}}
+    return {"rope_theta": theta, "rope_scaling": params or None}
+
+
+def _head_config(s: TinySizes, num_layers: int, layer_types=None) -> dict:
+    """A head's Llama layer config: the target's keys with the head's rope, biases and partial rotary."""
+    cfg = _llama_config(s, num_layers, layer_types)
+    del cfg["rope_theta"]
+    cfg.update(_rope_keys(s))
+    if s.partial_rotary_factor is not None:
+        cfg["partial_rotary_factor"] = s.partial_rotary_factor
+    cfg["attention_bias"] = s.attention_bias
+    cfg["mlp_bias"] = s.mlp_bias
+    return cfg
 
 
 def _llama_config(s: TinySizes, num_layers: int, layer_types=None) -> dict:
@@ -75,7 +126,22 @@ class _Init:
         return torch.randn(v, h, generator=self.g)
 
 
-def _layer(init: _Init, s: TinySizes, prefix: str, attn_in: int, input_norm: bool = True) -> dict:
+def _biases(init: _Init, s: TinySizes, prefix: str) -> dict:
+    """The bias vectors a head layer with attention_bias / mlp_bias carries."""
+    hd, w = s.head_dim, {}
+    if s.attention_bias:
+        for name, width in (("q_proj", s.num_heads * hd), ("k_proj", s.num_kv_heads * hd),
+                            ("v_proj", s.num_kv_heads * hd), ("o_proj", s.hidden_size)):
+            w[f"{prefix}self_attn.{name}.bias"] = 0.5 * torch.randn(width, generator=init.g)
+    if s.mlp_bias:
+        for name, width in (("gate_proj", s.intermediate_size), ("up_proj", s.intermediate_size),
+                            ("down_proj", s.hidden_size)):
+            w[f"{prefix}mlp.{name}.bias"] = 0.5 * torch.randn(width, generator=init.g)
+    return w
+
+
+def _layer(init: _Init, s: TinySizes, prefix: str, attn_in: int, input_norm: bool = True,
+           biases: bool = False) -> dict:
     hd = s.head_dim
     w = {
         f"{prefix}self_attn.q_proj.weight": init.linear(s.num_heads * hd, attn_in, 2.0),
@@ -89,6 +155,8 @@ def _layer(init: _Init, s: TinySizes, prefix: str, attn_in: int, input_norm: boo
     }
     if input_norm:
         w[f"{prefix}input_layernorm.weight"] = init.norm(s.hidden_size)
+    if biases:
+        w.update(_biases(init, s, prefix))
     return w
 
 
@@ -115,8 +183,8 @@ def write_eagle(out: Path, s: TinySizes, seed: int) -> None:
     n = len(s.head_layer_types)
     w = {"fc.weight": init.linear(s.hidden_size, 2 * s.hidden_size)}
     for i in range(n):
-        w.update(_layer(init, s, f"layers.{i}.", s.hidden_size, input_norm=i > 0))
-    _save(out, _llama_config(s, n, s.head_layer_types), w)
+        w.update(_layer(init, s, f"layers.{i}.", s.hidden_size, input_norm=i > 0, biases=True))
+    _save(out, _head_config(s, n, s.head_layer_types), w)
 
 
 def write_eagle3(out: Path, s: TinySizes, seed: int) -> None:
@@ -124,10 +192,10 @@ def write_eagle3(out: Path, s: TinySizes, seed: int) -> None:
     init = _Init(seed)
     h, dv = s.hidden_size, s.draft_vocab_size
     w = {"fc.weight": init.linear(h, len(s.aux_layer_ids) * h)}
-    w.update(_layer(init, s, "layers.0.", 2 * h))
+    w.update(_layer(init, s, "layers.0.", 2 * h, biases=True))
     w["layers.0.hidden_norm.weight"] = init.norm(h)
     for i in range(1, len(s.head_layer_types)):
-        w.update(_layer(init, s, f"layers.{i}.", h))
+        w.update(_layer(init, s, f"layers.{i}.", h, biases=True))
     w["norm.weight"] = init.norm(h)
     w["lm_head.weight"] = init.linear(dv, h, 4.0)
     # the draft vocabulary: a sorted random subset of the target's, stored as offsets
@@ -136,7 +204,12 @@ def write_eagle3(out: Path, s: TinySizes, seed: int) -> None:
     t2d = torch.zeros(s.vocab_size, dtype=torch.bool)
     t2d[chosen] = True
     w["t2d"] = t2d
-    layer_cfg = _llama_config(s, len(s.head_layer_types), s.head_layer_types)
+    layer_cfg = _head_config(s, len(s.head_layer_types), s.head_layer_types)
+    if s.eagle3_layout == "plain":  # SafeAILab: one Llama config, the first layer named midlayer
+        _save(out, {**layer_cfg, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": dv,
+                    "eagle_aux_hidden_state_layer_ids": list(s.aux_layer_ids)},
+              {re.sub(r"^layers\.0\.", "midlayer.", k): v for k, v in w.items()})
+        return
     config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -196,6 +269,19 @@ VARIANTS = {
     "mtp-multi": ("mtp", TinySizes(num_mtp_layers=2, head_layer_types=("full_attention", "sliding_attention"))),
     "extract_hidden_states": ("extract_hidden_states", TinySizes()),
 }
+
+
+def head_sizes(variant: str, *, rope: str = "default", rope_layout: str = "legacy",
+               eagle3_layout: str = "speculators", attention_bias: bool = False, mlp_bias: bool = False,
+               head_dim: int | None = None, partial_rotary_factor: float | None = None) -> TinySizes:
+    """The variant's sizes with a head configuration of make-tiny's flags (rope: a ROPE_PRESETS name)."""
+    if rope not in ROPE_PRESETS:
+        raise ValueError(f"unknown rope preset {rope!r}; choose from {sorted(ROPE_PRESETS)}")
+    theta, params = ROPE_PRESETS[rope]
+    base = VARIANTS[variant][1]
+    return replace(base, rope=params, head_rope_theta=theta, rope_layout=rope_layout, eagle3_layout=eagle3_layout,
+                   attention_bias=attention_bias, mlp_bias=mlp_bias, head_dim=head_dim or base.head_dim,
+                   partial_rotary_factor=partial_rotary_factor)
 
 
 def write_tiny(variant: str, out_dir: str | Path, seed: int = 0, sizes: TinySizes | None = None) -> str:

@@ -10,6 +10,8 @@ Usage:
   python record_vllm.py --target DIR --head DIR --method eagle|eagle3 --k 3 \
       --max-model-len 128 --out DIR [--disable-padded-drafter-batch]
   python record_vllm.py --runs RUNS.json   # a JSON list of such argument lists, one process
+  python record_vllm.py [--runs RUNS.json] --rope-tables CASES.json OUT   # + vLLM's draft rotary
+      tables per config case (tests/fixtures/rope_cases.json), in the same process
 """
 from __future__ import annotations
 
@@ -501,8 +503,102 @@ def _cleanup() -> None:
     cleanup_dist_env_and_memory()
 
 
+def rope_case_configs(spec: dict, case: dict) -> dict:
+    """method -> the head config.json of one rope case in that method's layout (EAGLE-1: a plain
+    Llama config; EAGLE-3: speculators, the case keys inside transformer_layer_config, in order)."""
+    layer = {**spec["base_layer_config"], **case["keys"]}
+    return {"eagle": layer, "eagle3": {**spec["speculators_top"], "transformer_layer_config": layer}}
+
+
+def _draft_rotary(head_dir: str, method: str, max_model_len: int):
+    """The rotary embedding vLLM 0.32 builds for the draft layer of this head: its config classes
+    (get_config, the EAGLE max_position_embeddings raise, EAGLEConfig), then get_rope with the
+    arguments LlamaAttention passes.  Returns (rope module, hf config)."""
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+    from vllm.transformers_utils.configs.speculators import SpeculatorsConfig
+
+    config = get_config(head_dir, trust_remote_code=False)
+    SpeculativeConfig._maybe_override_draft_max_position_embeddings(config, max_model_len)
+    if not isinstance(config, (EAGLEConfig, SpeculatorsConfig)):
+        config = EAGLEConfig(config, method=method, model_type="eagle")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    with set_current_vllm_config(VllmConfig()):  # custom ops are built under a current config
+        rope = get_rope(head_dim, max_position=getattr(config, "max_position_embeddings", 8192), is_neox_style=True,
+                        rope_parameters=getattr(config, "rope_parameters", None), dtype=torch.float32)
+    return rope, config
+
+
+def _cos_sin_rows(rope, positions: int, max_model_len: int):
+    """[positions, rotary_dim] (cos | sin) rows vLLM's rotary module reads for positions 0..n-1."""
+    import torch
+
+    if hasattr(rope, "long_short_cos_sin_cache"):  # longrope: short rows first, long rows from omp on
+        offset = rope.original_max_position_embeddings if rope.use_long_rope else 0
+        table = rope.long_short_cos_sin_cache
+        return table[offset: offset + positions].clone()
+    return rope.cos_sin_cache[:positions].clone()
+
+
+def record_rope_tables(cases_path: str, out_dir: str) -> None:
+    """For every case of tests/fixtures/rope_cases.json and both layouts: the cos / sin rows vLLM's
+    draft layer rotates with, or the error vLLM raises on the config.  Writes OUT/rope_tables.json
+    (per case: rope_parameters and max_position_embeddings as vLLM resolved them, or the error) and
+    OUT/rope_tables.safetensors (case/method -> [positions, rotary_dim] float32)."""
+    import tempfile
+    import types
+
+    from safetensors.torch import save_file
+    from vllm.model_executor.layers.rotary_embedding import phi3_long_rope_scaled_rope as longrope
+
+    with open(cases_path) as f:
+        spec = json.load(f)
+    os.makedirs(out_dir, exist_ok=True)
+    results, tables = {}, {}
+    for case in spec["cases"]:
+        mml = case["max_model_len"]
+        # longrope reads max_model_len from the current vLLM config: this process has none, so the
+        # recorder hands it the case's value (the engine's max_model_len)
+        longrope.get_current_vllm_config = lambda mml=mml: types.SimpleNamespace(
+            model_config=types.SimpleNamespace(max_model_len=mml))
+        for method, config in rope_case_configs(spec, case).items():
+            key = f"{case['name']}/{method}"
+            with tempfile.TemporaryDirectory() as d:
+                with open(os.path.join(d, "config.json"), "w") as f:
+                    json.dump(config, f)
+                try:
+                    rope, hf = _draft_rotary(d, method, mml)
+                    rows = _cos_sin_rows(rope, spec["positions"], mml)
+                except Exception as e:  # noqa: BLE001 - what vLLM refuses is the point here
+                    results[key] = {"error": f"{type(e).__name__}: {e}"[:400]}
+                    continue
+            n = min(spec["positions"], rows.shape[0])
+            tables[key] = rows[:n].float().contiguous()
+            results[key] = {"rope_parameters": getattr(hf, "rope_parameters", None),
+                            "max_position_embeddings": getattr(hf, "max_position_embeddings", None),
+                            "rotary_dim": int(rows.shape[1]), "positions": n}
+    save_file(tables, os.path.join(out_dir, "rope_tables.safetensors"))
+    with open(os.path.join(out_dir, "rope_tables.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(json.dumps({"rope_tables": out_dir, "cases": len(results),
+                      "errors": sum("error" in r for r in results.values())}), flush=True)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    rope_tables = None
+    if "--rope-tables" in argv:
+        # no engine: vLLM's config classes and rotary modules for each case of a rope cases file
+        i = argv.index("--rope-tables")
+        rope_tables, argv = argv[i + 1: i + 3], argv[:i] + argv[i + 3:]
+    if rope_tables:
+        record_rope_tables(*rope_tables)
+        if not argv:
+            return
     if argv[:1] == ["--runs"]:
         # several runs in one process: vLLM's import (10-20 s here) is paid once
         with open(argv[1]) as f:
