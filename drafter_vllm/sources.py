@@ -18,6 +18,7 @@ import ipaddress
 import logging
 from dataclasses import dataclass
 
+from drafter_vllm.compat import INSTALL_CPU, INSTALL_GPU
 from drafter_vllm.settings import PluginSettings
 
 log = logging.getLogger("vllm.drafter_vllm")  # under "vllm": shows in vLLM's log
@@ -44,6 +45,17 @@ class TargetFacts:
     client: str  # session key and name in the drafter's logs, e.g. "/models/llama/dp0"
 
 
+def serve_flags(facts: TargetFacts) -> str:
+    """The `drafter serve` flags whose values this engine attaches with (what the drafter checks at
+    attach): one engine's KV block count; a drafter serving several engines (DP ranks, replicas) needs
+    their sum in --kv-blocks, and --max-num-seqs / --max-num-batched-tokens at least the largest."""
+    return (f"--method {facts.method} --model {facts.head_dir} --target-model {facts.target_dir} "
+            f"--num-speculative-tokens {facts.num_speculative_tokens} --max-model-len {facts.max_model_len} "
+            f"--block-sizes {facts.block_size} --kv-blocks {facts.num_blocks} --max-num-seqs {facts.max_num_seqs} "
+            f"--max-num-batched-tokens {facts.max_num_batched_tokens}"
+            + ("" if facts.padded_drafter_batch else " --padded-drafter-batch false"))
+
+
 def check_transport(settings: PluginSettings) -> None:
     """At engine start: a transport whose client cannot even be imported is a set-up error, not a
     drafter outage, so it stops vLLM with a clear message instead of failing closed forever."""
@@ -57,7 +69,7 @@ def check_transport(settings: PluginSettings) -> None:
             import coordinator.transport  # noqa: F401
     except ImportError as exc:
         raise RuntimeError(f"drafter plugin: the {settings.transport} client cannot be imported ({exc}); "
-                           "install the plugin with pip install 'drafter[vllm]'") from exc
+                           f"install the plugin with {INSTALL_GPU} ({INSTALL_CPU} on a CPU host)") from exc
 
 
 def endpoint_source(settings: PluginSettings):

@@ -14,7 +14,9 @@ import torch
 import drafter_vllm
 from drafter_vllm.compat import UnsupportedVLLM, check_vllm_version
 from drafter_vllm.fallback import fallback_drafts, usable_drafts
-from drafter_vllm.install import patch_module
+from drafter_vllm.install import patch_module, patch_v1_runner_module, patch_v2_runner_module
+from drafter_vllm.plan import (RUNNER_V1, RUNNER_V2, STAND_IN, VLLM_DRAFTER, RemoteDraftingBypassed,
+                               drafting_plan)
 from drafter_vllm.settings import PluginSettings
 
 
@@ -126,9 +128,9 @@ def _fake_eagle_module():
     return types.SimpleNamespace(EagleProposer=EagleProposer, DFlashLike=DFlashLike)
 
 
-def _config(method="eagle3", additional=None):
+def _config(method="eagle3", additional=None, v2=False):
     return types.SimpleNamespace(speculative_config=types.SimpleNamespace(method=method),
-                                 additional_config=additional or {})
+                                 additional_config=additional or {}, use_v2_model_runner=v2)
 
 
 def test_hook_leaves_vllm_alone_when_not_configured(monkeypatch):
@@ -142,8 +144,67 @@ def test_hook_leaves_vllm_alone_when_not_configured(monkeypatch):
     assert type(mod.DFlashLike(_config(additional={"drafter": {"transport": "inprocess"}}), "cpu")) is mod.DFlashLike
 
 
-def test_hook_refuses_methods_the_drafter_cannot_stand_in_for(monkeypatch):
+@pytest.mark.parametrize("v2, runner", [(False, "the V1 model runner"), (True, "Model Runner V2")])
+def test_hook_refuses_methods_the_drafter_cannot_stand_in_for(monkeypatch, v2, runner):
     mod = _fake_eagle_module()
     patch_module(mod)
-    with pytest.raises(ValueError, match="'mtp' is not supported"):
-        mod.EagleProposer(_config("mtp", {"drafter": {"endpoints": "h:1"}}), "cpu")
+    with pytest.raises(RemoteDraftingBypassed, match=f"vLLM's {runner} builds .*'mtp'.*'eagle' or 'eagle3'"):
+        mod.EagleProposer(_config("mtp", {"drafter": {"endpoints": "h:1"}}, v2=v2), "cpu")
+
+
+# ---------------------------------------------------------------- runner + drafting class: never bypassed
+def _stand_in(qualified: str):
+    module, name = qualified.rsplit(".", 1)
+    return type(name, (), {"__module__": module, "__qualname__": name})()
+
+
+REMOTE = {"drafter": {"endpoints": "h:1"}}
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_plan_names_runner_vllm_class_and_stand_in(v2):
+    plan = drafting_plan(_config("eagle", REMOTE, v2=v2))
+    assert plan.runner == (RUNNER_V2 if v2 else RUNNER_V1)
+    assert plan.builds == VLLM_DRAFTER[plan.runner] and plan.stand_in == STAND_IN[plan.runner]
+    assert drafting_plan(_config("ngram", REMOTE, v2=v2)).stand_in is None
+
+
+def test_mrv2_init_speculator_is_checked(monkeypatch):
+    """Model Runner V2's construction of its speculator, hooked: the stand-in passes, anything else
+    with remote drafting configured stops vLLM naming the runner; without it nothing is checked."""
+    monkeypatch.delenv("DRAFTER_ENDPOINTS", raising=False)
+    monkeypatch.delenv("DRAFTER_TRANSPORT", raising=False)
+    built = {}
+    module = types.SimpleNamespace(init_speculator=lambda cfg, device, req_states: built["obj"])
+    patch_v2_runner_module(module)
+    patch_v2_runner_module(module)  # idempotent
+    built["obj"] = _stand_in(STAND_IN[RUNNER_V2])
+    assert module.init_speculator(_config("eagle3", REMOTE, v2=True), "cpu", None) is built["obj"]
+    built["obj"] = _stand_in("vllm.v1.worker.gpu.spec_decode.eagle.speculator.EagleSpeculator")
+    with pytest.raises(RemoteDraftingBypassed) as e:
+        module.init_speculator(_config("eagle3", REMOTE, v2=True), "cpu", None)
+    assert "Model Runner V2 builds vllm.v1.worker.gpu.spec_decode.eagle.speculator.EagleSpeculator" in str(e.value)
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in str(e.value)
+    assert module.init_speculator(_config("eagle3", v2=True), "cpu", None) is built["obj"]  # not configured
+
+
+def test_v1_runner_checks_its_drafter(monkeypatch):
+    monkeypatch.delenv("DRAFTER_ENDPOINTS", raising=False)
+    monkeypatch.delenv("DRAFTER_TRANSPORT", raising=False)
+
+    class GPUModelRunner:
+        drafter_class = None
+
+        def __init__(self, vllm_config, device):
+            self.drafter = None if self.drafter_class is None else _stand_in(self.drafter_class)
+
+    module = types.SimpleNamespace(GPUModelRunner=GPUModelRunner)
+    patch_v1_runner_module(module)
+    GPUModelRunner.drafter_class = STAND_IN[RUNNER_V1]
+    GPUModelRunner(_config("eagle", REMOTE), "cpu")
+    GPUModelRunner.drafter_class = "vllm.v1.spec_decode.ngram_proposer.NgramProposer"
+    with pytest.raises(RemoteDraftingBypassed, match="V1 model runner builds vllm.v1.spec_decode.ngram_proposer"):
+        GPUModelRunner(_config("eagle", REMOTE), "cpu")
+    with pytest.raises(RemoteDraftingBypassed, match="'ngram'"):  # refused before anything is built
+        GPUModelRunner(_config("ngram", REMOTE), "cpu")
+    GPUModelRunner(_config("ngram"), "cpu")  # not configured: vLLM's own drafter, unchecked

