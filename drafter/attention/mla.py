@@ -6,7 +6,6 @@ mappings as every other KV group.  Attention runs in the absorbed form: the quer
 already multiplied into latent space ([q_nope W_UK ; q_pe], the cache's width), every head
 reads the one latent "key" per token, and the values are the latent part of the same entries,
 so the output stays latent ([num_tokens, num_heads, kv_lora_rank]); W_UV is applied after.
-Like ReferenceBackend, it reads query_start_loc / seq_lens on the host.
 """
 
 from __future__ import annotations
@@ -33,6 +32,9 @@ def _request_slots(meta: AttentionMetadata, r: int, seq_len: int, device) -> tor
     return blocks * meta.block_size + idx % meta.block_size
 
 
+TOKEN_CHUNK = 64  # query tokens whose keys are gathered at once (bounds the gather's memory)
+
+
 def paged_mla_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, width], width = latent + rope
     cache: torch.Tensor,  # [num_blocks, block_size, width]
@@ -40,7 +42,44 @@ def paged_mla_attention(
     scale: float,
     latent_dim: int,
 ) -> torch.Tensor:  # [num_tokens, num_heads, latent_dim], q's dtype
-    """Softmax(q . entry * scale) over each request's visible tokens, weighting their latents."""
+    """Softmax(q . entry * scale) over each query token's visible tokens, weighting their latents.
+
+    Without a tree the work is laid out from tensor shapes only (each token finds its request by a
+    search over query_start_loc and gathers its request's whole block-table row), so no value is
+    read on the host and a CUDA graph can capture it.  Tree steps take the per-request path."""
+    if meta.tree_mask is not None:
+        return paged_mla_attention_per_request(q, cache, meta, scale, latent_dim)
+    starts = meta.query_start_loc.long()
+    tokens = torch.arange(q.shape[0], device=q.device)
+    req = torch.searchsorted(starts[1:], tokens, right=True).clamp(max=starts.shape[0] - 2)  # [n]
+    query_len = starts[req + 1] - starts[req]
+    # the last logical key each token may read (-1: none; tokens past the batch read nothing)
+    last = torch.where(tokens < starts[-1], meta.seq_lens.long()[req] - query_len + tokens - starts[req], -1)
+    width = meta.block_table.shape[1] * meta.block_size
+    keys = torch.arange(width, device=q.device)
+    flat = cache.view(-1, cache.shape[-1])
+    out = torch.empty(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
+    for lo in range(0, q.shape[0], TOKEN_CHUNK):
+        hi = min(lo + TOKEN_CHUNK, q.shape[0])
+        table = meta.block_table[req[lo:hi]].long()  # [chunk, max_blocks]
+        slots = table[:, keys // meta.block_size] * meta.block_size + keys % meta.block_size  # [chunk, width]
+        entries = flat[slots].float()  # [chunk, width, cache width]
+        scores = torch.einsum("nhw,nkw->nhk", q[lo:hi].float(), entries) * scale
+        allowed = keys[None, :] <= last[lo:hi, None]  # [chunk, width]
+        probs = torch.softmax(scores.masked_fill(~allowed[:, None, :], float("-inf")), dim=-1)
+        probs = torch.nan_to_num(probs)  # a token with no visible key reads nothing
+        out[lo:hi] = torch.einsum("nhk,nkc->nhc", probs, entries[..., :latent_dim]).to(q.dtype)
+    return out
+
+
+def paged_mla_attention_per_request(
+    q: torch.Tensor,  # [num_tokens, num_heads, width]
+    cache: torch.Tensor,  # [num_blocks, block_size, width]
+    meta: AttentionMetadata,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, latent_dim]
+    """The same attention one request at a time, reading the metadata on the host (trees too)."""
     out = torch.zeros(q.shape[0], q.shape[1], latent_dim, dtype=q.dtype, device=q.device)
     flat = cache.view(-1, cache.shape[-1])
     starts = meta.query_start_loc.tolist()

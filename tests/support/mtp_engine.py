@@ -18,14 +18,17 @@ NUM_BLOCKS = 64
 
 
 class EagerMTPEngine:
-    """Padded beyond every call's sizes (3 extra token rows, 1 extra request), greedy chains."""
+    """Padded beyond every call's sizes (3 extra token rows, 1 extra request); greedy chains, or a
+    greedy tree when given one."""
 
-    def __init__(self, head, k: int):
+    def __init__(self, head, k: int, tree: tuple[tuple[int, ...], ...] | None = None):
         self.head = head
+        self.tree = tree
         self.caches = [torch.zeros(kv_cache_shape(s, NUM_BLOCKS, BLOCK_SIZE)) for s in head.config.layers]
-        self.buf = StaticBuffers(256, 8, head.config.hidden_size, (-(-MAX_MODEL_LEN // BLOCK_SIZE),), (BLOCK_SIZE,),
+        span = MAX_MODEL_LEN + (len(tree) if tree else 0)
+        self.buf = StaticBuffers(256, 8, head.config.hidden_size, (-(-span // BLOCK_SIZE),), (BLOCK_SIZE,),
                                  torch.device("cpu"), torch.float32)
-        self.proposer = Proposer(head, self.caches, None, k, MAX_MODEL_LEN, None)
+        self.proposer = Proposer(head, self.caches, None, k, MAX_MODEL_LEN, tree)
 
     @torch.inference_mode()
     def propose(self, kwargs: dict, padded: bool) -> tuple[torch.Tensor, torch.Tensor]:  # [b, k], [b, k, vocab]
@@ -36,6 +39,8 @@ class EagerMTPEngine:
         t_pad, b_pad = inp.num_tokens + 3, inp.batch_size + 1
         self.buf.load(inp, t_pad, b_pad)
         first = self.proposer.first_pass(self.buf, t_pad, b_pad)
+        if self.tree:
+            return self.proposer.tree_drafts(self.buf, b_pad, inp.batch_size, first).token_ids[: inp.batch_size], None
         drafts = self.proposer.chain(self.buf, b_pad, inp.batch_size, first, None, None, False, True)
         return drafts.token_ids[: inp.batch_size], drafts.logits[: inp.batch_size]
 

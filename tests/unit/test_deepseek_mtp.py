@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from drafter.attention.metadata import AttentionMetadata
+from drafter.attention.mla import paged_mla_attention, paged_mla_attention_per_request
 from drafter.models import fp8
 from drafter.models.deepseek_config import MoEShape, UnsupportedConfig, parse_deepseek
 from drafter.models.deepseek_loader import load_deepseek_mtp
@@ -218,6 +219,20 @@ def test_absorbed_paged_mla_matches_naive_attention(tmp_path, q_lora_rank):
             assert torch.allclose(out[row], ref[0], atol=1e-5, rtol=1e-4), (r, p)
 
 
+def test_shape_only_paged_attention_matches_the_per_request_loop():
+    g = torch.Generator().manual_seed(8)
+    cache = torch.randn(12, BLOCK_SIZE, 40, generator=g)
+    table = torch.randint(0, 12, (4, 3), generator=g, dtype=torch.int32)
+    # requests of 3, 0 (padded), 1 and 5 query tokens; two padding token rows past the batch
+    meta = AttentionMetadata(query_start_loc=torch.tensor([0, 3, 3, 4, 9], dtype=torch.int32),
+                             seq_lens=torch.tensor([20, 0, 1, 41], dtype=torch.int32), block_table=table,
+                             slot_mapping=torch.full((11,), -1), block_size=BLOCK_SIZE)
+    q = torch.randn(11, 4, 40, generator=g)
+    shaped = paged_mla_attention(q, cache, meta, 0.3, 32)
+    assert torch.allclose(shaped, paged_mla_attention_per_request(q, cache, meta, 0.3, 32), atol=1e-6)
+    assert shaped[9:].abs().max() == 0 and shaped[3].abs().max() > 0
+
+
 # ------------------------------------------------------------------ whole head, chains of k steps
 VARIANTS = {
     # name: (sizes, k values)
@@ -256,6 +271,20 @@ def test_drafts_match_the_dense_reference_call_for_call(deepseek_dirs, variant, 
         crossed |= any(int(p[-1]) + k > MAX_MODEL_LEN for p, *_ in call.rows)
     assert crossed or k == 1
     assert worst < 1e-3, worst
+
+
+def test_tree_drafts_match_the_dense_reference(deepseek_dirs):
+    tree = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0))
+    out = deepseek_dirs / "released-layout"  # one MTP layer: every tree level reads the context's cache
+    engine = EagerMTPEngine(load_deepseek_mtp(out / "head", out / "target", dtype=torch.float32), 3, tree)
+    dense = DenseDeepseekReference(out / "head", out / "target", 3, MAX_MODEL_LEN)
+    scn = Scenario(block_sizes=(BLOCK_SIZE,), num_blocks=(NUM_BLOCKS,), vocab_size=512, hidden_width=64, k=3,
+                   max_model_len=MAX_MODEL_LEN, seed=10, draft_span=len(tree))
+    for plan in ([(0, 9, 0), (1, 30, 0)], [(0, 4, 1), (1, 4, 0)], [(1, 4, 3), (0, 4, 2)]):
+        call = scn.call(plan)
+        ids, _ = engine.propose(call.kwargs, True)
+        assert ids.shape == (len(plan), len(tree))
+        assert torch.equal(ids, dense.propose_tree(call, tree))
 
 
 # ------------------------------------------------------------------ checkpoint layout and loading
