@@ -17,6 +17,9 @@ def register(subparsers) -> None:
         description="Serve a draft head over gRPC and ZMQ. Every flag has a DRAFTER_* environment "
                     "variable (the container passes no arguments); a flag wins over its variable.")
     add_arguments(p)
+    p.add_argument("--print-attach-requirements", action="store_true",
+                   help="print what a vLLM engine attaching to this drafter must match (from these flags; "
+                        "nothing is loaded) and exit")
     p.set_defaults(func=run)
 
 
@@ -27,6 +30,11 @@ def run(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"drafter serve: {exc}", file=sys.stderr)
         return 2
+    if getattr(ns, "print_attach_requirements", False):
+        from drafter.service.sessions import attach_requirements
+
+        print(attach_requirements(cfg))
+        return 0
     import logging
 
     from drafter.service.logs import event, setup_logging

@@ -201,6 +201,30 @@ def check_layout(req: schema.AttachRequest, eng: EngineDescription) -> None:
         raise refusal(found)
 
 
+def attach_requirements(cfg) -> str:
+    """What a vLLM engine attaching to a drafter started with these flags (a ServerConfig) must match,
+    in vLLM's terms; read from the flags alone (no head is loaded)."""
+    rows = [
+        ("speculative method", cfg.method, "--speculative-config method, exactly"),
+        ("speculative tokens", cfg.speculative_token_tree or cfg.num_speculative_tokens,
+         "--speculative-config " + ("speculative_token_tree" if cfg.speculative_token_tree else
+                                    "num_speculative_tokens") + ", exactly"),
+        ("max model len", cfg.max_model_len, "--max-model-len, exactly"),
+        ("KV block size", cfg.block_sizes, "--block-size, exactly (per KV group)"),
+        ("KV blocks", f"<= {cfg.kv_blocks}", "vLLM's KV block count in blocks (the plugin logs it); the sum "
+                                             "over every engine attached at once"),
+        ("max num seqs", f"<= {cfg.max_num_seqs}", "--max-num-seqs"),
+        ("max num batched tokens", f"<= {cfg.max_num_batched_tokens}", "--max-num-batched-tokens"),
+        ("padded drafter batch", cfg.padded_drafter_batch, "speculative_config disable_padded_drafter_batch "
+                                                           "= the opposite (Model Runner V2: always padded)"),
+        ("hidden size, aux layers", "those of --target-model / --model", "the target and head vLLM is given"),
+    ]
+    width = max(len(name) for name, _, _ in rows)
+    lines = ["A vLLM engine attaching to this drafter must have (vLLM option in brackets):"]
+    lines += [f"  {name:<{width}}  {value}  [{where}]" for name, value, where in rows]
+    return "\n".join(lines)
+
+
 class SessionTable:
     def __init__(self, eng: EngineDescription, max_sessions: int):
         self.eng = eng

@@ -130,3 +130,18 @@ def test_the_plugin_sees_every_mismatch_in_one_event(engine):
     assert detail.count("FAILED_PRECONDITION") == 1
     for flag in ("--max-model-len 4096", "--block-sizes 32", f"--kv-blocks 16384"):
         assert flag in detail, detail
+
+
+def test_serve_prints_attach_requirements_without_loading_anything(tmp_path):
+    import subprocess
+    import sys
+
+    # the head directory does not even exist: nothing is loaded, nothing listens
+    proc = subprocess.run([sys.executable, "-m", "drafter", "serve", "--method", "eagle3", "--model",
+                           str(tmp_path / "no-head"), "--max-model-len", "4096", "--block-sizes", "32",
+                           "--kv-blocks", "16384", "--max-num-seqs", "256", "--print-attach-requirements"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("  ")[1].strip(): line for line in proc.stdout.splitlines()[1:]}
+    assert "4096" in rows["max model len"] and "--max-model-len, exactly" in rows["max model len"]
+    assert "32" in rows["KV block size"] and "<= 16384" in rows["KV blocks"] and "<= 256" in rows["max num seqs"]
