@@ -206,3 +206,106 @@ def test_distribution_specs():
 def test_cli_refuses_bad_arguments(argv, capsys):
     assert cli.main(argv) == 2
     assert "drafter loadtest:" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ a user's first runs (issue 20)
+def test_cpu_defaults_fit_the_machine_and_the_knee_is_reported(tmp_path, capsys, one_torch_thread):
+    """The docs' fresh-machine command, shortened: with no rate or workload flag the first rate of the
+    sweep is served on a CPU, and the report says where the knee is."""
+    out = tmp_path / "out"
+    rc = cli.main(["--tiny", "eagle3", "--spawn-server", "--device", "cpu", "--duration", "2", "--warmup", "0.5",
+                   "--server-arg=--torch-threads=1", "--out", str(out), "--quiet", "--no-plot"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    index = json.loads((out / "index.json").read_text())
+    first = index["runs"][0]
+    assert first["name"] == "zmq-open-8" and first["summary"]["errors"] <= 0.01 * first["summary"]["calls"], first
+    assert index["server"]["profile"] == "cpu"
+    assert len(index["knees"]) == 1 and index["knees"][0]["served_rate"] >= 8
+    assert "knee" in err or "no knee up to" in err
+
+
+def test_a_run_whose_every_call_failed_exits_non_zero_and_says_why(eagle3_server, tmp_path, capsys):
+    rc = cli.main(["--endpoint", eagle3_server.zmq_endpoint, "--device", "cpu", "--rate", "4", "--timeout", "0.0005",
+                   "--duration", "1.5", "--warmup", "0.25", "--out", str(tmp_path / "out"), "--quiet", "--no-plot"])
+    err = capsys.readouterr().err
+    assert rc == cli.NOTHING_ANSWERED, err
+    why = [ln for ln in err.splitlines() if ln.startswith("drafter loadtest: no answer in zmq-open-4")]
+    assert len(why) == 1 and "--timeout 0.0005 s" in why[0] and "below the drafter's service time" in why[0], err
+
+
+def test_sessions_fit_a_drafter_with_a_smaller_pool(tmp_path, capsys, one_torch_thread):
+    """`serve`'s pool (here 64 blocks) smaller than the sessions the load test wants (2 x 8 slots of 6
+    blocks): fewer slots, and the report says so."""
+    out = tmp_path / "out"
+    rc = cli.main(["--tiny", "eagle3", "--spawn-server", "--device", "cpu", "--dp", "2", "--max-num-seqs", "8",
+                   "--max-model-len", "96", "--rate", "4", "--duration", "1.5", "--warmup", "0.25",
+                   "--server-arg=--kv-blocks=64", "--server-arg=--torch-threads=1", "--out", str(out), "--quiet",
+                   "--no-plot"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    run = json.loads((out / "index.json").read_text())["runs"][0]
+    assert any("--max-num-seqs lowered 8 -> 5" in n for n in run["notes"]), run["notes"]
+    report = json.loads((out / "zmq-open-4.json").read_text())
+    assert report["layout"]["attach_request"]["max_num_seqs"] == 5  # 64 blocks / 2 sessions / 6 a slot
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_no_drafter_listening_is_one_line_and_leaves_no_folder(tmp_path, capsys):
+    out = tmp_path / "never"
+    rc = cli.main(["--endpoint", f"127.0.0.1:{_closed_port()}", "--device", "cpu", "--rate", "4", "--duration", "1",
+                   "--warmup", "0.2", "--out", str(out), "--quiet"])
+    cap = capsys.readouterr()
+    assert rc == 1 and cap.out == ""
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and "no drafter at 127.0.0.1:" in lines[0] and "drafter serve" in lines[0], cap.err
+    assert not out.exists()  # no "reports in" an empty folder
+
+
+def _holding(path) -> list[int]:
+    """Processes whose stderr is `path` (the spawned drafter writes its log there)."""
+    import os
+
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/2") == str(path):
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="reads /proc")
+def test_the_spawned_drafter_stops_when_the_output_pipe_closes(tmp_path):
+    """`drafter loadtest ... | head`-like: our stdout and stderr are gone before the drafter is ready.
+    The write that fails must not leave the drafter running (it held ports and ~300 MB)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.support.servers import REPO
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "drafter", "loadtest", "--tiny", "eagle3", "--spawn-server",
+                             "--device", "cpu", "--rate", "4", "--duration", "1", "--warmup", "0.2", "--out", str(out),
+                             "--server-arg=--torch-threads=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()
+    proc.stderr.close()
+    try:
+        rc = proc.wait(timeout=180)
+        left = _holding(out / "server.log")
+        assert left == [], "the spawned drafter outlived the load generator"
+        assert rc != 0
+    finally:
+        for pid in _holding(out / "server.log"):
+            os.kill(pid, signal.SIGKILL)
