@@ -1,0 +1,42 @@
+"""The grouped FP8 block GEMM kernel (under the Triton interpreter on CPU) against torch's dequantise-and-matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.kernels.fp8_gemm import BLOCK_M, dense_gemm, grouped_gemm
+from drafter.models import fp8
+from tests.support.triton_bounds import checking
+
+
+def _experts(num: int, n: int, k: int, block, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    pairs = [fp8.quantize(torch.randn(n, k, generator=g), block) for _ in range(num)]
+    return torch.stack([w for w, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+@pytest.mark.parametrize("n,k,block", [(40, 72, (16, 32)), (130, 200, (128, 128))])
+def test_grouped_slots_read_their_rows_through_their_experts_weights(n, k, block):
+    weight, scale = _experts(3, n, k, block, seed=0)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(1))
+    # blocks: expert 2 (rows 4, 0, 6 + padding), unused, expert 0 (rows 1, 1, 5)
+    rows = torch.full((3 * BLOCK_M,), -1, dtype=torch.int32)
+    rows[:3] = torch.tensor([4, 0, 6])
+    rows[2 * BLOCK_M: 2 * BLOCK_M + 3] = torch.tensor([1, 1, 5])
+    experts = torch.tensor([2, -1, 0], dtype=torch.int32)
+    with checking():
+        out = grouped_gemm(x, rows, experts, weight, scale, block)
+    for slot, e in [(0, 2), (1, 2), (2, 2), (2 * BLOCK_M, 0), (2 * BLOCK_M + 1, 0), (2 * BLOCK_M + 2, 0)]:
+        expected = x[int(rows[slot])] @ fp8.dequantize(weight[e], scale[e], block).T
+        assert torch.allclose(out[slot], expected, atol=1e-4, rtol=1e-5), slot
+
+
+def test_dense_gemm_matches_the_torch_path_for_fp8_and_plain_weights():
+    weight, scale = _experts(1, 96, 80, (32, 32), seed=2)
+    x = torch.randn(5, 80, generator=torch.Generator().manual_seed(3))
+    with checking():
+        got = dense_gemm(x, weight[0], scale[0], (32, 32))
+        plain = dense_gemm(x, weight[0].float(), None, None)
+    assert torch.allclose(got, fp8.block_fp8_linear(x, weight[0], scale[0], (32, 32)), atol=1e-4)
+    assert torch.allclose(plain, x @ weight[0].float().T, atol=1e-4)
