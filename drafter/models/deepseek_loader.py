@@ -133,9 +133,11 @@ def load_deepseek_mtp(
     dtype: torch.dtype = torch.bfloat16,
     keep_fp8: bool = True,
     shard: Shard = SINGLE,
+    kernels: bool | None = None,
 ) -> DeepseekMTPHead:
     """Build the MTP head of a DeepSeek-V3-layout checkpoint.  keep_fp8=False dequantises every
-    FP8 weight into `dtype` at load (more memory, no per-call dequantisation)."""
+    FP8 weight into `dtype` at load (more memory, no per-call dequantisation).  kernels (default:
+    on a GPU) runs FP8 linears and the routed experts through the Triton grouped GEMM."""
     from drafter.models.deepseek_shard import shard_weights
     from drafter.models.spec import read_config
 
@@ -153,5 +155,5 @@ def load_deepseek_mtp(
     with torch.no_grad():
         _fill(head, weights, str(head_dir))
     head = head.to(device=device, dtype=dtype).eval()
-    head.prepare(dtype)
+    head.prepare(dtype, torch.device(device).type == "cuda" if kernels is None else kernels)
     return head

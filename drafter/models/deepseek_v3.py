@@ -20,7 +20,7 @@ from torch import nn
 
 from drafter.attention.metadata import AttentionMetadata
 from drafter.models.deepseek_config import DeepseekConfig, DeepseekLayerShape
-from drafter.models.fp8 import make_linear
+from drafter.models.fp8 import FP8Linear
 from drafter.models.layers import RMSNorm
 from drafter.models.mla import MLAAttention
 from drafter.models.moe import MoE, ExpertMLP
@@ -128,10 +128,16 @@ class DeepseekMTPHead(nn.Module):
         i = step % len(self.layers)
         return range(i, i + 1)
 
-    def prepare(self, dtype: torch.dtype) -> None:
-        """Derive the absorbed attention weights once the checkpoint is loaded (and moved)."""
+    def prepare(self, dtype: torch.dtype, kernels: bool = False) -> None:
+        """Derive the absorbed attention weights once the checkpoint is loaded (and moved); with
+        kernels, FP8 linears and the routed experts run through drafter.kernels.fp8_gemm."""
         for layer in self.layers:
             layer.self_attn.absorb(dtype)
+            if kernels and isinstance(layer.mlp, MoE):
+                layer.mlp.stack_experts()
+        for module in self.modules():
+            if isinstance(module, FP8Linear):
+                module.kernel = kernels
 
     def forward(
         self,

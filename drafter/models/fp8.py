@@ -105,8 +105,13 @@ class FP8Linear(nn.Module):
         nr, nc = -(-out_features // block[0]), -(-in_features // block[1])
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=FP8))
         self.register_buffer("weight_scale_inv", torch.ones(nr, nc, dtype=torch.float32))
+        self.kernel = False  # True: the Triton kernel dequantises in registers (set by the head's prepare)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        if self.kernel:
+            from drafter.kernels.fp8_gemm import dense_gemm
+
+            return dense_gemm(x, self.weight, self.weight_scale_inv, self.block)
         return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:  # [out, in]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter.models.deepseek_config import MoEShape
-from drafter.models.fp8 import make_linear
+from drafter.models.fp8 import FP8Linear, make_linear
 from drafter.models.sharding import SINGLE, Shard
 
 
@@ -87,6 +87,39 @@ class Gate(nn.Module):
         return self
 
 
+def plan_slots(
+    ids: torch.Tensor,  # [num_tokens, top_k] global expert ids
+    first: int,
+    num_local: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lay the (token, expert) pairs of this rank's experts out for the grouped kernel: each expert
+    gets a run of whole blocks of block_m slots.  Returns (token row of each slot [S] int32, -1 =
+    padding; the pair (flat index into ids) of each slot [S] int64; the expert of each block
+    [S / block_m] int32, -1 = unused), S = the static worst case, computed without host reads."""
+    pairs = ids.numel()
+    slots = -(-(pairs + num_local * (block_m - 1)) // block_m) * block_m
+    local = ids.flatten() - first
+    key = torch.where((local >= 0) & (local < num_local), local, num_local)  # other ranks' experts: bucket E
+    counts = torch.zeros(num_local + 1, dtype=torch.long, device=ids.device).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts[:num_local] + block_m - 1) // block_m * block_m
+    seg_end = padded.cumsum(0)
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    mine = sorted_key < num_local
+    e = sorted_key.clamp(max=num_local - 1)
+    rank_in_expert = torch.arange(pairs, device=ids.device) - (counts.cumsum(0) - counts)[e]
+    slot = torch.where(mine, seg_end[e] - padded[e] + rank_in_expert, slots)  # others: a spare slot
+    rows = torch.full((slots + 1,), -1, dtype=torch.int32, device=ids.device)
+    rows.scatter_(0, slot, torch.where(mine, order // ids.shape[1], -1).to(torch.int32))
+    pair_of_slot = torch.full((slots + 1,), -1, dtype=torch.long, device=ids.device)
+    pair_of_slot.scatter_(0, slot, torch.where(mine, order, -1))
+    block_starts = torch.arange(0, slots, block_m, device=ids.device)
+    expert = torch.searchsorted(seg_end, block_starts, right=True)
+    expert_of_block = torch.where(expert < num_local, expert, -1).to(torch.int32)
+    return rows[:slots], pair_of_slot[:slots], expert_of_block
+
+
 class MoE(nn.Module):
     def __init__(self, shape: MoEShape, fp8_block: tuple[int, int] | None, shard: Shard = SINGLE):
         super().__init__()
@@ -100,16 +133,55 @@ class MoE(nn.Module):
         if shape.num_shared_experts and shard.rank == 0:
             self.shared_experts = ExpertMLP(shape.hidden_size, shape.intermediate_size * shape.num_shared_experts,
                                             fp8_block)
+        self.stacked: dict | None = None  # per projection (weights, scales, block) once stack_experts() ran
+
+    def stack_experts(self) -> None:
+        """Hold each projection of the local experts as one [E, out, in] tensor (the experts'
+        modules become views into it) and run the routed experts through the grouped kernel."""
+        experts = list(self.experts.values())
+        self.stacked = {}
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            layers = [getattr(e, proj) for e in experts]
+            weight = torch.stack([m.weight.data for m in layers])
+            scale = torch.stack([m.weight_scale_inv for m in layers]) if isinstance(layers[0], FP8Linear) else None
+            for i, m in enumerate(layers):
+                if scale is None:
+                    m.weight.data = weight[i]
+                else:
+                    m.weight, m.weight_scale_inv = weight[i], scale[i]
+            self.stacked[proj] = (weight, scale, layers[0].block if scale is not None else None)
+
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weights_k * expert_{ids_k}(x) through three grouped kernel launches, [n, hidden] float32."""
+        from drafter.kernels.fp8_gemm import BLOCK_M, grouped_gemm
+
+        rows, pair, expert_of_block = plan_slots(ids, self.first_expert, len(self.experts), BLOCK_M)
+        x = x.contiguous()
+        gate = grouped_gemm(x, rows, expert_of_block, *self.stacked["gate_proj"])
+        up = grouped_gemm(x, rows, expert_of_block, *self.stacked["up_proj"])
+        live = rows >= 0
+        own = torch.where(live, torch.arange(rows.shape[0], device=x.device, dtype=torch.int32), -1)
+        y = grouped_gemm(F.silu(gate) * up, own, expert_of_block, *self.stacked["down_proj"])  # [S, hidden]
+        w = torch.where(live, weights.flatten()[pair.clamp(min=0)], 0.0)
+        contribution = torch.where(live[:, None], y.float() * w[:, None], 0.0)
+        token = torch.where(live, rows, 0).long()
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, contribution)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         bias = self.gate.e_score_correction_bias
         weights, ids = route(self.gate(x), bias.float() if bias is not None else None, self.shape)
+        if self.stacked is not None:
+            return self._finish(self._routed_grouped(x, weights, ids), x)
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for name, expert in self.experts.items():
             rows, slot = (ids == int(name)).nonzero(as_tuple=True)
             if rows.numel():
                 contribution = expert(x[rows]).float() * weights[rows, slot][:, None]
                 routed.index_add_(0, rows, contribution)
+        return self._finish(routed, x)
+
+    def _finish(self, routed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # [n, hidden]
+        """routed_scaling_factor on the routed sum, the shared experts added, ranks summed."""
         out = (routed * self.shape.routed_scaling_factor).to(x.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

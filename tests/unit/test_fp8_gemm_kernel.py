@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafter.attention.metadata import AttentionMetadata
 from drafter.kernels.fp8_gemm import BLOCK_M, dense_gemm, grouped_gemm
 from drafter.models import fp8
+from drafter.models.deepseek_loader import load_deepseek_mtp
+from drafter.models.moe import plan_slots
+from drafter.models.tiny_deepseek import TinyDeepseekSizes, write_tiny_deepseek
 from tests.support.triton_bounds import checking
 
 
@@ -40,3 +44,32 @@ def test_dense_gemm_matches_the_torch_path_for_fp8_and_plain_weights():
         plain = dense_gemm(x, weight[0].float(), None, None)
     assert torch.allclose(got, fp8.block_fp8_linear(x, weight[0], scale[0], (32, 32)), atol=1e-4)
     assert torch.allclose(plain, x @ weight[0].float().T, atol=1e-4)
+
+
+def test_slot_plan_gives_each_local_expert_whole_blocks_of_its_own_pairs():
+    ids = torch.randint(0, 16, (23, 3), generator=torch.Generator().manual_seed(4))
+    rows, pair, expert_of_block = plan_slots(ids, 4, 8, BLOCK_M)  # this rank holds experts 4 .. 11
+    assert rows.shape[0] % BLOCK_M == 0 and expert_of_block.shape[0] == rows.shape[0] // BLOCK_M
+    expected = sorted((t, int(e)) for t in range(23) for e in ids[t] if 4 <= e < 12)
+    got = []
+    for s in range(rows.shape[0]):
+        if rows[s] >= 0:
+            e = int(expert_of_block[s // BLOCK_M])
+            assert e >= 0 and int(ids.flatten()[pair[s]]) == e + 4 and int(pair[s]) // 3 == int(rows[s])
+            got.append((int(rows[s]), e + 4))
+    assert sorted(got) == expected
+
+
+def test_head_through_the_kernels_gives_the_torch_paths_logits(tmp_path):
+    write_tiny_deepseek(tmp_path, sizes=TinyDeepseekSizes(fp8_block=(16, 32)))
+    heads = [load_deepseek_mtp(tmp_path / "head", dtype=torch.float32, kernels=k) for k in (False, True)]
+    assert heads[1].layers[0].mlp.stacked is not None
+    meta = AttentionMetadata(query_start_loc=torch.tensor([0, 6], dtype=torch.int32),
+                             seq_lens=torch.tensor([6], dtype=torch.int32), block_table=torch.tensor([[1, 0]]),
+                             slot_mapping=torch.arange(16, 22), block_size=16)
+    g = torch.Generator().manual_seed(5)
+    ids, pos, hid = torch.randint(0, 512, (6,), generator=g), torch.arange(6), torch.randn(6, 64, generator=g)
+    with torch.no_grad(), checking():
+        logits = [h.compute_logits(h(ids, pos, hid, [torch.zeros(4, 16, 40)], [meta])[0]) for h in heads]
+    assert torch.allclose(logits[0], logits[1], atol=1e-3)
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
