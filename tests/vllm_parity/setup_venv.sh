@@ -10,6 +10,12 @@ PY="${PYTHON:-python3}"
 REPO="$(cd "$(dirname "$0")/../.." && pwd)"
 
 install_plugin() {
+  # This project under its old distribution name (drafter) in a reused venv: a second entry point
+  # and import finder; the editable install below is specdec-drafter.
+  if "$DEST/bin/python" - <<'PY' 2>/dev/null; then "$DEST/bin/python" -m pip uninstall -q -y drafter; fi
+import importlib.metadata as md, sys
+sys.exit(0 if "drafter_vllm" in (md.distribution("drafter").read_text("entry_points.txt") or "") else 1)
+PY
   # Editable, without dependencies: vLLM's pins (torch, protobuf, numpy...) stay as vLLM wants them;
   # the plugin's client side needs only what is checked below, installed if vLLM did not bring it.
   "$DEST/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$REPO"
@@ -17,7 +23,9 @@ install_plugin() {
   missing="$("$DEST/bin/python" - <<'PY'
 import importlib.util
 need = {"zmq": "pyzmq", "msgspec": "msgspec", "grpc": "grpcio", "google.protobuf": "protobuf",
-        "safetensors": "safetensors", "rich": "rich"}
+        "safetensors": "safetensors", "rich": "rich",
+        # tests/unit/test_vllm_mrv2.py runs its inner tests with this python
+        "pytest": "pytest"}
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 PY
 )"
@@ -28,8 +36,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 import drafter_vllm
 assert Path(drafter_vllm.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), drafter_vllm.__file__
+from importlib.metadata import distribution
 eps = [e.value for e in entry_points(group="vllm.general_plugins")]
-assert "drafter_vllm:register" in eps, eps
+assert eps.count("drafter_vllm:register") == 1, eps
+assert any(e.value == "drafter_vllm:register" for e in distribution("specdec-drafter").entry_points), eps
 print("drafter plugin registered for vLLM:", drafter_vllm.__file__)
 PY
 }
