@@ -38,7 +38,7 @@ import drafter_vllm
 assert Path(drafter_vllm.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()), drafter_vllm.__file__
 from importlib.metadata import distribution
 eps = [e.value for e in entry_points(group="vllm.general_plugins")]
-assert eps.count("drafter_vllm:register") == 1, eps
+assert "drafter_vllm:register" in eps, eps
 assert any(e.value == "drafter_vllm:register" for e in distribution("specdec-drafter").entry_points), eps
 print("drafter plugin registered for vLLM:", drafter_vllm.__file__)
 PY
