@@ -7,8 +7,11 @@ an endpoint is configured:
     DRAFTER_ENDPOINTS=drafter-host:5555 vllm serve TARGET \
         --speculative-config '{"method": "eagle3", "model": "/path/to/head", "num_speculative_tokens": 3}'
 
+It stands in for the EAGLE drafter of either vLLM 0.32 model runner (Model Runner V2's
+EagleSpeculator: mrv2.py; the V1 runner's EagleProposer: proposer.py) and stops vLLM at start-up
+when remote drafting is configured but the runner would build a drafter it cannot replace (plan.py).
 See docs/vllm-plugin.md.  Importing this package costs nothing: vLLM's modules are only touched
-when vLLM itself imports its EAGLE proposer.
+when vLLM itself imports them (install.py).
 """
 
 from __future__ import annotations
