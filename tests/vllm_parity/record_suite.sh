@@ -20,18 +20,18 @@ from drafter.models.tiny import head_sizes, write_tiny
 for m in ("eagle", "eagle3"):
     for v in ("plain", "aligned"):
         write_tiny(m, f"{sys.argv[1]}/{m}-{v}")
-# heads whose config carries a real rope (and biases, partial rotary, head_dim): one checkpoint per run below
+# heads whose config carries a real rope (and biases, partial rotary, head_dim 64): one checkpoint per run
+# below; the other rope types are checked table by table (--rope-tables)
 ROPE_HEADS = {  # name: (method, head_sizes flags)
     "llama3-legacy": ("eagle3", dict(rope="llama3")),
     "llama3-params": ("eagle3", dict(rope="llama3", rope_layout="params")),
     "qwen3-legacy": ("eagle3", dict(rope="qwen3")),
-    "qwen3-params": ("eagle3", dict(rope="qwen3", rope_layout="params", eagle3_layout="plain")),
+    "qwen3-params": ("eagle3", dict(rope="qwen3", rope_layout="params", eagle3_layout="plain", attention_bias=True,
+                                    mlp_bias=True)),
     "yarn-legacy": ("eagle", dict(rope="yarn")),
     "yarn-params": ("eagle", dict(rope="yarn", rope_layout="params", partial_rotary_factor=0.5)),
-    "linear-legacy": ("eagle3", dict(rope="linear", eagle3_layout="plain")),
-    "linear-params": ("eagle", dict(rope="linear", rope_layout="params")),
-    "dynamic-bias": ("eagle", dict(rope="dynamic", attention_bias=True, mlp_bias=True, head_dim=64)),
-    "ntk-bias": ("eagle3", dict(rope="ntk", rope_layout="params", attention_bias=True, mlp_bias=True)),
+    "linear-legacy": ("eagle3", dict(rope="linear", eagle3_layout="plain", head_dim=64)),
+    "linear-params": ("eagle", dict(rope="linear", rope_layout="params", attention_bias=True, mlp_bias=True)),
 }
 for name, (m, flags) in ROPE_HEADS.items():
     write_tiny(m, f"{sys.argv[1]}/rope-{name}", sizes=head_sizes(m, **flags))

@@ -35,10 +35,11 @@ pytestmark = pytest.mark.vllm
 
 ROOT = os.environ.get("DRAFTER_VLLM_RECORDINGS")
 # heads with a real rope in their config (record_suite.sh ROPE_HEADS): llama3 / Qwen3 theta / yarn /
-# linear in both rope layouts (rope_theta + rope_scaling, transformers-5 rope_parameters), plus
-# dynamic and ntk heads with attention and MLP biases; EAGLE-1, EAGLE-3 speculators and SafeAILab layouts
+# linear in both rope layouts (rope_theta + rope_scaling, transformers-5 rope_parameters), over EAGLE-1,
+# EAGLE-3 speculators and SafeAILab EAGLE-3 configs, some with attention + MLP biases, partial rotary
+# or head_dim 64
 ROPE_RUNS = ("rope-llama3-legacy", "rope-llama3-params", "rope-qwen3-legacy", "rope-qwen3-params", "rope-yarn-legacy",
-             "rope-yarn-params", "rope-linear-legacy", "rope-linear-params", "rope-dynamic-bias", "rope-ntk-bias")
+             "rope-yarn-params", "rope-linear-legacy", "rope-linear-params")
 RUNS = ("eagle-padded", "eagle3-padded", "eagle-unpadded", "eagle-aligned-chunked", "eagle3-aligned") + ROPE_RUNS
 # fp32 logits of our engine and vLLM's CPU kernels differ by ~1e-5; a wrong rotation by far more
 ROPE_LOGIT_TOLERANCE = 1e-3
@@ -108,10 +109,13 @@ def _comparable_columns(call: dict, k: int, max_model_len: int) -> torch.Tensor:
     return (max_model_len - last_pos).clamp(max=k)
 
 
-def _replay(name: str, engine: DraftEngine | None = None, check_drafts: bool = True) -> tuple[int, float]:
-    """Feed every recorded call of run `name` to one engine in order: (drafts compared, largest
-    |logit difference| over the compared columns).  check_drafts: assert equal drafts per row."""
+def _replay(name: str, engine: DraftEngine | None = None, check_drafts: bool = True,
+            max_calls: int | None = None) -> tuple[int, float]:
+    """Feed the recorded calls of run `name` (the first max_calls, or all) to one engine in order:
+    (drafts compared, largest |logit difference| over the compared columns).  check_drafts: assert
+    equal drafts per row."""
     manifest, calls = _manifest_and_calls(name)
+    manifest["calls"], calls = manifest["calls"][:max_calls], calls[:max_calls]
     engine = engine or _engine(manifest, calls)
     k, mml, padded = manifest["k"], manifest["max_model_len"], manifest["padded_drafter_batch"]
     d2t = getattr(engine.head, "d2t", None)
@@ -179,7 +183,7 @@ def test_a_wrong_rope_is_seen(name):
     for module in engine.head.modules():
         if isinstance(module, Attention):
             module.rope = Rope.plain(module.rope.theta, module.rope.head_dim)
-    _, worst_logit = _replay(name, engine, check_drafts=False)
+    _, worst_logit = _replay(name, engine, check_drafts=False, max_calls=12)
     assert worst_logit > 100 * ROPE_LOGIT_TOLERANCE
 
 
