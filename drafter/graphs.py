@@ -10,7 +10,9 @@ The graphs read only the engine's StaticBuffers, a few static hand-off tensors a
 header (batch_inputs.InputHeader), so one replay serves any batch padded to its size:
   * the first pass over t tokens runs with attention metadata for min(t, largest batch) requests
     (a batch never has more requests than tokens); the requests past the call's batch have
-    query length 0 and seq_len 0 and read nothing; that keys its graph by token count alone;
+    query length 0 and seq_len 0 and read nothing; that keys its graph by token count alone
+    (a combined graph knows its batch: its first pass covers that many requests, so the
+    attention kernel splits each real request's keys over more programs);
   * its sampled rows are copied into static tensors that the loop reads;
   * padded rows have slot -1 and seq_len 0 in the buffers: they write and read nothing;
   * the loop decides which rows are live from the buffers (seq_len > 0), never from a host int;
@@ -137,10 +139,12 @@ class GraphRunner:
         native = getattr(torch._C._CUDAGraph, "replay", None)
         return native.__get__(graph) if native is not None else graph.replay
 
-    def _first_pass(self, num_tokens: int) -> None:
+    def _first_pass(self, num_tokens: int, batch: int | None = None) -> None:
+        """batch: the requests its attention metadata covers, at least the call's (default: any
+        call of num_tokens tokens, min(num_tokens, the largest batch))."""
         e = self.engine
         load_inputs(self.header.device, e.buffers, num_tokens, self.meta_batch)
-        batch = min(num_tokens, self.meta_batch)
+        batch = min(num_tokens, self.meta_batch) if batch is None else batch
         logit_h, carry_h = e.proposer.first_pass_all_rows(e.buffers, num_tokens, batch)
         rows = e.buffers.sample_indices[:batch]  # gathered straight into the hand-off tensors
         torch.index_select(logit_h, 0, rows, out=self.first_logit_h[:batch])
@@ -157,7 +161,7 @@ class GraphRunner:
         store_drafts(self.header.device, drafts.token_ids)  # the real rows, into the call's output
 
     def _combined(self, num_tokens: int, batch: int) -> None:
-        self._first_pass(num_tokens)
+        self._first_pass(num_tokens, batch)  # a decode call of at most `batch` requests (decode_size_pairs)
         self._loop(batch)
 
     # ------------------------------------------------------------------ replay
