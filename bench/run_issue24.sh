@@ -7,6 +7,7 @@
 #                cuBLAS workspaces of size 0 (CUBLAS_WORKSPACE_CONFIG=:0:0, the diagnosis: nothing left
 #                to lose) and the graph tests of the GPU set, side by side; a small bench with the peer
 #   STAGE=bench  drafter bench for eagle3-8b, k=3, batches 1-64, contexts 1k and 8k, with the peer
+#   STAGE=verify the neighbours test and the graph tests (new code only, side by side), then STAGE=bench
 #   OUT=/tmp/out STAGE=tests bash bench/run_issue24.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
@@ -29,6 +30,15 @@ run() {
   grep -E "^(PASSED|FAILED|ERROR)|passed|failed|illegal memory" "$OUT/$name.txt" | sort | uniq -c | sort -rn | head -12
 }
 
+if [ "${STAGE:-tests}" = verify ]; then
+  start=$SECONDS
+  run new_tests "$NEW" 240 $NEIGHBOURS &
+  run graph_tests "$NEW" 240 tests/gpu/test_gpu_paths.py -k "graph or back_to_back or pinned or bound" \
+    tests/unit/test_graph_runner.py tests/unit/test_bound.py
+  wait
+  echo "-- $((SECONDS - start)) s"
+  STAGE=bench
+fi
 if [ "${STAGE:-tests}" = tests ]; then
   start=$SECONDS
   run old_tests "$OLD" 300 -x $NEIGHBOURS &
@@ -46,7 +56,8 @@ if [ "${STAGE:-tests}" = tests ]; then
   grep -E "^eagle|peer|summary|Error|error" "$OUT/smoke_log.txt" | cut -c1-400 | tail -12
   rm -rf "$OUT/smoke"
   echo "-- $((SECONDS - start)) s"
-else
+fi
+if [ "${STAGE:-tests}" = bench ]; then
   (cd "$NEW" && PYTHONPATH=$NEW timeout "${BENCH_TIMEOUT:-540}" python3 -m drafter.bench --out "$OUT" \
     --heads eagle3-8b --ks 3 --batches 1,2,4,8,16,32,64 --contexts 1024,8192 "$@") > "$OUT/bench_log.txt" 2>&1
   echo "== bench: rc $?"
