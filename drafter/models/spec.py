@@ -209,9 +209,10 @@ def _rope(keys: _Keys, head_dim: int, max_model_len: int | None, raise_positions
         keys.get("max_position_embeddings")  # vLLM's result depends on it: refuse a layout without it
     try:
         return resolve_rope(RopeInputs(params, head_dim, positions, max_model_len))
-    except RopeRefused as e:
-        key = "rope_theta" if e.key == "rope_theta" and name not in keys.cfg else f"{name}.{e.key}"
-        raise keys.refuse(key, e.value, e.reason) from None
+    except RopeRefused as e:  # name the key where the file has it: inside the rope dict, or beside it
+        inside = isinstance(keys.cfg.get(name), dict) and e.key in keys.cfg[name]
+        raise keys.refuse(f"{name}.{e.key}" if inside or e.key not in keys.cfg else e.key, e.value,
+                          e.reason) from None
 
 
 # ---------------------------------------------------------------------------- layers
