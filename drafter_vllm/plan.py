@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from drafter_vllm.settings import PluginSettings
 
 RUNNER_V2 = "Model Runner V2"
-RUNNER_V1 = "the V1 model runner"
+RUNNER_V1 = "V1 model runner"
 # the drafting classes the plugin stands in for, per runner, and its stand-ins
 VLLM_DRAFTER = {RUNNER_V2: "vllm.v1.worker.gpu.spec_decode.eagle.speculator.EagleSpeculator",
                 RUNNER_V1: "vllm.v1.spec_decode.eagle.EagleProposer"}
@@ -57,25 +57,23 @@ def drafting_plan(vllm_config) -> DraftingPlan:
     method = vllm_config.speculative_config.method
     if method in METHODS:
         return DraftingPlan(runner, method, VLLM_DRAFTER[runner], STAND_IN[runner])
-    return DraftingPlan(runner, method, f"vLLM's own drafter for method {method!r}", None)
+    return DraftingPlan(runner, method, f"its own {method} drafter", None)
 
 
 def bypass_message(plan: DraftingPlan, settings: PluginSettings, built: str | None = None) -> str:
+    """Why vLLM stops: the runner, what it would build, and what to do instead."""
     where = ",".join(settings.endpoints) or settings.transport
-    what = built or plan.builds
-    fixes = []
     if plan.method not in METHODS:
-        fixes.append("use speculative method 'eagle' or 'eagle3'")
-    elif plan.runner == RUNNER_V2:
-        fixes.append("run vLLM 0.32.x (the plugin knows its Model Runner V2 EAGLE speculator), or set "
-                     "VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner")
+        problem = (f"vLLM's {plan.runner} drafts speculative method {plan.method!r} with {plan.builds}, "
+                   f"which the plugin cannot stand in for")
+        fix = "use speculative method 'eagle' or 'eagle3'"
     else:
-        fixes.append("run vLLM 0.32.x")
-    fixes.append("or unset DRAFTER_ENDPOINTS / DRAFTER_TRANSPORT (and additional_config['drafter']) to draft "
-                 "in-process")
-    return (f"drafter plugin: remote drafting is configured (to {where}) but vLLM's {plan.runner} builds {what} "
-            f"for speculative method {plan.method!r}, which the plugin cannot stand in for, so the head would be "
-            f"loaded and run here; " + " ".join(fixes))
+        problem = (f"vLLM's {plan.runner} builds {built or plan.builds} for speculative method {plan.method!r}, "
+                   f"which the plugin does not stand in for (it would load the head and draft here)")
+        fix = ("run vLLM 0.32.x, whose Model Runner V2 EAGLE speculator the plugin replaces, or set "
+               "VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner" if plan.runner == RUNNER_V2 else "run vLLM 0.32.x")
+    return (f"drafter plugin: remote drafting is configured (to {where}) but {problem}; {fix}, or unset "
+            f"DRAFTER_ENDPOINTS / DRAFTER_TRANSPORT (and additional_config['drafter']) to draft in-process")
 
 
 def check_plan(vllm_config) -> DraftingPlan | None:

@@ -154,7 +154,8 @@ def test_a_method_the_plugin_cannot_stand_in_for_stops_vllm(ckpts, single_rank, 
 
     cfg = gpu_host_config(ckpts / "eagle", "eagle", drafter={"endpoints": "127.0.0.1:9"}, spec_method="ngram")
     assert cfg.use_v2_model_runner
-    with pytest.raises(RemoteDraftingBypassed, match=r"Model Runner V2 builds .*'ngram'.*'eagle' or 'eagle3'"):
+    with pytest.raises(RemoteDraftingBypassed,
+                       match=r"Model Runner V2 drafts speculative method 'ngram'.*'eagle' or 'eagle3'"):
         build_speculator(cfg)
 
 

@@ -144,11 +144,12 @@ def test_hook_leaves_vllm_alone_when_not_configured(monkeypatch):
     assert type(mod.DFlashLike(_config(additional={"drafter": {"transport": "inprocess"}}), "cpu")) is mod.DFlashLike
 
 
-@pytest.mark.parametrize("v2, runner", [(False, "the V1 model runner"), (True, "Model Runner V2")])
+@pytest.mark.parametrize("v2, runner", [(False, "V1 model runner"), (True, "Model Runner V2")])
 def test_hook_refuses_methods_the_drafter_cannot_stand_in_for(monkeypatch, v2, runner):
     mod = _fake_eagle_module()
     patch_module(mod)
-    with pytest.raises(RemoteDraftingBypassed, match=f"vLLM's {runner} builds .*'mtp'.*'eagle' or 'eagle3'"):
+    with pytest.raises(RemoteDraftingBypassed,
+                       match=f"vLLM's {runner} drafts speculative method 'mtp'.*'eagle' or 'eagle3'"):
         mod.EagleProposer(_config("mtp", {"drafter": {"endpoints": "h:1"}}, v2=v2), "cpu")
 
 

@@ -14,6 +14,9 @@ the other (vLLM is imported once).  Modes:
                 with "restart": true a fresh drafter is started on the same ports right after
     unreachable-zmq / unreachable-grpc
                 the plugin pointed at a local port nobody listens on
+    bypass-ngram
+                remote drafting configured for a method the plugin cannot stand in for (ngram):
+                vLLM must not start; records the error it stopped with
 
     python run_plugin_e2e.py PLAN.json OUT.json
 PLAN: {"drafter_python": PY, "runs": [{"name", "mode", "target", "head", "method", "k",
@@ -202,6 +205,8 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
 
     t0 = time.time()
     mode = run["mode"]
+    if mode == "bypass-ngram":
+        return run_bypass(run, t0)
     k, mml = run["k"], run["max_model_len"]
     with open(os.path.join(run["target"], "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -282,6 +287,31 @@ def run_one(run: dict, plan: dict, out_dir: Path) -> dict:
     result["timing_s"]["total"] = round(time.time() - t0, 2)
     print(json.dumps({"run": run["name"], "timing_s": result["timing_s"]}), flush=True)
     return result
+
+
+def run_bypass(run: dict, t0: float) -> dict:
+    """An engine whose runner would draft in-process although remote drafting is configured."""
+    from vllm import LLM
+
+    error = None
+    try:
+        llm = LLM(model=run["target"], skip_tokenizer_init=True, dtype="float32", max_model_len=run["max_model_len"],
+                  block_size=32, enforce_eager=True, num_gpu_blocks_override=run["num_blocks"], seed=0,
+                  max_num_batched_tokens=run["max_num_batched_tokens"],
+                  speculative_config={"method": "ngram", "num_speculative_tokens": run["k"], "prompt_lookup_max": 3},
+                  additional_config={"drafter": {"endpoints": f"127.0.0.1:{_closed_port()}"}})
+        _stop_engine(llm)
+        del llm
+    except Exception as exc:  # noqa: BLE001 - what vLLM stopped with is the result
+        error = f"{type(exc).__name__}: {exc}"
+        cause = exc
+        while cause.__cause__ is not None or cause.__context__ is not None:  # the plugin's own error inside
+            cause = cause.__cause__ or cause.__context__
+            error += f" <- {type(cause).__name__}: {cause}"
+    finally:
+        _cleanup()
+    return {"name": run["name"], "mode": run["mode"], "method": run["method"], "error": error,
+            "timing_s": {"total": round(time.time() - t0, 2)}}
 
 
 def _closed_port() -> int:

