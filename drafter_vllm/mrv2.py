@@ -44,7 +44,7 @@ class RemoteEagleSpeculator(EagleSpeculator):
         check_transport(self.settings)
         _refuse_unsupported(self)
         # the drafter never runs here: drop the buffer the local draft loop would have used
-        self.hidden_states = self.hidden_states[:0]
+        self.hidden_states = self.hidden_states.new_empty((0, self.hidden_size))
         if self.draft_logits is not None:
             log.warning("drafter plugin: the drafter proposes greedy drafts; draft_sample_method="
                         "'probabilistic' is ignored (verification stays lossless)")
