@@ -21,6 +21,12 @@ def write_latent(
     entries: torch.Tensor,  # [num_tokens, width]: c_kv then k_pe
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
 ) -> None:
+    """On a GPU one Triton launch (graph-capturable); elsewhere torch, which selects the kept rows."""
+    if cache.is_cuda:
+        from drafter.kernels.latent_write import write_rows
+
+        write_rows(cache, entries, slot_mapping)
+        return
     flat = cache.view(-1, cache.shape[-1])
     keep = slot_mapping >= 0
     flat[slot_mapping[keep]] = entries[keep].to(cache.dtype)

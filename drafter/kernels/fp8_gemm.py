@@ -7,7 +7,8 @@ unused block).  A dense linear is the one-expert case (rows = 0 .. M-1).  FP8 we
 dequantised tile by tile in registers: element (n, k) of expert e is
     float(W_fp8[e, n, k]) * scale_inv[e, n // BR, k // BC]
 and multiplied in the activations' dtype (float32 inputs use IEEE fp32 dots) with float32
-accumulation.  Grid and tiles depend on shapes only, so launches can be captured in CUDA graphs.
+accumulation.  Where a weight tile lies inside one scale block (BLOCK_N | BR, BLOCK_K | BC, as at
+128 x 128) the tile's partial product is scaled once instead of every element.  Grid and tiles depend on shapes only, so launches can be captured in CUDA graphs.
 Slots of padding rows are left unwritten: callers never read them.
 """
 
@@ -29,7 +30,7 @@ def grouped_gemm_kernel(
     s_ptr, stride_se, stride_sn,  # [E, ceil(N / BR), ceil(K / BC)] float32 (ignored without HAS_SCALE)
     out_ptr, stride_om,  # [num_slots, N]
     N, K,
-    BR: tl.constexpr, BC: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, HAS_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -50,14 +51,22 @@ def grouped_gemm_kernel(
                     mask=live[:, None] & k_ok[None, :], other=0.0)
         w_mask = n_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :], mask=w_mask, other=0.0)
-        if HAS_SCALE:
-            s = tl.load(s_ptr + expert.to(tl.int64) * stride_se + (rn // BR)[:, None] * stride_sn + (rk // BC)[None, :],
-                        mask=w_mask, other=0.0)
-            w = w.to(tl.float32) * s
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        if TILE_SCALE:  # the tile lies in one scale block: scale the tile's partial product once
+            s = tl.load(s_ptr + expert.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // BR) * stride_sn
+                        + k0 // BC)
+            if IEEE:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee") * s
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype))) * s
         else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            if HAS_SCALE:
+                s = tl.load(s_ptr + expert.to(tl.int64) * stride_se + (rn // BR)[:, None] * stride_sn
+                            + (rk // BC)[None, :], mask=w_mask, other=0.0)
+                w = w.to(tl.float32) * s
+            if IEEE:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     out = out_ptr + slots.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & n_ok[None, :])
 
@@ -85,12 +94,14 @@ def grouped_gemm(
     s = scale_inv if has_scale else weight  # any tensor: not read without HAS_SCALE
     br, bc = block if has_scale else (1, 1)
     block_n = _block_n(n)
+    block_k = 128 if k >= 128 else triton.next_power_of_2(max(k, 16))
+    tile_scale = has_scale and br % block_n == 0 and bc % block_k == 0
     grid = (num_slots // BLOCK_M, triton.cdiv(n, block_n))
     grouped_gemm_kernel[grid](
         x, x.stride(0), rows, expert_of_block, weight, weight.stride(0), weight.stride(1),
         s, s.stride(0) if has_scale else 0, s.stride(1) if has_scale else 0, out, out.stride(0), n, k,
-        BR=br, BC=bc, HAS_SCALE=has_scale, IEEE=x.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=128 if k >= 128 else triton.next_power_of_2(max(k, 16)))
+        BR=br, BC=bc, HAS_SCALE=has_scale, TILE_SCALE=tile_scale, IEEE=x.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
     return out
 
 

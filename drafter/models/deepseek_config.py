@@ -241,3 +241,22 @@ def parse_deepseek(cfg: dict) -> DeepseekConfig:
     return DeepseekConfig(hidden_size=cfg["hidden_size"], vocab_size=cfg["vocab_size"], num_hidden_layers=first,
                           layers=layers, fp8_block=_fp8_block(cfg), rms_norm_eps=eps,
                           tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
+# The released DeepSeek-V3 config.json's keys that shape its MTP layer (for benchmarks at the real
+# shape and for tests; a checkpoint's own config.json is what loading reads).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3, "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "vocab_size": 129280, "tie_word_embeddings": False,
+    "max_position_embeddings": 163840,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+}

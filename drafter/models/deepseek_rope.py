@@ -38,10 +38,13 @@ def inverse_frequencies(rope: MLARope, dim: int) -> torch.Tensor:  # [dim // 2] 
     return interpolated * (1 - keep_original) + extrapolated * keep_original
 
 
-def cos_sin(rope: MLARope, dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    inv_freq: torch.Tensor,  # [dim // 2] float32, on positions' device
+    rope: MLARope,
+    positions: torch.Tensor,  # [num_tokens]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin at each position, [num_tokens, dim // 2] float32 each, mscale applied."""
-    inv = inverse_frequencies(rope, dim).to(positions.device)
-    angles = positions.to(torch.float32)[:, None] * inv[None, :]
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     scale = rope.cos_sin_mscale if rope.yarn else 1.0
     return angles.cos() * scale, angles.sin() * scale
 

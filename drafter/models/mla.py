@@ -23,7 +23,7 @@ from torch import nn
 from drafter.attention.metadata import AttentionMetadata
 from drafter.attention.mla import paged_mla_attention, write_latent
 from drafter.models.deepseek_config import MLAShape
-from drafter.models.deepseek_rope import apply_interleaved_rope, cos_sin
+from drafter.models.deepseek_rope import apply_interleaved_rope, cos_sin, inverse_frequencies
 from drafter.models.fp8 import linear_weight, make_linear
 from drafter.models.layers import RMSNorm
 from drafter.models.sharding import SINGLE, Shard
@@ -49,6 +49,7 @@ class MLAAttention(nn.Module):
         # from kv_b_proj by absorb(): [heads, nope, kv_lora] and [heads, v, kv_lora]
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv", None, persistent=False)
+        self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
 
     def absorb(self, dtype: torch.dtype) -> None:
         """Split the (dequantised) kv_b_proj into W_UK and W_UV once, after the weights are loaded."""
@@ -56,6 +57,15 @@ class MLAAttention(nn.Module):
         w = linear_weight(self.kv_b_proj, dtype).view(self.num_local_heads, -1, s.kv_lora_rank)
         self.w_uk = w[:, : s.qk_nope_head_dim].contiguous()
         self.w_uv = w[:, s.qk_nope_head_dim:].contiguous()
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:  # [rope_dim // 2] float32
+        """The rope's inverse frequencies on `device`, made once per device (outside any graph
+        capture: the first eager call makes them) and kept float32 whatever the model's dtype."""
+        table = self._inv_freq_by_device.get(device)
+        if table is None:
+            table = inverse_frequencies(self.shape.rope, self.shape.qk_rope_head_dim).to(device)
+            self._inv_freq_by_device[device] = table
+        return table
 
     def project(
         self,
@@ -68,7 +78,7 @@ class MLAAttention(nn.Module):
         q_in = self.q_a_layernorm(self.q_a_proj(x)) if s.q_lora_rank else x
         q = (self.q_b_proj(q_in) if s.q_lora_rank else self.q_proj(q_in)).view(n, -1, s.qk_head_dim)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([s.kv_lora_rank, s.qk_rope_head_dim], dim=-1)
-        cos, sin = cos_sin(s.rope, s.qk_rope_head_dim, positions)
+        cos, sin = cos_sin(self._inv_freq(positions.device), s.rope, positions)
         q_pe = apply_interleaved_rope(q[..., s.qk_nope_head_dim:], cos, sin)
         k_pe = apply_interleaved_rope(k_pe[:, None, :], cos, sin)[:, 0]
         return q[..., : s.qk_nope_head_dim], q_pe, torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)

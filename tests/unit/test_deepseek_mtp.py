@@ -13,7 +13,7 @@ import torch
 from drafter.attention.metadata import AttentionMetadata
 from drafter.attention.mla import paged_mla_attention, paged_mla_attention_per_request
 from drafter.models import fp8
-from drafter.models.deepseek_config import MoEShape, UnsupportedConfig, parse_deepseek
+from drafter.models.deepseek_config import DEEPSEEK_V3, MoEShape, UnsupportedConfig, parse_deepseek
 from drafter.models.deepseek_loader import load_deepseek_mtp
 from drafter.models.deepseek_rope import apply_interleaved_rope, cos_sin, inverse_frequencies
 from drafter.models.deepseek_v3 import kv_cache_shape
@@ -23,21 +23,7 @@ from tests.support.dense_deepseek import DenseDeepseekMTP, DenseDeepseekReferenc
 from tests.support.mtp_engine import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, EagerMTPEngine, plans
 from tests.support.scenario import Scenario
 
-# The released DeepSeek-V3 config.json's keys that shape the MTP layer.
-RELEASED = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
-    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
-    "n_shared_experts": 1, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
-    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 3, "moe_layer_freq": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "hidden_act": "silu",
-    "rms_norm_eps": 1e-6, "rope_theta": 10000, "vocab_size": 129280, "tie_word_embeddings": False,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                            "weight_block_size": [128, 128]},
-}
+RELEASED = DEEPSEEK_V3
 
 
 # ------------------------------------------------------------------ config
@@ -176,7 +162,7 @@ def test_interleaved_rope_rotates_adjacent_pairs():
     rope = parse_deepseek(RELEASED).layers[0].attn.rope
     positions = torch.tensor([0, 1, 4095, 70000])
     x = torch.randn(4, 3, 64, generator=torch.Generator().manual_seed(3))
-    cos, sin = cos_sin(rope, 64, positions)
+    cos, sin = cos_sin(inverse_frequencies(rope, 64), rope, positions)
     out = apply_interleaved_rope(x, cos, sin)
     angles = (positions[:, None].float() * inverse_frequencies(rope, 64)[None, :]).double()  # float32, as vLLM
     pairs = torch.view_as_complex(x.double().reshape(4, 3, 32, 2)) * torch.polar(torch.ones_like(angles), angles)[:, None]

@@ -73,3 +73,16 @@ def test_head_through_the_kernels_gives_the_torch_paths_logits(tmp_path):
         logits = [h.compute_logits(h(ids, pos, hid, [torch.zeros(4, 16, 40)], [meta])[0]) for h in heads]
     assert torch.allclose(logits[0], logits[1], atol=1e-3)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))
+
+
+def test_latent_rows_land_at_their_slots_and_padding_writes_nothing():
+    from drafter.kernels.latent_write import write_rows
+
+    cache = torch.zeros(3, 4, 40)
+    rows = torch.randn(5, 40, generator=torch.Generator().manual_seed(6))
+    slots = torch.tensor([5, -1, 0, 11, -1])
+    with checking():
+        write_rows(cache, rows, slots)
+    flat = cache.view(-1, 40)
+    assert torch.equal(flat[[5, 0, 11]], rows[[0, 2, 3]])
+    assert flat.abs().sum(-1).nonzero().flatten().tolist() == [0, 5, 11]
