@@ -95,7 +95,7 @@ def run(cfg: DemoConfig) -> int:
     from coordinator.target.engine import TargetConfig, TargetEngine
     from coordinator.target.request import random_requests
 
-    console = Console(highlight=False)
+    console = _console(Console)
     t_start = time.perf_counter()
     work = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="drafter-demo-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -114,6 +114,7 @@ def run(cfg: DemoConfig) -> int:
                               max_model_len=cfg.max_model_len, max_num_seqs=8, max_num_batched_tokens=1024,
                               num_blocks=128, record_calls=False)
         endpoints, drafters = _start_drafters(cfg, pair, target, work, console)
+        started = [(d.name, d.pid, d.grpc_port, d.zmq_port, d.epoch) for d in drafters]  # before any chaos
         # uneven DP load: the agreement pads every rank to one size, an idle rank runs dummy steps
         reqs = random_requests(cfg.prompts, vocab_size=512, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
                                temperature=cfg.temperature)
@@ -135,7 +136,7 @@ def run(cfg: DemoConfig) -> int:
         with console.status(f"running the TP={cfg.tp} x DP={cfg.dp} target fleet ..."):
             result, chaos_note = _run_fleet(fcfg, by_dp, work / "fleet", drafters, cfg)
         fleet_s = time.perf_counter() - t_fleet
-        problems += _report(console, cfg, report, result, reference, drafters, endpoints, fleet_s, chaos_note)
+        problems += _report(console, cfg, report, result, reference, drafters, started, fleet_s, chaos_note)
     except Exception as e:  # noqa: BLE001 - the demo reports and exits non-zero
         console.print_exception(max_frames=5)
         problems.append(f"{type(e).__name__}: {e}")
@@ -156,6 +157,17 @@ def run(cfg: DemoConfig) -> int:
 
 def _noop():
     pass
+
+
+def _console(console_cls):
+    """The terminal's width on a terminal; elsewhere (CI logs, `| tee`) wide enough that no table
+    column is cut, instead of rich's 80 columns."""
+    if sys.stdout.isatty():
+        return console_cls(highlight=False)
+    return console_cls(highlight=False, width=WIDE, soft_wrap=True)
+
+
+WIDE = 200  # columns when stdout is no terminal: the widest table is ~150
 
 
 def _spread_name(endpoints, dp: int) -> str:
@@ -229,21 +241,29 @@ def _run_fleet(fcfg, by_dp, out, drafters, cfg: DemoConfig):
 
 
 # --------------------------------------------------------------------------- the report
-def _report(console, cfg, report, result, reference, drafters, endpoints, fleet_s, chaos_note) -> list[str]:
+def _report(console, cfg, report, result, reference, drafters, started, fleet_s, chaos_note) -> list[str]:
     from rich.table import Table
 
     problems = []
-    console.rule("[bold]drafter demo")
+    if console.is_terminal:
+        console.rule("[bold]drafter demo")
+    else:
+        console.print("=== drafter demo ===")
     console.print(f"pair trained here in {report.seconds:.1f} s: target corpus loss {report.target_loss:.2f} "
                   f"(floor {report.corpus_entropy:.2f}); {report.method} head held-out accuracy per position "
                   f"{[round(a, 2) for a in report.head_accuracy]}")
-    for d in drafters:
-        console.print(f"{d.name}: pid {d.pid}, gRPC :{d.grpc_port}, ZMQ :{d.zmq_port}, epoch {d.epoch}")
+    for (name, pid, grpc_port, zmq_port, epoch), d in zip(started, drafters):
+        again = f" (restarted: pid {d.pid}, epoch {d.epoch})" if d.pid != pid else ""
+        console.print(f"{name}: pid {pid}, gRPC :{grpc_port}, ZMQ :{zmq_port}, epoch {epoch}{again}")
     if chaos_note:
         console.print(f"chaos: {chaos_note}")
 
     sessions = Table(title=f"sessions: TP={cfg.tp} x DP={cfg.dp} target ranks (TP rank 0 of each DP rank talks "
-                           f"to its drafter)")
+                           f"to its drafter)",
+                     caption="gen: sessions attached (1 + re-attaches after a drafter restart); dummy: steps a DP "
+                             "rank ran with no requests of its own, only to agree on the padded size with the "
+                             "others; drafted: steps with drafts; acc len: tokens a request emits per verify step "
+                             "(1 = no draft accepted); no drafts: steps that went on without drafts (fail closed)")
     for col in ("dp", "drafter", "gen", "reqs", "steps", "dummy", "drafted", "acc len", "tok/step", "no drafts"):
         sessions.add_column(col, justify="right")
     lat: dict[str, list[float]] = {}

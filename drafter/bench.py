@@ -604,30 +604,50 @@ def _ints(text: str) -> list[int]:
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench/results/latest", help="folder for bench.json and bench.png")
-    p.add_argument("--heads", default="eagle3-8b,eagle-8b", help=f"comma-separated, from {sorted(SPECS)}")
-    p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
-    p.add_argument("--ks", type=_ints, default=[1, 3, 5])
-    p.add_argument("--contexts", type=_ints, default=[1024, 8192])
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default="bench/results/latest", help="folder for bench.json and bench.png "
+                                                                 "[bench/results/latest]")
+    p.add_argument("--heads", default="eagle3-8b,eagle-8b", help=f"comma-separated, from {sorted(SPECS)} "
+                                                                  "[eagle3-8b,eagle-8b]")
+    p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                   help="batch sizes (requests per call), comma-separated [1,2,4,...,256]")
+    p.add_argument("--ks", type=_ints, default=[1, 3, 5], help="draft lengths k, comma-separated [1,3,5]")
+    p.add_argument("--contexts", type=_ints, default=[1024, 8192],
+                   help="context lengths (tokens of KV each request reads), comma-separated [1024,8192]")
+    p.add_argument("--iters", type=int, default=20, help="timed repetitions per measurement [20]")
     p.add_argument("--no-eager", action="store_true", help="skip the eager timings")
-    p.add_argument("--no-peer", action="store_true", help="skip the torch.compile'd peer (drafter.bench_peer)")
     p.add_argument("--profile", action="store_true", help="per-kernel device times for a few shapes")
     p.add_argument("--attention-sweep", action="store_true", help="time the decode attention kernel alone")
     p.add_argument("--gemm-sweep", action="store_true", help="time the step's weight GEMMs alone, two layouts")
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="the CUDA device to time [cuda]")
     p.add_argument("--skinny-gemm", default="auto", choices=("auto", "on", "off"),
                    help="the step GEMMs: drafter's skinny kernel where faster (auto), always, or cuBLAS only")
-    p.add_argument("--replot", metavar="JSON", help="only redraw bench.png (next to JSON) from a bench.json")
+    p.add_argument("--replot", metavar="JSON", help="only redraw bench.png beside JSON from a bench.json (no GPU "
+                                                    "needed), e.g. bench/results/2026-11-22-h100/bench.json")
+
+
+NO_GPU = ("drafter bench times the engine on a CUDA GPU and this torch sees none ({torch}). Recorded runs are in "
+          "bench/results/ (README.md there has the tables); `drafter bench --replot "
+          "bench/results/2026-11-22-h100/bench.json` redraws a plot from one without a GPU.")
+
+
+def _replot(src: Path) -> dict:
+    """Redraw bench.png beside a bench.json and say where it went."""
+    try:
+        result = json.loads(src.read_text())
+        rows, meta = result["rows"], result["meta"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SystemExit(f"drafter bench --replot {src}: not a readable bench.json ({exc})") from None
+    dst = src.with_name("bench.png")
+    plot(rows, meta, dst)
+    print(f"wrote {dst} ({len(rows)} rows of {meta.get('device', '?')}, {meta.get('date', '?')})")
+    return result
 
 
 def run(args) -> dict:
     if args.replot:
-        result = json.loads(Path(args.replot).read_text())
-        plot(result["rows"], result["meta"], Path(args.replot).with_name("bench.png"))
-        return result
+        return _replot(Path(args.replot))
     if not torch.cuda.is_available():
-        raise SystemExit("drafter bench needs a CUDA device")
+        raise SystemExit(NO_GPU.format(torch=torch.__version__))
     import triton
 
     device = torch.device(args.device)
