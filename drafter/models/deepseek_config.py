@@ -115,6 +115,10 @@ class DeepseekLayerShape:
     intermediate_size: int  # the dense MLP's, used when moe is None
     sliding_window: None = None  # MLA layers attend to the full context (KV group 0)
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int]:
+        """The layer's compressed cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]."""
+        return num_blocks, block_size, self.attn.cache_width
+
 
 @dataclass(frozen=True)
 class DeepseekConfig:

@@ -157,3 +157,21 @@ def load_deepseek_mtp(
     head = head.to(device=device, dtype=dtype).eval()
     head.prepare(dtype, torch.device(device).type == "cuda" if kernels is None else kernels)
     return head
+
+
+def deepseek_model_spec(config: DeepseekConfig):
+    """The engine's ModelSpec of a deepseek_mtp head (layer shapes are DeepseekLayerShape)."""
+    from drafter.models.spec import ModelSpec
+
+    return ModelSpec(method="deepseek_mtp", hidden_size=config.hidden_size, num_layers=len(config.layers),
+                     vocab_size=config.vocab_size, layer_shapes=config.layers, draft_vocab_size=config.vocab_size,
+                     tie_word_embeddings=config.tie_word_embeddings, mtp_first_layer=config.num_hidden_layers)
+
+
+def load_deepseek_head(head_dir, target_dir=None, device="cpu", dtype: torch.dtype = torch.bfloat16):
+    """load_deepseek_mtp with the engine's ModelSpec attached (what load_head returns for deepseek_mtp)."""
+    from drafter.models.spec import read_config
+
+    head = load_deepseek_mtp(head_dir, target_dir, device=device, dtype=dtype)
+    head.spec = deepseek_model_spec(parse_deepseek(read_config(head_dir)))
+    return head

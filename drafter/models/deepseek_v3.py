@@ -29,7 +29,7 @@ from drafter.models.sharding import SINGLE, Shard
 
 def kv_cache_shape(shape: DeepseekLayerShape, num_blocks: int, block_size: int) -> tuple[int, int, int]:
     """A layer's compressed cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]."""
-    return num_blocks, block_size, shape.attn.cache_width
+    return shape.kv_cache_shape(num_blocks, block_size)
 
 
 class VocabEmbedding(nn.Module):
