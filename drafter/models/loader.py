@@ -110,13 +110,15 @@ def _share_from_target(method: str, spec: ModelSpec, weights: dict, target: dict
             weights[head_name] = target[target_name]
 
 
-def _check_against_target(spec: ModelSpec, source: str, target_cfg: dict, target_source: str) -> None:
+def _check_against_target(spec: ModelSpec, source: str, head_cfg: dict, target_cfg: dict,
+                          target_source: str) -> None:
     """The head's sizes that must agree with the target it drafts for."""
+    prefix = "transformer_layer_config." if "speculators_config" in head_cfg else ""
     if target_cfg.get("vocab_size") != spec.vocab_size:
-        raise HeadConfigError(source, "vocab_size", spec.vocab_size,
+        raise HeadConfigError(source, prefix + "vocab_size", spec.vocab_size,
                               f"the target ({target_source}) has vocab_size {target_cfg.get('vocab_size')}")
     if spec.method != "eagle3" and target_cfg.get("hidden_size") != spec.hidden_size:
-        raise HeadConfigError(source, "hidden_size", spec.hidden_size,
+        raise HeadConfigError(source, prefix + "hidden_size", spec.hidden_size,
                               f"the target ({target_source}) has hidden_size {target_cfg.get('hidden_size')}")
 
 
@@ -130,12 +132,13 @@ def load_head(
 ) -> DraftHead:
     """max_model_len: the engine's (rope: vLLM raises an EAGLE head's max_position_embeddings to it)."""
     source = config_source(head_dir)
-    spec = parse_head(read_config(head_dir), method, source, max_model_len)
+    head_cfg = read_config(head_dir)
+    spec = parse_head(head_cfg, method, source, max_model_len)
     target = None
     if target_dir is not None:
         # only the target's sizes and tensors: its own layers never run here
         target_cfg = read_config(target_dir)
-        _check_against_target(spec, source, target_cfg, config_source(target_dir))
+        _check_against_target(spec, source, head_cfg, target_cfg, config_source(target_dir))
         target = _target_tensors(target_dir)
         if method == "eagle3" and not spec.aux_layer_ids:
             spec = with_aux(spec, default_aux_layer_ids(target_cfg["num_hidden_layers"]))

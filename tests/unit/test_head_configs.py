@@ -158,7 +158,7 @@ REFUSED = [
     ("eagle3", "eagle_config", {"use_aux_hidden_state": False},
      "transformer_layer_config.eagle_config.use_aux_hidden_state", False),
     ("eagle3", "top:eagle_aux_hidden_state_layer_ids", [1, 2], "eagle_aux_hidden_state_layer_ids", [1, 2]),
-    ("eagle3", "vocab_size", 1024, "vocab_size", 1024),
+    ("eagle3", "vocab_size", 1024, "transformer_layer_config.vocab_size", 1024),
     ("eagle", "hidden_size", 96, "hidden_size", 96),
 ]
 
