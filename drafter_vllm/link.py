@@ -96,8 +96,7 @@ class DrafterLink:
     def _source(self, hidden_width: int):
         if self.source is None:
             facts = self._facts(hidden_width)
-            log.info("drafter plugin: this engine attaches as %s; `drafter serve` flags that match it: %s",
-                     facts.client, serve_flags(facts))
+            log.info("drafter plugin: attaching as %s", facts.client)
             self.source = make_source(self.settings, facts)
             # attach before the first call, so that the first step's KV (the prompts) reaches it
             try:
@@ -106,6 +105,16 @@ class DrafterLink:
                 log.warning("drafter plugin: attaching failed (%r); will retry", exc)
             weakref.finalize(self, _close_quietly, self.source)
         return self.source
+
+
+def log_serve_flags(facts: TargetFacts) -> None:
+    """At engine start, once vLLM sized its KV cache: the `drafter serve` flags that match this engine
+    (TP rank 0 only: the ranks of one TP group share one session)."""
+    from vllm.distributed import get_tp_group
+
+    if get_tp_group().rank_in_group == 0:
+        log.info("drafter plugin: %s; `drafter serve` flags that match this engine: %s", facts.client,
+                 serve_flags(facts))
 
 
 def _last_no_drafts_reason(source) -> str:

@@ -29,7 +29,7 @@ import logging
 import torch
 from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
 
-from drafter_vllm.link import DrafterLink
+from drafter_vllm.link import DrafterLink, log_serve_flags
 from drafter_vllm.proposer import mirrored_group
 from drafter_vllm.settings import PluginSettings
 from drafter_vllm.sources import TargetFacts, check_transport
@@ -95,6 +95,7 @@ class RemoteEagleSpeculator(EagleSpeculator):
         self.num_kv_blocks = int(kv_cache_config.num_blocks)
         self.slot_layer = group.layer_names[0]
         self.supports_decode_metadata_update = False
+        log_serve_flags(self._facts(self.target_hidden_size))
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         self.prefill_cudagraph_manager = None

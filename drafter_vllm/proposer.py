@@ -25,7 +25,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from drafter_vllm.link import DrafterLink
+from drafter_vllm.link import DrafterLink, log_serve_flags
 from drafter_vllm.settings import PluginSettings
 from drafter_vllm.sources import TargetFacts, check_transport
 
@@ -80,6 +80,7 @@ class RemoteEagleProposer(EagleProposer):
         self.block_size = kernel
         self.num_kv_blocks = int(kv_cache_config.num_blocks) * (spec.block_size // kernel)
         self.draft_attn_groups = []
+        log_serve_flags(self._facts(self.target_hidden_size))
 
     def dummy_run(self, *args, **kwargs) -> None:
         return None

