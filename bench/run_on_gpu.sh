@@ -9,6 +9,9 @@
 # Knobs: SKIP_TESTS, SKIP_BENCH, SKIP_REMOTE, TEST_TIMEOUT, BENCH_TIMEOUT, REMOTE_TIMEOUT, REMOTE_ARGS.
 # On a fresh machine (cold Triton cache) the GPU tests alone take ~5-6 minutes: within one
 # 10-minute device call, run SKIP_BENCH=1 SKIP_REMOTE=1 first, then SKIP_TESTS=1 on the warm machine.
+# The bench's compiled peer (drafter/bench_peer.py) compiles once per (head, k, batch), ~7 s each on a
+# cold machine: the default grid's 54 shapes alone take ~6 minutes, so pass a narrower grid (issue 24's:
+# --heads eagle3-8b --ks 3 --batches 1,2,4,8,16,32,64, as bench/run_issue24.sh does) or --no-peer.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
 OUT=${OUT:-/tmp/drafter-out}
