@@ -171,6 +171,7 @@ class RemoteProposer:
         try:
             ok = self._attach(ep, started + self.cfg.deadline_s)
         except Exception as e:  # noqa: BLE001 - fail closed on anything
+            self._log_refusal(ep, e)
             self._failure(ep, e, started, prefix="attach ")
             return False
         if ok:
@@ -252,9 +253,7 @@ class RemoteProposer:
         try:
             attached = self._attach(ep, deadline_at)
         except Exception as e:  # noqa: BLE001
-            if code_name(e) in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"):
-                # a refusal of our layout (or a full drafter) is configuration, not an outage
-                log.error("%s: %s refused the session (%s): %s", self.key, ep, code_name(e), error_detail(e))
+            self._log_refusal(ep, e)
             self._failure(ep, e, started, prefix="attach ")
             return
         if attached:
@@ -262,6 +261,11 @@ class RemoteProposer:
             self._no_drafts(reason, ep, "", started)
         else:  # no time left in this step's budget: attach on the next one
             self._no_drafts(reason, ep, "no time left to attach", started)
+
+    def _log_refusal(self, ep: Endpoint, e: Exception) -> None:
+        if code_name(e) in ("INVALID_ARGUMENT", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED"):
+            # a refusal of our layout (or a full drafter) is configuration, not an outage
+            log.error("%s: %s refused the session (%s): %s", self.key, ep, code_name(e), error_detail(e))
 
     def _failure(self, ep: Endpoint | None, e: Exception, started: float, prefix: str = "") -> None:
         if ep is not None:

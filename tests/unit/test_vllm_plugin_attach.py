@@ -103,7 +103,7 @@ def engine(tiny_root):
     torch.set_num_threads(threads)
 
 
-def test_the_plugin_sees_every_mismatch_in_one_event(engine):
+def test_the_plugin_sees_every_mismatch_in_one_event(engine, caplog):
     async def body(core):
         loop = asyncio.get_running_loop()
         server = zmq_server.ZmqServer(core, host="127.0.0.1", port=0, max_message_bytes=1 << 26)
@@ -128,8 +128,11 @@ def test_the_plugin_sees_every_mismatch_in_one_event(engine):
     detail = events[-1].detail
     assert detail.startswith("attach FAILED_PRECONDITION: 3 mismatches: "), detail
     assert detail.count("FAILED_PRECONDITION") == 1
-    for flag in ("--max-model-len 4096", "--block-sizes 32", f"--kv-blocks 16384"):
+    for flag in ("--max-model-len 4096", "--block-sizes 32", "--kv-blocks 16384"):
         assert flag in detail, detail
+    # and one error line in the target's log, already at the eager attach
+    refused = [r.getMessage() for r in caplog.records if "refused the session" in r.getMessage()]
+    assert len(refused) == 1 and "(FAILED_PRECONDITION): 3 mismatches" in refused[0], refused
 
 
 def test_serve_prints_attach_requirements_without_loading_anything(tmp_path):
