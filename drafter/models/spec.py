@@ -68,11 +68,18 @@ class ModelSpec:
         return len(set(self.kv_group_of_layer))
 
 
-def read_config(path: str | Path) -> dict:
+class ConfigDict(dict):
+    """A config.json's keys, remembering the file they came from (for HeadConfigError)."""
+    source: str = "config.json"
+
+
+def read_config(path: str | Path) -> ConfigDict:
     path = Path(path) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {path.parent}")
-    return json.loads(path.read_text())
+    cfg = ConfigDict(json.loads(path.read_text()))
+    cfg.source = str(path)
+    return cfg
 
 
 def config_source(path: str | Path) -> str:
@@ -275,8 +282,8 @@ def _layer_shapes(keys: _Keys, num_layers: int, ctx: _LayerContext, layer_types_
     return tuple(shapes)
 
 
-def parse_target(cfg: dict, source: str = "config.json") -> ModelSpec:
-    keys = _Keys(cfg, source, "", True)
+def parse_target(cfg: dict, source: str | None = None) -> ModelSpec:
+    keys = _Keys(cfg, source or getattr(cfg, "source", "config.json"), "", True)
     n = cfg["num_hidden_layers"]
     return ModelSpec(
         method="llama",
@@ -355,9 +362,11 @@ def check_aux(spec: ModelSpec, source: str) -> None:
                               f"for {spec.num_fc_inputs} (num_aux_hidden_states / eagle_config)")
 
 
-def parse_head(cfg: dict, method: str, source: str = "config.json", max_model_len: int | None = None) -> ModelSpec:
-    """Parse a draft head's config.json in either layout; max_model_len: the engine's (EAGLE heads
-    see max_position_embeddings raised to it, as vLLM does; longrope picks its factors by it)."""
+def parse_head(cfg: dict, method: str, source: str | None = None, max_model_len: int | None = None) -> ModelSpec:
+    """Parse a draft head's config.json in either layout; source: the file named in refusals
+    (default: where read_config read it); max_model_len: the engine's (EAGLE heads see
+    max_position_embeddings raised to it, as vLLM does; longrope picks its factors by it)."""
+    source = source or getattr(cfg, "source", "config.json")
     hk = _head_keys(cfg, method, source)
     lcfg = hk.layer.cfg
     ctx = _LayerContext(max_model_len, method in ("eagle", "eagle3"), method == "eagle3")
