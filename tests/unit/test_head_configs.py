@@ -249,3 +249,28 @@ def test_eagle_heads_see_positions_raised_to_max_model_len(tmp_path):
     small, large = (parse_head(cfg, "eagle", max_model_len=m).layer_shapes[0].rope for m in (32, 256))
     assert small.dynamic_base_ratio == 2.0 * 64 / 32 - 1.0
     assert large.dynamic_base_ratio == 2.0 * 256 / 32 - 1.0
+
+
+def test_make_tiny_writes_each_configuration(tmp_path):
+    """drafter make-tiny's head flags land in config.json and the weights, and the head loads."""
+    from safetensors.torch import load_file
+
+    from drafter.cli import main
+
+    out = tmp_path / "t"
+    assert main(["make-tiny", "--method", "eagle3", "--out", str(out), "--rope", "llama3", "--rope-layout", "params",
+                 "--eagle3-layout", "plain", "--attention-bias", "--mlp-bias", "--head-dim", "64",
+                 "--partial-rotary-factor", "0.5"]) == 0
+    cfg = json.loads((out / "head" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and "rope_scaling" not in cfg
+    assert cfg["rope_parameters"]["rope_type"] == "llama3" and cfg["rope_parameters"]["rope_theta"] == 500000.0
+    assert (cfg["head_dim"], cfg["attention_bias"], cfg["mlp_bias"], cfg["partial_rotary_factor"]) == (64, True, True,
+                                                                                                        0.5)
+    weights = load_file(str(out / "head" / "model.safetensors"))
+    assert weights["midlayer.self_attn.q_proj.weight"].shape == (4 * 64, 128) and "midlayer.mlp.up_proj.bias" in weights
+    head = load_head(out / "head", "eagle3", out / "target", max_model_len=64)
+    rope = head.layers[0].self_attn.rope
+    assert (rope.rope_type, rope.rotary_dim, rope.original_max_position_embeddings) == ("llama3", 32, 32)
+    assert main(["make-tiny", "--method", "eagle", "--out", str(tmp_path / "e"), "--rope", "yarn"]) == 0
+    legacy = json.loads((tmp_path / "e" / "head" / "config.json").read_text())
+    assert legacy["rope_scaling"]["rope_type"] == "yarn" and legacy["rope_theta"] == 10000.0
