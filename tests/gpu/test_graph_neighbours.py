@@ -6,8 +6,9 @@ and dropped.  The engine's next call must give the drafts of its first, with no 
 access (before the fix it wrote into a cuBLAS workspace another graph's pool had owned, handed
 back to the driver by the compiled function's recording: drafter.graphs explains).
 
-EAGLE-3 with Llama-3.1-8B shapes in bf16, the GEMM plan timed as `drafter bench` does, so the
-graphs run cuBLAS GEMMs where the planner picked them and at every row count above 64.
+EAGLE-3 with Llama-3.1-8B shapes in bf16, the GEMM plan timed as `drafter bench` does: the graphs
+run cuBLAS GEMMs (the fc over the target's hidden states always, the others where the planner
+picked cuBLAS), and so keep a cuBLAS workspace's address.
 
 Run on a GPU host:  pytest -m gpu tests/gpu/test_graph_neighbours.py
 """
