@@ -11,7 +11,8 @@ shared head's logits and the argmax.  Eager and CUDA-graph replay times (CUDA ev
 rotated so nothing is served from L2), the weights' bytes, the KV cache's bytes per token, the
 step's peak memory above the weights, and a bandwidth floor (the bytes a step must read at the
 measured copy bandwidth: attention / eh_proj / head weights, the distinct experts the batch hit,
-the KV it reads).  Writes DIR/probe_deepseek_mtp.json.
+the KV it reads), and for the --breakdown batches each part of the step timed alone in a graph.
+Writes DIR/probe_deepseek_mtp.json.
 """
 
 from __future__ import annotations
@@ -156,6 +157,100 @@ def read_bytes(head, inputs, context: int) -> int:
     return other + int(ids.unique().numel()) * expert + kv + inputs[0].shape[0] * layer.embed_tokens.weight.shape[1] * 2
 
 
+def parts(head, cache, inputs) -> dict:
+    """The step's pieces, each a closure over fixed inputs (for a per-part graph timing)."""
+    from drafter.attention.mla import paged_mla_attention
+
+    ids, pos, hidden, meta = inputs
+    layer = head.layers[0]
+    attn, moe = layer.self_attn, layer.mlp
+    x = hidden
+    q_nope, q_pe, _ = attn.project(x, pos)
+    q = torch.cat((torch.einsum("nhd,hdc->nhc", q_nope, attn.w_uk), q_pe), dim=-1)
+    latent = torch.randn(x.shape[0], attn.num_local_heads * attn.shape.v_head_dim, device="cuda",
+                         dtype=torch.bfloat16)
+    bias = moe.gate.e_score_correction_bias
+    weights, expert_ids = route(moe.gate(x), bias, moe.shape)
+    return {
+        "embed+eh_proj": lambda: layer.eh_proj(torch.cat((layer.enorm(layer.embed_tokens(ids)), layer.hnorm(x)), -1)),
+        "attention": lambda: attn(x, pos, cache, meta),
+        "attention.project": lambda: attn.project(x, pos),
+        "attention.attend": lambda: paged_mla_attention(q, cache, meta, attn.shape.softmax_scale, attn.shape.kv_lora_rank),
+        "attention.o_proj": lambda: attn.o_proj(latent),
+        "moe": lambda: moe(x),
+        "moe.route": lambda: route(moe.gate(x), bias, moe.shape),
+        "moe.routed_experts": lambda: moe._routed_grouped(x, weights, expert_ids),
+        "moe.shared_expert": lambda: moe.shared_experts(x),
+        "logits+argmax": lambda: head.compute_logits(x).argmax(-1),
+    }
+
+
+@torch.no_grad()
+def breakdown(head, batch: int, context: int) -> dict:
+    caches, inputs = decode_case(head, batch, context)
+    out = {}
+    for name, fn in parts(head, caches[0], inputs).items():
+        fn()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        g.replay()
+        out[name] = round(time_ms(lambda i: g.replay()), 3)
+    return out
+
+
+@torch.no_grad()
+def gemm_sweep(head, batch: int, log) -> list[dict]:
+    """The routed experts' gate projection at this batch under each launch shape, graph-timed."""
+    from drafter.kernels.fp8_gemm import BLOCK_M, GemmLaunch, grouped_gemm
+    from drafter.models.moe import plan_slots
+
+    moe = head.layers[0].mlp
+    x = torch.randn(batch, head.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    _, ids = route(moe.gate(x), moe.gate.e_score_correction_bias, moe.shape)
+    rows, _, experts = plan_slots(ids, 0, len(moe.experts), BLOCK_M)
+    out = []
+    for proj in ("gate_proj", "down_proj"):
+        weight, scale, block = moe.stacked[proj]
+        xin = x if proj == "gate_proj" else torch.randn(batch, weight.shape[2], device="cuda", dtype=torch.bfloat16)
+        for bn in (32, 64, 128):
+            for warps in (2, 4, 8):
+                for stages in (2, 3, 4, 5):
+                    launch = GemmLaunch(bn, warps, stages)
+                    try:
+                        grouped_gemm(xin, rows, experts, weight, scale, block, launch)
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            grouped_gemm(xin, rows, experts, weight, scale, block, launch)
+                        ms = time_ms(lambda i: g.replay())
+                    except Exception as err:  # noqa: BLE001 - a shape that does not compile is recorded
+                        ms = f"{type(err).__name__}"
+                    out.append(dict(batch=batch, proj=proj, block_n=bn, warps=warps, stages=stages, ms=ms))
+        best = min((r for r in out if r["proj"] == proj and isinstance(r["ms"], float)), key=lambda r: r["ms"])
+        log(f"gemm sweep batch {batch} {proj}: best {best}")
+    return out
+
+
+@torch.no_grad()
+def moe_agreement(head, batch: int = 8) -> float:
+    """Largest relative difference between the grouped-kernel MoE and the per-expert loop (torch's
+    dequantise-and-matmul for every expert), on one random batch: the GPU path's sanity check."""
+    moe = head.layers[0].mlp
+    x = torch.randn(batch, head.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    grouped = moe(x).float()
+    stacked, moe.stacked = moe.stacked, None
+    kernels = [m for m in moe.modules() if isinstance(m, FP8Linear)]
+    for m in kernels:
+        m.kernel = False
+    try:
+        loop = moe(x).float()
+    finally:
+        moe.stacked = stacked
+        for m in kernels:
+            m.kernel = True
+    return float((grouped - loop).abs().max() / loop.abs().max())
+
+
 def probe(args, weights: str, bandwidth: float, log) -> list[dict]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -163,7 +258,10 @@ def probe(args, weights: str, bandwidth: float, log) -> list[dict]:
     head = random_head(weights == "fp8")
     wbytes = weight_bytes(head)
     log(f"[{weights}] built in {time.perf_counter() - t0:.1f} s, weights {wbytes / 2**30:.2f} GiB")
-    rows = []
+    rows = [dict(weights=weights, moe_kernel_vs_torch_max_rel_diff=moe_agreement(head))]
+    log(json.dumps(rows[0]))
+    for batch in args.sweep:
+        rows += gemm_sweep(head, batch, log)
     for batch in args.batches:
         caches, inputs = decode_case(head, batch, args.context)
         with torch.no_grad():
@@ -181,6 +279,8 @@ def probe(args, weights: str, bandwidth: float, log) -> list[dict]:
                    read_floor_ms=round(floor_ms, 3), weight_gib=round(wbytes / 2**30, 3),
                    kv_bytes_per_token=head.config.layers[0].attn.cache_width * 2,
                    step_peak_mib=round(peak / 2**20, 1))
+        if batch in args.breakdown:
+            row["parts_graph_ms"] = breakdown(head, batch, args.context)
         log(json.dumps(row))
         rows.append(row)
         del caches, inputs
@@ -194,8 +294,12 @@ def main() -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32,64")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--weights", default="fp8,bf16")
+    p.add_argument("--breakdown", default="1,64", help="batches whose step is also timed part by part")
+    p.add_argument("--sweep", default="", help="batches at which to sweep the expert GEMM's launch shapes")
     args = p.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.breakdown = [int(b) for b in args.breakdown.split(",") if b]
+    args.sweep = [int(b) for b in args.sweep.split(",") if b]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)

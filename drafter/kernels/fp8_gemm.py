@@ -1,9 +1,10 @@
 """Weight GEMMs over FP8 block-quantised (or plain) weights, grouped by expert, in one Triton kernel.
 
-    out[s, :] = x[rows[s], :] @ W[e(s)]^T      for every slot s with rows[s] >= 0
+    out[dest[s], :] = x[rows[s], :] @ W[e(s)]^T      for every slot s with rows[s] >= 0
 
 where slots come in blocks of BLOCK_M that all use one weight matrix e (expert_of_block; -1 = an
-unused block).  A dense linear is the one-expert case (rows = 0 .. M-1).  FP8 weights are
+unused block).  dest (default: the slot itself) scatters results to compact rows, e.g. one row
+per (token, expert) pair.  A dense linear is the one-expert case (rows = dest = 0 .. M-1).  FP8 weights are
 dequantised tile by tile in registers: element (n, k) of expert e is
     float(W_fp8[e, n, k]) * scale_inv[e, n // BR, k // BC]
 and multiplied in the activations' dtype (float32 inputs use IEEE fp32 dots) with float32
@@ -14,11 +15,21 @@ Slots of padding rows are left unwritten: callers never read them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_M = 16  # slots per block: the smallest tile tl.dot takes
+
+
+@dataclass(frozen=True)
+class GemmLaunch:
+    """Tile and pipeline shape of a grouped_gemm launch (None: chosen from N)."""
+    block_n: int | None = None
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @triton.jit
@@ -28,7 +39,8 @@ def grouped_gemm_kernel(
     expert_ptr,  # [num_slots // BLOCK_M] int32: the weight matrix of each block of slots, -1 = unused
     w_ptr, stride_we, stride_wn,  # [E, N, K], fp8 (with scales) or the activations' dtype
     s_ptr, stride_se, stride_sn,  # [E, ceil(N / BR), ceil(K / BC)] float32 (ignored without HAS_SCALE)
-    out_ptr, stride_om,  # [num_slots, N]
+    dest_ptr,  # [num_slots] int32: the output row of each slot
+    out_ptr, stride_om,  # [num_out, N]
     N, K,
     BR: tl.constexpr, BC: tl.constexpr, HAS_SCALE: tl.constexpr, TILE_SCALE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -67,7 +79,8 @@ def grouped_gemm_kernel(
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    out = out_ptr + slots.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    dest = tl.load(dest_ptr + slots)
+    out = out_ptr + dest.to(tl.int64)[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & n_ok[None, :])
 
 
@@ -82,26 +95,31 @@ def grouped_gemm(
     weight: torch.Tensor,  # [E, N, K]
     scale_inv: torch.Tensor | None,  # [E, ceil(N / BR), ceil(K / BC)] float32, with fp8 weights
     block: tuple[int, int] | None,
-) -> torch.Tensor:  # [num_slots, N], x's dtype; padding slots unwritten
+    launch: GemmLaunch = GemmLaunch(),
+    dest: torch.Tensor | None = None,  # [num_slots] int32 output row per slot (None: the slot)
+    num_out: int | None = None,  # output rows when dest is given
+) -> torch.Tensor:  # [num_out or num_slots, N], x's dtype; rows no live slot writes stay unwritten
     num_slots = rows.shape[0]
     if num_slots % BLOCK_M or expert_of_block.shape[0] != num_slots // BLOCK_M:
         raise ValueError(f"{num_slots} slots must come in blocks of {BLOCK_M}, one expert each")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("grouped_gemm: the K dimension must be contiguous")
     _, n, k = weight.shape
-    out = torch.empty(num_slots, n, dtype=x.dtype, device=x.device)
+    if dest is None:
+        dest, num_out = torch.arange(num_slots, dtype=torch.int32, device=x.device), num_slots
+    out = torch.empty(num_out, n, dtype=x.dtype, device=x.device)
     has_scale = scale_inv is not None
     s = scale_inv if has_scale else weight  # any tensor: not read without HAS_SCALE
     br, bc = block if has_scale else (1, 1)
-    block_n = _block_n(n)
+    block_n = launch.block_n or _block_n(n)
     block_k = 128 if k >= 128 else triton.next_power_of_2(max(k, 16))
     tile_scale = has_scale and br % block_n == 0 and bc % block_k == 0
     grid = (num_slots // BLOCK_M, triton.cdiv(n, block_n))
     grouped_gemm_kernel[grid](
         x, x.stride(0), rows, expert_of_block, weight, weight.stride(0), weight.stride(1),
-        s, s.stride(0) if has_scale else 0, s.stride(1) if has_scale else 0, out, out.stride(0), n, k,
+        s, s.stride(0) if has_scale else 0, s.stride(1) if has_scale else 0, dest, out, out.stride(0), n, k,
         BR=br, BC=bc, HAS_SCALE=has_scale, TILE_SCALE=tile_scale, IEEE=x.dtype == torch.float32,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out
 
 
@@ -118,4 +136,4 @@ def dense_gemm(
     rows = torch.where(rows < m, rows, -1)
     experts = torch.zeros(slots // BLOCK_M, dtype=torch.int32, device=x.device)
     scale = scale_inv[None] if scale_inv is not None else None
-    return grouped_gemm(x.contiguous(), rows, experts, weight[None], scale, block)[:m]
+    return grouped_gemm(x.contiguous(), rows, experts, weight[None], scale, block, dest=rows, num_out=m)

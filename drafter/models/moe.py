@@ -156,20 +156,23 @@ class MoE(nn.Module):
             self.stacked[proj] = (weight, scale, layers[0].block if scale is not None else None)
 
     def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_k weights_k * expert_{ids_k}(x) through three grouped kernel launches, [n, hidden] float32."""
+        """sum_k weights_k * expert_{ids_k}(x) through three grouped kernel launches, [n, hidden] float32.
+        The launches write one row per (token, expert) pair, so the elementwise work and the sum
+        over k touch n * top_k rows, not the padded slots."""
         from drafter.kernels.fp8_gemm import BLOCK_M, grouped_gemm
 
+        n, k = ids.shape
         rows, pair, expert_of_block = plan_slots(ids, self.first_expert, len(self.experts), BLOCK_M)
+        pair = pair.to(torch.int32)
         x = x.contiguous()
-        gate = grouped_gemm(x, rows, expert_of_block, *self.stacked["gate_proj"])
-        up = grouped_gemm(x, rows, expert_of_block, *self.stacked["up_proj"])
-        live = rows >= 0
-        own = torch.where(live, torch.arange(rows.shape[0], device=x.device, dtype=torch.int32), -1)
-        y = grouped_gemm(F.silu(gate) * up, own, expert_of_block, *self.stacked["down_proj"])  # [S, hidden]
-        w = torch.where(live, weights.flatten()[pair.clamp(min=0)], 0.0)
-        contribution = torch.where(live[:, None], y.float() * w[:, None], 0.0)
-        token = torch.where(live, rows, 0).long()
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token, contribution)
+        gate = grouped_gemm(x, rows, expert_of_block, *self.stacked["gate_proj"], dest=pair, num_out=n * k)
+        up = grouped_gemm(x, rows, expert_of_block, *self.stacked["up_proj"], dest=pair, num_out=n * k)
+        y = grouped_gemm(F.silu(gate) * up, pair, expert_of_block, *self.stacked["down_proj"], dest=pair,
+                         num_out=n * k)  # [n * k, hidden]; other ranks' pairs unwritten
+        local = ids.flatten() - self.first_expert
+        mine = (local >= 0) & (local < len(self.experts))
+        contribution = torch.where(mine[:, None], y.float() * weights.flatten()[:, None], 0.0)
+        return contribution.view(n, k, -1).sum(dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         bias = self.gate.e_score_correction_bias

@@ -86,3 +86,30 @@ def test_latent_rows_land_at_their_slots_and_padding_writes_nothing():
     flat = cache.view(-1, 40)
     assert torch.equal(flat[[5, 0, 11]], rows[[0, 2, 3]])
     assert flat.abs().sum(-1).nonzero().flatten().tolist() == [0, 5, 11]
+
+
+def test_expert_parallel_rank_sums_only_its_own_experts_through_the_kernels():
+    from drafter.models.deepseek_config import parse_deepseek
+    from drafter.models.moe import MoE, route
+    from drafter.models.sharding import Shard
+    from drafter.models.tiny_deepseek import deepseek_config
+
+    shape = parse_deepseek(deepseek_config(TinyDeepseekSizes(fp8_block=(16, 32)))).layers[0].moe
+    g = torch.Generator().manual_seed(7)
+    moe = MoE(shape, (16, 32), Shard(1, 2))  # experts 4 .. 7
+    for module in moe.modules():
+        if isinstance(module, fp8.FP8Linear):
+            module.weight, module.weight_scale_inv = fp8.quantize(torch.randn(module.weight.shape, generator=g),
+                                                                  (16, 32))
+    x = torch.randn(9, 64, generator=g)
+    weights, ids = route(torch.randn(9, 8, generator=g), None, shape)
+    expected = torch.zeros(9, 64)
+    for t in range(9):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if 4 <= e < 8:
+                expected[t] += weights[t, j] * moe.experts[str(e)](x[t:t + 1])[0]
+    moe.stack_experts()
+    with checking():
+        got = moe._routed_grouped(x, weights, ids)
+    assert torch.allclose(got, expected, atol=1e-4)
