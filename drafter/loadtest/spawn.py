@@ -19,14 +19,18 @@ import threading
 from pathlib import Path
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec (Linux): SIGTERM when the process that spawned it dies, so that a
-    load generator killed outright (SIGKILL) does not leave its drafter behind either."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+# On Linux the child first asks for SIGTERM when this process dies, then becomes `drafter serve`
+# (execv keeps that wish), so that a load generator killed outright (SIGKILL) leaves no drafter
+# behind either.  Done in the child's own Python rather than a preexec_fn, which can deadlock a
+# child forked from a threaded process.
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
+                    "os.execv(sys.argv[1], sys.argv[1:])")
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+def _launcher(args: list[str]) -> list[str]:
+    if sys.platform.startswith("linux"):
+        return [sys.executable, "-c", _DIE_WITH_PARENT, *args]
+    return list(args)
 
 
 class SpawnedServer:
@@ -54,8 +58,7 @@ class SpawnedServer:
         """Start it and wait for its ready line; on any failure (Ctrl-C included) it is stopped again."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=log, env=self.env,
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(_launcher(self.args), stdout=subprocess.PIPE, stderr=log, env=self.env)
         threading.Thread(target=self._read, daemon=True, name="server-stdout").start()
         try:
             self.ready = self._wait_ready(timeout_s)

@@ -309,3 +309,41 @@ def test_the_spawned_drafter_stops_when_the_output_pipe_closes(tmp_path):
     finally:
         for pid in _holding(out / "server.log"):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "pidfd_open"), reason="needs pidfd (Linux)")
+def test_the_spawned_drafter_stops_when_the_load_generator_is_killed(tmp_path):
+    """SIGKILL runs no finally: the drafter learns of its parent's death from the kernel (PDEATHSIG)."""
+    import os
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    from tests.support.servers import REPO
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "drafter", "loadtest", "--tiny", "eagle3", "--spawn-server",
+                             "--device", "cpu", "--rate", "2", "--duration", "120", "--warmup", "1", "--out", str(out),
+                             "--quiet", "--no-plot", "--server-arg=--torch-threads=1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    pids = []
+    try:
+        for line in proc.stderr:  # the line it prints once its drafter is ready
+            if line.startswith("drafter serve ready"):
+                break
+        pids = _holding(out / "server.log")
+        assert len(pids) == 1, pids
+        server = os.pidfd_open(pids[0])
+        proc.kill()
+        proc.wait()
+        gone, _, _ = select.select([server], [], [], 60)  # readable once the drafter has exited
+        os.close(server)
+        assert gone, "the spawned drafter outlived a killed load generator"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in _holding(out / "server.log"):
+            os.kill(pid, signal.SIGKILL)
