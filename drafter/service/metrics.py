@@ -30,7 +30,7 @@ class ReplyLedger:
     returned, at most wait_s (a wedged event loop must not wedge the scrapes too).
     """
 
-    def __init__(self, wait_s: float = 2.0):
+    def __init__(self, wait_s: float = 5.0):
         self.wait_s = wait_s
         self.on_wait = None  # test hook: called in the scraping thread when a scrape has to wait
         self._cond = threading.Condition()
