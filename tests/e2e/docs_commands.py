@@ -19,8 +19,9 @@ skipped for a reason from SKIPS, the one list of what this machine cannot do:
 A block can also opt out explicitly: a line `<!-- docs-check: skip REASON -->` right before its
 fence (for what SKIPS cannot tell, e.g. a slow benchmark).
 
-How a command runs: `bash -c` in a fresh temporary directory (its outputs land there; absolute
-paths such as /tmp/tiny stay as written), with `drafter` and `drafter-loadtest` on PATH as this
+How a command runs: `bash -c` in a temporary directory, one per document, in document order (its
+outputs land there and a later example may use them; absolute paths such as /tmp/tiny stay as
+written), with `drafter` and `drafter-loadtest` on PATH as this
 checkout's code, at most TIMEOUT_S.  `drafter serve` runs until its JSON "ready" line, then gets
 SIGTERM and must drain and exit 0 (it serves forever otherwise).  Every command must exit 0, and
 some must also print what the text promises (EXPECT) and not what it must not (REJECT).

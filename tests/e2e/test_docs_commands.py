@@ -25,13 +25,16 @@ def test_the_readme_and_docs_have_runnable_commands():
 
 @pytest.fixture(scope="module")
 def workdirs():
-    made = []
+    """One working directory per document: its commands run in order there, so a later example may
+    use what an earlier one wrote (relative paths included)."""
+    made: dict[str, object] = {}
 
-    def new():
-        made.append(docs_commands.fresh_workdir())
-        return made[-1]
-    yield new
-    for d in made:
+    def of(doc: str):
+        if doc not in made:
+            made[doc] = docs_commands.fresh_workdir()
+        return made[doc]
+    yield of
+    for d in made.values():
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -39,5 +42,5 @@ def workdirs():
 def test_documented_command(cmd, workdirs):
     if cmd.skip:
         pytest.skip(f"{cmd.id} `{cmd.text[:60]}`: {cmd.skip}")
-    passed, what = docs_commands.run(cmd, workdirs())
+    passed, what = docs_commands.run(cmd, workdirs(cmd.doc))
     assert passed, f"{cmd.id}: `{cmd.run}`: {what}"
