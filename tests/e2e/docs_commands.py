@@ -164,6 +164,8 @@ def all_commands() -> list[Command]:
         for first, lang, body, opted_out in blocks(path.read_text()):
             if lang not in SHELLS:
                 continue
+            if lang == "console":  # a transcript: only `$ ` lines are commands, the rest is output
+                body = [ln.split("$ ", 1)[1] if ln.lstrip().startswith("$ ") else "" for ln in body]
             for line, text in commands_of(body, first):
                 out.append(classify(doc, line, text, opted_out))
     return out
