@@ -35,9 +35,9 @@ NOTHING_ANSWERED = 3  # exit status: some transport got no successful call in an
 
 # Defaults that fit the drafter's device: a CPU drafter serves a tiny head in tens of ms a call.
 PROFILES = {
-    "cpu": dict(rates=(8.0, 16.0, 32.0, 64.0), max_num_seqs=8, max_num_batched_tokens=256,
+    "cpu": dict(rates=(8.0, 16.0, 32.0, 64.0, 128.0, 256.0), max_num_seqs=8, max_num_batched_tokens=256,
                 prompt_len="lognormal:64:0.8", output_len="lognormal:48:0.7", prefill_chunk=64, max_model_len=512),
-    "gpu": dict(rates=(100.0, 200.0, 400.0, 800.0), max_num_seqs=64, max_num_batched_tokens=2048,
+    "gpu": dict(rates=(100.0, 200.0, 400.0, 800.0, 1600.0, 3200.0), max_num_seqs=64, max_num_batched_tokens=2048,
                 prompt_len="lognormal:256:0.8", output_len="lognormal:192:0.7", prefill_chunk=512,
                 max_model_len=2048),
 }
@@ -113,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mode", type=_list(str), default=["open"], help="open | closed, or both: open,closed [open]")
     g.add_argument("--rate", type=_list(float), default=None,
                    help="open loop: calls/s over all sessions; a comma list makes one run per rate [doubling from "
-                        "8 (CPU drafter) or 100 (GPU) until a rate loses > 1%% of its calls, at most 4 runs]")
+                        "8 (CPU drafter) or 100 (GPU) until a rate loses > 1%% of its calls, at most 6 runs]")
     g.add_argument("--arrival", choices=ARRIVALS, default="poisson", help="open-loop arrivals [poisson]")
     g.add_argument("--max-inflight", type=int, default=8, help="open loop: senders (connections) per session [8]")
     g.add_argument("--concurrency", type=int, default=1, help="closed loop: calls in flight per session [1]")
