@@ -13,6 +13,7 @@ and exits non-zero; the traceback stays out of sight (the log has it at debug le
 from __future__ import annotations
 
 import errno
+import re
 from pathlib import Path
 
 from drafter.service.config import ServerConfig
@@ -142,6 +143,7 @@ def load_error(cfg: ServerConfig, exc: BaseException) -> StartupError | None:
     if isinstance(exc, KeyError):
         text = f"a key is missing: {exc}"
     if not cfg.target_model and "target" in text:
+        text = re.sub(r":\s*pass the target[^;]*$", "", text)  # the fix below says it with the flag
         return StartupError("target-model", "(not given)", text,
                             "pass --target-model DIR: the target checkpoint whose embeddings / lm_head the head uses")
     if isinstance(exc, RuntimeError) and ("CUDA" in text or "cuda" in text):
