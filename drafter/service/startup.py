@@ -50,11 +50,12 @@ def check_device(device: str) -> None:
 
 
 def check_checkpoint(cfg: ServerConfig) -> None:
-    from drafter.models.spec import parse_head
+    from drafter.models.spec import parse_head, read_config
 
-    head = _config_json(cfg.model, "model", "the draft head's checkpoint directory")
+    _config_json(cfg.model, "model", "the draft head's checkpoint directory")
     if cfg.target_model:
         _config_json(cfg.target_model, "target-model", "the target's checkpoint directory")
+    head = read_config(cfg.model)  # remembers its file: the parser's refusals name it
     try:
         parse_head(head, cfg.method)
     except (KeyError, ValueError, TypeError) as exc:
