@@ -72,7 +72,8 @@ class SpawnedServer:
             try:
                 ev = self.events.get(timeout=timeout_s)
             except queue.Empty:
-                raise TimeoutError(f"drafter serve was not ready within {timeout_s} s; log: {self.log_tail()}") from None
+                raise TimeoutError(f"the spawned drafter was not ready within {timeout_s} s (--ready-timeout); "
+                                   f"its log: {self.log_path}: {self.last_log_line()}") from None
             if ev.get("event") == "ready":
                 return ev
             if ev.get("event") in ("failed", "eof"):

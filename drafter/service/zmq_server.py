@@ -17,8 +17,8 @@ encodes and sends the reply itself as soon as the drafts are on the host.  Each 
 under its own lock (ZMQ sockets are not thread-safe; a lock serialises the loop's reads and the
 engine thread's replies).  The bookkeeping (metrics, in-flight counts) follows in the event loop,
 off the reply's path; each such reply holds a ticket of metrics.ReplyLedger until its metrics are
-recorded, so a scrape after the reply still counts the call.  Errors are answered from the event loop.  Attach, Detach and Info run as
-tasks, as they await the core.
+recorded, so a scrape after the reply still counts the call.  Errors are answered from the event
+loop.  Attach, Detach and Info run as tasks, as they await the core.
 """
 
 from __future__ import annotations
