@@ -241,6 +241,16 @@ def _run_fleet(fcfg, by_dp, out, drafters, cfg: DemoConfig):
 
 
 # --------------------------------------------------------------------------- the report
+def drafter_lines(started, drafters) -> list[str]:
+    """One line per drafter as it was started (name, pid, ports, epoch), plus its restart if --chaos
+    restarted it: the epochs agree with the chaos line's "old -> new"."""
+    out = []
+    for (name, pid, grpc_port, zmq_port, epoch), d in zip(started, drafters):
+        again = f" (restarted: pid {d.pid}, epoch {d.epoch})" if (d.pid, d.epoch) != (pid, epoch) else ""
+        out.append(f"{name}: pid {pid}, gRPC :{grpc_port}, ZMQ :{zmq_port}, epoch {epoch}{again}")
+    return out
+
+
 def _report(console, cfg, report, result, reference, drafters, started, fleet_s, chaos_note) -> list[str]:
     from rich.table import Table
 
@@ -252,9 +262,8 @@ def _report(console, cfg, report, result, reference, drafters, started, fleet_s,
     console.print(f"pair trained here in {report.seconds:.1f} s: target corpus loss {report.target_loss:.2f} "
                   f"(floor {report.corpus_entropy:.2f}); {report.method} head held-out accuracy per position "
                   f"{[round(a, 2) for a in report.head_accuracy]}")
-    for (name, pid, grpc_port, zmq_port, epoch), d in zip(started, drafters):
-        again = f" (restarted: pid {d.pid}, epoch {d.epoch})" if d.pid != pid else ""
-        console.print(f"{name}: pid {pid}, gRPC :{grpc_port}, ZMQ :{zmq_port}, epoch {epoch}{again}")
+    for line in drafter_lines(started, drafters):
+        console.print(line)
     if chaos_note:
         console.print(f"chaos: {chaos_note}")
 
