@@ -251,6 +251,19 @@ def moe_agreement(head, batch: int = 8) -> float:
     return float((grouped - loop).abs().max() / loop.abs().max())
 
 
+@torch.no_grad()
+def attention_agreement(head, batch: int = 8, context: int = 300) -> float:
+    """Largest relative difference between the MLA attention kernel and torch's gathered form."""
+    from drafter.attention.mla import paged_mla_attention, paged_mla_attention_gathered
+
+    caches, (ids, pos, hidden, meta) = decode_case(head, batch, context)
+    attn = head.layers[0].self_attn
+    q = torch.randn(batch, attn.num_local_heads, attn.shape.cache_width, device="cuda", dtype=torch.bfloat16)
+    args = (q, caches[0], meta, attn.shape.softmax_scale, attn.shape.kv_lora_rank)
+    kernel, torch_form = paged_mla_attention(*args).float(), paged_mla_attention_gathered(*args).float()
+    return float((kernel - torch_form).abs().max() / torch_form.abs().max())
+
+
 def probe(args, weights: str, bandwidth: float, log) -> list[dict]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -258,7 +271,8 @@ def probe(args, weights: str, bandwidth: float, log) -> list[dict]:
     head = random_head(weights == "fp8")
     wbytes = weight_bytes(head)
     log(f"[{weights}] built in {time.perf_counter() - t0:.1f} s, weights {wbytes / 2**30:.2f} GiB")
-    rows = [dict(weights=weights, moe_kernel_vs_torch_max_rel_diff=moe_agreement(head))]
+    rows = [dict(weights=weights, moe_kernel_vs_torch_max_rel_diff=moe_agreement(head),
+                 attention_kernel_vs_torch_max_rel_diff=attention_agreement(head))]
     log(json.dumps(rows[0]))
     for batch in args.sweep:
         rows += gemm_sweep(head, batch, log)

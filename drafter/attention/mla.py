@@ -1,4 +1,5 @@
-"""Paged attention over MLA's compressed KV cache, in plain torch (the behaviour faster kernels must match).
+"""Paged attention over MLA's compressed KV cache: its torch forms (what the kernels must match),
+and the dispatch to drafter.kernels on a GPU.
 
 A layer's cache is [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]: per token the
 normed latent c_kv followed by the rotated k_pe, addressed by the same block tables and slot
@@ -51,10 +52,26 @@ def paged_mla_attention(
     """Softmax(q . entry * scale) over each query token's visible tokens, weighting their latents.
 
     Without a tree the work is laid out from tensor shapes only (each token finds its request by a
-    search over query_start_loc and gathers its request's whole block-table row), so no value is
-    read on the host and a CUDA graph can capture it.  Tree steps take the per-request path."""
+    search over query_start_loc), so no value is read on the host and a CUDA graph can capture it:
+    on a GPU one Triton kernel, elsewhere torch gathers.  Tree steps take the per-request path."""
     if meta.tree_mask is not None:
         return paged_mla_attention_per_request(q, cache, meta, scale, latent_dim)
+    if q.is_cuda:  # the same computation as one Triton kernel (drafter.kernels.mla_attention)
+        from drafter.kernels.mla_attention import mla_attention
+
+        return mla_attention(q, cache, meta.query_start_loc, meta.seq_lens, meta.block_table, scale, latent_dim)
+    return paged_mla_attention_gathered(q, cache, meta, scale, latent_dim)
+
+
+def paged_mla_attention_gathered(
+    q: torch.Tensor,  # [num_tokens, num_heads, width]
+    cache: torch.Tensor,  # [num_blocks, block_size, width]
+    meta: AttentionMetadata,
+    scale: float,
+    latent_dim: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, latent_dim]
+    """The torch form of paged_mla_attention without a tree: every token gathers its request's
+    whole block-table row (memory grows with max_model_len; the GPU uses the kernel instead)."""
     starts = meta.query_start_loc.long()
     tokens = torch.arange(q.shape[0], device=q.device)
     req = torch.searchsorted(starts[1:], tokens, right=True).clamp(max=starts.shape[0] - 2)  # [n]

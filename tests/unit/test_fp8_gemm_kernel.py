@@ -113,3 +113,22 @@ def test_expert_parallel_rank_sums_only_its_own_experts_through_the_kernels():
     with checking():
         got = moe._routed_grouped(x, weights, ids)
     assert torch.allclose(got, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads,latent,rope", [(4, 32, 8), (20, 64, 16)])
+def test_mla_attention_kernel_matches_the_per_request_loop(heads, latent, rope):
+    from drafter.attention.mla import paged_mla_attention_per_request
+    from drafter.kernels.mla_attention import mla_attention
+
+    g = torch.Generator().manual_seed(8)
+    cache = torch.randn(12, 16, latent + rope, generator=g)
+    table = torch.randint(0, 12, (4, 4), generator=g, dtype=torch.int32)
+    # requests of 3, 0 (padded), 1 and 5 query tokens (the last over 50 keys: two tiles); two padding rows
+    meta = AttentionMetadata(query_start_loc=torch.tensor([0, 3, 3, 4, 9], dtype=torch.int32),
+                             seq_lens=torch.tensor([20, 0, 1, 50], dtype=torch.int32), block_table=table,
+                             slot_mapping=torch.full((11,), -1), block_size=16)
+    q = torch.randn(11, heads, latent + rope, generator=g)
+    with checking():
+        got = mla_attention(q, cache, meta.query_start_loc, meta.seq_lens, table, 0.2, latent)
+    assert torch.allclose(got, paged_mla_attention_per_request(q, cache, meta, 0.2, latent), atol=1e-5)
+    assert got[9:].abs().max() == 0
