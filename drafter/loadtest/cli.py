@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="spawned drafter's KV block size [16]")
     g.add_argument("--server-arg", action="append", default=[], metavar="--FLAG=VALUE",
                    help="extra `drafter serve` flag for the spawned drafter (repeat), e.g. "
-                        "--server-arg=--batch-window-us=200")
+                        "--server-arg=--batch-window-us=200 (on a CPU it runs --torch-threads 1 unless given)")
     g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the spawned "
                                                                       "drafter's ready line [600]")
 
@@ -251,6 +251,10 @@ def _server(ns, out: Path, tmp: Path):
     settings = dict(num_speculative_tokens=ns.k, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
                     max_num_batched_tokens=ns.max_num_batched_tokens, block_sizes=ns.block_size,
                     kv_blocks=ns.dp * per_session, max_sessions=max(ns.dp, 1) + 1)
+    if _device(ns.device) == "cpu" and not any(a.startswith("--torch-threads") for a in ns.server_arg):
+        # OpenMP threads gain a small head nothing and, on a busy few-core host, make every call wait
+        # for a thread the OS parked: one thread (--server-arg=--torch-threads=N to change)
+        settings["torch_threads"] = 1
     server = SpawnedServer(method=method, model=str(model), target_model=str(target) if target else None,
                            device=ns.device, settings=settings, log_path=out / "server.log",
                            extra_args=ns.server_arg)
