@@ -12,7 +12,7 @@
 #   gpu.txt                   nvidia-smi + torch versions
 #   index.json                one line of numbers per run
 #   loadtest_results.tgz      per run: REPORT.json (raw samples) + REPORT.png; server.log; index.json
-# Commit the unpacked results under bench/results/loadtest-<device>-<date>/.
+# Commit the unpacked results under bench/results/<date>-<device>-loadtest/.
 #
 # The GPU host lacks pyzmq, msgspec, grpcio-health-checking, grpcio-reflection (and grpcio-tools):
 # carry them as wheels in .whl/ and carry the generated stubs drafter/_proto/drafter/v1 (made on

@@ -2,7 +2,7 @@
 
     python bench/probe_host.py --out DIR [--k 5 --batch 16 --ctx 1024 --before 5 --after 40]
 
-The 2026-11-24 record (bench/results/2026-11-24-h100/final-3) timed k=5's host time at 111-127 us
+The 2026-11-24 record (bench/results/2026-11-24-h100-row-scale-norm) timed k=5's host time at 111-127 us
 in one stretch of rows right after that engine's capture, and 29-39 us for the same calls a
 minute later; a first run of this probe found a fixed pure-Python workload (bench.host_calibration)
 twice as slow in that stretch as after it.  This samples, every --interval seconds, for --before

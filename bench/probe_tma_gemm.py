@@ -3,7 +3,7 @@
     python bench/probe_tma_gemm.py --out DIR [--rows 16,32,64]
 
 At 64 rows both cuBLAS and drafter's skinny kernel (pointer loads, cp.async) stream the Llama-8B
-step weights at only 0.80-0.84 of copy bandwidth (bench/results/2026-11-24-h100/split-k-probe).
+step weights at only 0.80-0.84 of copy bandwidth (bench/results/2026-11-24-h100-split-k-probe).
 This times plain x @ W.T (no fused work) for each step weight, device microseconds from graph
 replays over three weight copies, for:
   cublas   F.linear
