@@ -35,7 +35,7 @@ class ServiceTransport:
         self._stream = None
 
     def attach(self, spec: SessionSpec, timeout: float) -> SessionInfo:
-        from drafter.service import schema
+        from drafter.wire import schema
 
         req = schema.AttachRequest(
             protocol_version=PROTOCOL_VERSION, method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,

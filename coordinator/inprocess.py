@@ -15,7 +15,7 @@ from pathlib import Path
 
 from drafter.config import EngineConfig
 from drafter.engine import DraftEngine
-from drafter.inputs import InvalidInput
+from drafter.wire.errors import InvalidInput
 from drafter.models.loader import load_head
 
 from coordinator.session import Code, DrafterError, SessionInfo, SessionSpec

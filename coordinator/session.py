@@ -7,7 +7,7 @@ Per-step propose calls then carry exactly DraftEngine.propose's keywords.
 
 Any transport with attach / propose / detach / close fits DraftTransport: the in-process one
 (coordinator.inprocess) wraps a DraftEngine; the gRPC and ZMQ clients speak to `drafter serve`.
-Errors are drafter.service.errors.DrafterError, with the same codes on every transport (DESIGN 5).
+Errors are drafter.wire.errors.DrafterError, with the same codes on every transport (DESIGN 5).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Protocol
 import torch
 
 from drafter.config import KVGroupSpec
-from drafter.service.errors import Code, DrafterError  # noqa: F401 (re-exported for transports)
+from drafter.wire.errors import Code, DrafterError  # noqa: F401 (re-exported for transports)
 
 PROTOCOL_VERSION = 1
 
 # Error codes by gRPC status name, the same on every transport.  Errors are
-# drafter.service.errors.DrafterError (code: Code, field, message); compare code_name(e) with these.
+# drafter.wire.errors.DrafterError (code: Code, field, message); compare code_name(e) with these.
 INVALID_ARGUMENT = Code.INVALID_ARGUMENT.name
 NOT_FOUND = Code.NOT_FOUND.name  # unknown session
 FAILED_PRECONDITION = Code.FAILED_PRECONDITION.name  # stale epoch: the drafter restarted

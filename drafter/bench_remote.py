@@ -13,7 +13,7 @@ Reported per transport: round-trip p50/p90 and the ratio of the p50 to the in-pr
 trusted call a target makes in its own process (`propose(..., validate=False)` on GPU-resident
 inputs, drafts copied to the host, which is what the client gets), and also to the validated call
 on GPU inputs and on CPU tensors (as a server is fed); and, from the stage probes
-(drafter.service.probes, on in both processes), round trip minus the server's engine time per call
+(drafter.wire.probes, on in both processes), round trip minus the server's engine time per call
 and the p50/p90 of every client and server stage ("stages" in remote.json).
 """
 
@@ -85,7 +85,7 @@ def serve_main(argv: list[str]) -> int:
     code = asyncio.run(srv.serve(cfg))
     out = os.environ.get("DRAFTER_PROBES_OUT")
     if out:  # the stage probes of every call, for the bench's breakdown
-        from drafter.service import probes
+        from drafter.wire import probes
 
         if probes.RECORDER is not None:
             Path(out).write_text(json.dumps(probes.RECORDER.summary(skip=int(os.environ.get("DRAFTER_PROBES_SKIP",
@@ -145,7 +145,7 @@ CUDA_IPC_CLIENTS = ("zmq_cuda_ipc", "grpc_stream_cuda_ipc")
 
 def remote(model_dir: str, args, call: dict, log) -> dict:
     from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
-    from drafter.service import probes, schema
+    from drafter.wire import probes, schema
 
     run_dir = tempfile.mkdtemp(prefix="drafter-ipc-")  # 0700: only this user may reach the socket
     probes_out = Path(run_dir) / "server-probes.json"

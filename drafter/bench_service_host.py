@@ -28,11 +28,11 @@ import torch
 
 from drafter.bench_host import call_shape_args, per_call_us, report
 from drafter.bench_transport import BLOCK_SIZE, decode_call, null_engine
-from drafter.service import schema
+from drafter.wire import schema
 from drafter.service.batcher import EngineRunner, HostStager, Pending, _check_finite, _engine_validate
 from drafter.service.core import describe_engine
 from drafter.service.sessions import PROTOCOL_VERSION, SessionTable, check_call, offset_kwargs
-from drafter.service.wire import call_from_frames, call_to_frames
+from drafter.wire.tensors import call_from_frames, call_to_frames
 
 COLD_BYTES = 160 << 20  # the distinct calls cycled through: several times any last-level cache
 

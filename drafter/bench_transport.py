@@ -11,7 +11,7 @@ decode steps (batch 16, k + 1 = 4 tokens each, 3 x 4096 bf16 hidden states: 1.58
 the real clients (coordinator.transport) over ZMQ tcp://, ZMQ ipc://, gRPC stream and gRPC unary.
 
 Reported per transport: p50/p90 of (round trip - engine), and a per-stage breakdown from
-drafter.service.probes (client encode / send / wait / decode; server task start, header
+drafter.wire.probes (client encode / send / wait / decode; server task start, header
 decode, tensor decode, validation, hand-off to the engine thread, preparation, engine,
 hand-off back, reply encode, send).  The floor: a bare pyzmq DEALER/ROUTER echo of the same
 frames (blocking sockets, and asyncio sockets as the server uses them) in another process.
@@ -134,14 +134,14 @@ def serve_main(argv: list[str]) -> int:
     p.add_argument("--profile", default="")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from drafter.service import probes
+    from drafter.wire import probes
 
     probes.enable()
     return asyncio.run(_serve(args))
 
 
 async def _serve(args) -> int:
-    from drafter.service import probes
+    from drafter.wire import probes
     from drafter.service.core import ServiceCore
     from drafter.service.grpc_server import DrafterGrpcService, HealthState, build_main_server
     from drafter.service.metrics import Metrics
@@ -337,7 +337,7 @@ def _pct(ns: list[int]) -> dict:
 
 
 def _layout(info, name: str, blocks: int):
-    from drafter.service import schema
+    from drafter.wire import schema
 
     return schema.AttachRequest(
         protocol_version=info.protocol_version, method=info.method, num_speculative_tokens=info.num_speculative_tokens,
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="", help="directory for cProfile dumps of the server's event loop")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    from drafter.service import probes
+    from drafter.wire import probes
 
     probes.enable()
     if args.profile:
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     procs.append(server)
     try:
         if not args.no_echo:
-            from drafter.service.wire import call_to_frames
+            from drafter.wire.tensors import call_to_frames
 
             _, frames = call_to_frames("s", 1, 1, call)
             frames = [bytes(f) for f in frames]

@@ -16,12 +16,13 @@ import torch
 from drafter.attention import ReferenceBackend
 from drafter.buffers import StaticBuffers
 from drafter.config import EngineConfig, pad_to_capture_size
-from drafter.inputs import InvalidInput, Limits, ProposeInputs, as_group_list
+from drafter.inputs import Limits, ProposeInputs, as_group_list
 from drafter.inputs import validate as check_inputs
 from drafter.kv_cache import HiddenStateStore, PagedKVCache
 from drafter.models.loader import load_head
 from drafter.models.spec import ModelSpec, parse_head, read_config
 from drafter.proposer import Proposer
+from drafter.wire.errors import InvalidInput
 
 if TYPE_CHECKING:
     from drafter.bound import BoundPropose

@@ -13,17 +13,10 @@ import numpy as np
 import torch
 
 from drafter.attention.metadata import PADDING_SLOT_ID
+from drafter.wire.errors import InvalidInput
 
 INT_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-class InvalidInput(ValueError):
-    """A propose call's input is malformed; `field` names the culprit."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
 
 
 @dataclass

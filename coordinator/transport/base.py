@@ -9,9 +9,9 @@ import msgspec
 import torch
 
 from drafter.engine import DraftOutput
-from drafter.service import schema
-from drafter.service.errors import Code, DrafterError
-from drafter.service.wire import LIST_FIELDS, TENSOR_FIELDS
+from drafter.wire import schema
+from drafter.wire.errors import Code, DrafterError
+from drafter.wire.tensors import LIST_FIELDS, TENSOR_FIELDS
 
 # DraftEngine.propose's keyword arguments that travel (everything but return_logits), plus the
 # service's own: the acceptance report, agreed padded sizes, a request id and a per-call timeout.
@@ -59,7 +59,7 @@ def as_attach_request(layout) -> schema.AttachRequest:
             return msgspec.convert(layout, schema.AttachRequest)
         except msgspec.ValidationError as exc:
             raise DrafterError(Code.INVALID_ARGUMENT, "layout", str(exc)) from None
-    raise TypeError(f"layout must be a drafter.service.schema.AttachRequest or a dict, not {type(layout).__name__}")
+    raise TypeError(f"layout must be a drafter.wire.schema.AttachRequest or a dict, not {type(layout).__name__}")
 
 
 def split_kwargs(kwargs: dict) -> dict:

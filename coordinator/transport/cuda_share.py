@@ -5,7 +5,7 @@
 A reference goes instead of the bytes only when all of these hold (otherwise the bytes travel, as
 without the option):
   * the drafter advertised CudaIpcSupport in its AttachResponse, with this host's boot id and the
-    uuid of the GPU holding the tensor (drafter.service.cuda_support);
+    uuid of the GPU holding the tensor (drafter.wire.cuda_ref);
   * target_hidden_states is a CUDA tensor of a float dtype, 2-D, unit column stride.
 
 Each storage is shared once, with torch's own producer side (UntypedStorage._share_cuda_, what
@@ -31,9 +31,9 @@ from typing import Callable
 import msgspec
 import torch
 
-from drafter.service import cuda_support
-from drafter.service.cuda_ref import ENVIRONMENT_FIELDS, HIDDEN_DTYPE_NAMES, CudaIpcRef
-from drafter.service.errors import Code, DrafterError
+from drafter.wire import cuda_ref
+from drafter.wire.cuda_ref import ENVIRONMENT_FIELDS, HIDDEN_DTYPE_NAMES, CudaIpcRef
+from drafter.wire.errors import Code, DrafterError
 
 log = logging.getLogger("coordinator.transport.cuda_share")
 MAX_BUFFERS = 8  # the drafter keeps as many open per session
@@ -43,12 +43,12 @@ CAPABLE = "cuda_ipc_capable"  # the request flag that asks a drafter for its Cud
 class CudaShare:
     def __init__(self, enabled: bool, *, max_buffers: int = MAX_BUFFERS, host_id: Callable[[], str] | None = None,
                  device_uuid: Callable[[torch.device], str] | None = None):
-        """host_id / device_uuid: drafter.service.cuda_support's (replaceable in tests)."""
+        """host_id / device_uuid: drafter.wire.cuda_ref's (replaceable in tests)."""
         self.enabled = enabled
         self.reason = "" if enabled else "share_cuda is off"
         self.max_buffers = max_buffers
-        self._host_id = host_id or cuda_support.host_id
-        self._device_uuid = device_uuid or cuda_support.device_uuid
+        self._host_id = host_id or cuda_ref.host_id
+        self._device_uuid = device_uuid or cuda_ref.device_uuid
         self._host: str | None = None
         self._uuids: dict[torch.device, str] = {}
         self.exports: OrderedDict = OrderedDict()  # storage data_ptr -> (storage, torch's share tuple)

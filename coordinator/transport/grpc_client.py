@@ -1,6 +1,6 @@
 """gRPC client for the drafter: unary calls on a blocking channel, and a bidi stream per step.
 
-Exceptions: every method raises drafter.service.errors.DrafterError.  Its code is the server's
+Exceptions: every method raises drafter.wire.errors.DrafterError.  Its code is the server's
 status (with the offending field from the "drafter-field" trailer), DEADLINE_EXCEEDED when the
 per-call timeout passed, UNAVAILABLE when the server cannot be reached or is draining.
 """
@@ -16,10 +16,10 @@ import grpc
 from coordinator.transport.base import SessionState, as_attach_request, dispatch_propose, draft_output, ms
 from coordinator.transport.cuda_share import CudaShare
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service import probes, schema
-from drafter.service.errors import FIELD_METADATA_KEY, Code, DrafterError
-from drafter.service.pbwire import encode_propose_request
-from drafter.service.wire import struct_from_proto, struct_to_proto, tensor_from_proto
+from drafter.wire import probes, schema
+from drafter.wire.errors import FIELD_METADATA_KEY, Code, DrafterError
+from drafter.wire.pbwire import encode_propose_request
+from drafter.wire.tensors import struct_from_proto, struct_to_proto, tensor_from_proto
 
 SERVICE = "/drafter.v1.Drafter/"
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024

@@ -1,10 +1,10 @@
 """ZMQ client for the drafter: a DEALER socket, msgspec headers, tensors as zero-copy frames.
 
 Endpoints: tcp://host:port, or ipc:///path for a drafter on the same host (the path rules of
-drafter.service.ipc are checked before connecting: a socket in a directory others may write
+drafter.wire.ipc are checked before connecting: a socket in a directory others may write
 could be replaced by an impostor).
 
-Exceptions: every method raises drafter.service.errors.DrafterError with the server's code and
+Exceptions: every method raises drafter.wire.errors.DrafterError with the server's code and
 field; DEADLINE_EXCEEDED when no reply came within the per-call timeout (ZMQ cannot tell a dead
 or unauthorised server from a slow one: with CURVE, a client without the server's key simply
 never connects).  Replies to calls that timed out are recognised by call_id and dropped.
@@ -22,11 +22,11 @@ import zmq.auth
 
 from coordinator.transport.base import SessionState, as_attach_request, dispatch_propose, draft_output, ms
 from coordinator.transport.cuda_share import CudaShare
-from drafter.service import probes, schema
-from drafter.service.errors import Code, DrafterError
-from drafter.service.ipc import check_client_path
-from drafter.service.zmqio import NOBLOCK, recv_frames, send_frames
-from drafter.service.wire import call_to_frames, tensor_from_frames
+from drafter.wire import probes, schema
+from drafter.wire.errors import Code, DrafterError
+from drafter.wire.ipc import check_client_path
+from drafter.wire.zmqio import NOBLOCK, recv_frames, send_frames
+from drafter.wire.tensors import call_to_frames, tensor_from_frames
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -82,7 +82,7 @@ class ZmqDrafterClient:
             curve.apply(self.sock)
         self.sock.connect(endpoint)
         self._call_ids = itertools.count(1)
-        self._probe = None  # the stage probe of the propose call in flight (drafter.service.probes)
+        self._probe = None  # the stage probe of the propose call in flight (drafter.wire.probes)
         self.session = SessionState()
         self.cuda = CudaShare(share_cuda)
 

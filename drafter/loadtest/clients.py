@@ -16,7 +16,7 @@ import msgspec
 
 from coordinator.transport.grpc_client import GrpcDrafterClient, GrpcProposeStream
 from coordinator.transport.zmq_client import ZmqDrafterClient
-from drafter.service import schema
+from drafter.wire import schema
 
 TRANSPORTS = ("zmq", "grpc", "grpc-unary")
 _ENCODER = msgspec.msgpack.Encoder()

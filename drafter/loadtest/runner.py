@@ -34,8 +34,8 @@ from drafter.loadtest.schedule import ClosedLoop, OpenLoop
 from drafter.loadtest.stats import OK, Samples
 from drafter.loadtest.workload import (SessionShape, SessionWorkload, WorkloadConfig, blocks_per_slot,
                                       session_blocks)
-from drafter.service import schema
-from drafter.service.errors import DrafterError
+from drafter.wire import schema
+from drafter.wire.errors import DrafterError
 
 NAN = float("nan")
 

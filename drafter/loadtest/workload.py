@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from drafter.service.wire import DTYPES
+from drafter.wire.tensors import DTYPES
 
 
 class Dist:

@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from drafter.inputs import ProposeInputs, as_group_list, validate
-from drafter.service.cuda_ref import FIELD as IPC_FIELD
-from drafter.service.errors import Code, DrafterError, from_exception, invalid
+from drafter.wire.cuda_ref import FIELD as IPC_FIELD
+from drafter.wire.errors import Code, DrafterError, from_exception, invalid
 from drafter.service.sessions import Session, offset_kwargs
-from drafter.service.wire import ProposeCall, ProposeResult
+from drafter.wire.tensors import ProposeCall, ProposeResult
 
 log = logging.getLogger("drafter.service.batcher")
 

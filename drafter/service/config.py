@@ -138,7 +138,7 @@ class ServerConfig:
         if self.curve_clients_dir and not self.curve_server_cert:
             raise ValueError("--curve-clients-dir needs --curve-server-cert")
         if self.zmq_ipc:
-            from drafter.service.ipc import _check_syntax
+            from drafter.wire.ipc import _check_syntax
 
             _check_syntax(self.zmq_ipc[len("ipc://"):] if self.zmq_ipc.startswith("ipc://") else self.zmq_ipc)
         mode = self.ipc_mode

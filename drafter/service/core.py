@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter.service import cuda_support, schema
+from drafter.service import cuda_support
+from drafter.wire import schema
 from drafter.service.batcher import Batcher, EngineRunner, EngineThread
-from drafter.service.cuda_ref import FIELD as IPC_FIELD
-from drafter.service.errors import Code, DrafterError, from_exception, invalid
+from drafter.wire.cuda_ref import FIELD as IPC_FIELD
+from drafter.wire.errors import Code, DrafterError, from_exception, invalid
 from drafter.service.metrics import Metrics, accepted_from_report
 from drafter.service.sessions import PROTOCOL_VERSION, EngineDescription, Session, SessionTable, check_call
-from drafter.service.wire import ProposeCall, ProposeResult
+from drafter.wire.tensors import ProposeCall, ProposeResult
 
 log = logging.getLogger("drafter.service")
 VERSION = "0.1.0"

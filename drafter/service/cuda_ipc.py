@@ -2,7 +2,7 @@
 
 Runs in the engine thread (CUDA work belongs there; the engine thread also frees what it opened,
 since torch's release of a received storage synchronises a stream).  For each propose call whose
-hidden states arrived as a reference (drafter.service.cuda_ref, already checked field by field):
+hidden states arrived as a reference (drafter.wire.cuda_ref, already checked field by field):
 
   1. the GPU the memory lives on must be one this drafter reads (its own, or a peer);
   2. the session's cache is asked for the storage (a target reuses one static buffer every
@@ -26,9 +26,9 @@ from collections import OrderedDict
 
 import torch
 
-from drafter.service import schema
-from drafter.service.cuda_ref import FIELD, CudaIpcRef
-from drafter.service.errors import invalid
+from drafter.wire import schema
+from drafter.wire.cuda_ref import FIELD, CudaIpcRef
+from drafter.wire.errors import invalid
 
 log = logging.getLogger("drafter.service.cuda_ipc")
 PER_SESSION = 8

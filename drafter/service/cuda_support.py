@@ -17,27 +17,13 @@ business naming one.  It is never enabled on a CPU device.
 from __future__ import annotations
 
 import ipaddress
-from pathlib import Path
 
 import torch
 
-from drafter.service import schema
+from drafter.wire import schema
+from drafter.wire.cuda_ref import BOOT_ID, device_uuid, host_id
 
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 MAX_PEERS = 64  # schema.CudaIpcSupport.device_uuids bound
-
-
-def host_id() -> str:
-    """This host's boot id ("" where the kernel does not say)."""
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
-
-
-def device_uuid(device) -> str:
-    """The GPU's uuid as torch reports it (the same string in every process, whatever its device index)."""
-    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
 
 
 def is_loopback(host: str) -> bool:

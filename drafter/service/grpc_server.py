@@ -18,11 +18,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service import probes, schema
+from drafter.wire import probes, schema
 from drafter.service.core import ServiceCore
-from drafter.service.errors import FIELD_METADATA_KEY, Code, DrafterError
-from drafter.service.pbwire import call_from_raw
-from drafter.service.wire import result_to_proto, struct_from_proto, struct_to_proto
+from drafter.wire.errors import FIELD_METADATA_KEY, Code, DrafterError
+from drafter.wire.pbwire import call_from_raw
+from drafter.wire.tensors import result_to_proto, struct_from_proto, struct_to_proto
 
 log = logging.getLogger("drafter.service.grpc")
 

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 from drafter.inputs import out_of_range
-from drafter.service import schema
-from drafter.service.cuda_ref import FIELD as IPC_FIELD
-from drafter.service.errors import Code, DrafterError, invalid
-from drafter.service.wire import DTYPES, ProposeCall
+from drafter.wire import schema
+from drafter.wire.cuda_ref import FIELD as IPC_FIELD
+from drafter.wire.errors import Code, DrafterError, invalid
+from drafter.wire.tensors import DTYPES, ProposeCall
 
 PROTOCOL_VERSION = 1
 PROBS_HEADROOM = 64 * 1024  # bytes a response needs besides the probabilities

@@ -8,7 +8,7 @@ Envelope and body are msgpack (schema.py); the tensor frames are never copied on
 Every message gets exactly one reply, errors included, so a client never waits on a lost one.
 With CURVE configured, a client must know the server's public key, and (with a clients
 directory) hold an authorised key itself; otherwise the handshake fails and it gets nothing.
-CURVE applies to the ipc:// socket as to the tcp:// one; the ipc path follows drafter.service.ipc.
+CURVE applies to the ipc:// socket as to the tcp:// one; the ipc path follows drafter.wire.ipc.
 
 The per-step path has no asyncio task and no thread hop it does not need: the sockets are plain
 (non-blocking) ZMQ sockets watched by the event loop (add_reader on their FD); a Propose message
@@ -35,12 +35,12 @@ import zmq.asyncio
 import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
-from drafter.service import probes, schema
+from drafter.wire import probes, schema
 from drafter.service.core import ServiceCore
-from drafter.service.errors import Code, DrafterError, invalid
-from drafter.service.ipc import DEFAULT_MODE, bind_ipc, unlink_ipc
-from drafter.service.wire import call_from_frames, result_to_frames
-from drafter.service.zmqio import NOBLOCK, recv_frames, send_frames
+from drafter.wire.errors import Code, DrafterError, invalid
+from drafter.wire.ipc import DEFAULT_MODE, bind_ipc, unlink_ipc
+from drafter.wire.tensors import call_from_frames, result_to_frames
+from drafter.wire.zmqio import NOBLOCK, recv_frames, send_frames
 
 log = logging.getLogger("drafter.service.zmq")
 

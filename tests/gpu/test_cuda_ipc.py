@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
-from drafter.service import cuda_support
+from drafter.wire import cuda_ref
 from drafter.service.cuda_ipc import TorchCudaIpc
-from drafter.service.cuda_ref import FIELD
-from drafter.service.errors import Code, DrafterError
+from drafter.wire.cuda_ref import FIELD
+from drafter.wire.errors import Code, DrafterError
 from tests.integration.conftest import K, MML, SERVER_SETTINGS, SESSION_BLOCKS
 from tests.support.engines import tiny_dirs
 from tests.support.scenario import Scenario
@@ -107,8 +107,8 @@ def test_the_drafter_advertises_this_host_and_gpu(gpu_server):
     with ZmqDrafterClient(gpu_server.zmq_endpoint, timeout_s=60, share_cuda=True) as client:
         support = client.info().cuda_ipc  # asked for: share_cuda clients flag cuda_ipc_capable
     assert support.enabled, support.reason
-    assert support.host_id == cuda_support.host_id()
-    assert support.device_uuids[0] == cuda_support.device_uuid("cuda:0")
+    assert support.host_id == cuda_ref.host_id()
+    assert support.device_uuids[0] == cuda_ref.device_uuid("cuda:0")
 
 
 @pytest.mark.parametrize("transport", ["zmq", "grpc-stream", "grpc-unary"])

@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.transport import CurveConfig, GrpcDrafterClient, TlsConfig, ZmqDrafterClient
-from drafter.service.errors import Code, DrafterError
+from drafter.wire.errors import Code, DrafterError
 from tests.integration.conftest import SERVER_SETTINGS
 from tests.support.certs import CA, curve_certificates
 from tests.support.engines import tiny_dirs

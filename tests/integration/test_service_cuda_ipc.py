@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
-from drafter.service.cuda_ref import FIELD
-from drafter.service.errors import Code, DrafterError
+from drafter.wire.cuda_ref import FIELD
+from drafter.wire.errors import Code, DrafterError
 from tests.integration.conftest import SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_parity import scenario
 from tests.support.cuda_refs import ref

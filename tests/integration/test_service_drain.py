@@ -17,7 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
-from drafter.service.errors import Code, DrafterError
+from drafter.wire.errors import Code, DrafterError
 from tests.integration.conftest import K, SERVER_SETTINGS, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_parity import scenario
 from tests.support.engines import tiny_dirs

@@ -19,8 +19,8 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from coordinator.transport import GrpcDrafterClient
-from drafter.service import schema
-from drafter.service.errors import FIELD_METADATA_KEY, Code
+from drafter.wire import schema
+from drafter.wire.errors import FIELD_METADATA_KEY, Code
 from tests.integration.conftest import K, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_parity import scenario
 from tests.support import fuzz
@@ -78,8 +78,8 @@ def _grpc_error(exc: grpc.RpcError) -> tuple[str, str]:
 def _oracle_for_grpc_bytes(raw: bytes, ctx) -> tuple[str, str] | None:
     """What random bytes must get; None when they happen to be a well-formed request."""
     from drafter._proto.drafter.v1 import drafter_pb2 as pb
-    from drafter.service.errors import DrafterError
-    from drafter.service.wire import call_from_proto
+    from drafter.wire.errors import DrafterError
+    from drafter.wire.tensors import call_from_proto
     try:
         req = pb.ProposeRequest.FromString(raw)
     except Exception:  # noqa: BLE001

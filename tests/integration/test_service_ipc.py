@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from coordinator.transport import CurveConfig, ZmqDrafterClient
-from drafter.service.errors import Code, DrafterError
+from drafter.wire.errors import Code, DrafterError
 from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_parity import plans, scenario
 from tests.support.certs import curve_certificates

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
-from drafter.service.errors import Code, DrafterError
+from drafter.wire.errors import Code, DrafterError
 from tests.integration.conftest import SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_parity import plans, scenario
 from tests.support.servers import layout_for

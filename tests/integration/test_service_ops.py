@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
-from drafter.service.errors import Code, DrafterError
+from drafter.wire.errors import Code, DrafterError
 from tests.integration.conftest import K, MML, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_parity import scenario
 from tests.support.engines import tiny_dirs

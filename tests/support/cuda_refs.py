@@ -11,8 +11,8 @@ import weakref
 
 import torch
 
-from drafter.service import schema
-from drafter.service.cuda_ref import HIDDEN_DTYPE_NAMES, decode_ref
+from drafter.wire import schema
+from drafter.wire.cuda_ref import HIDDEN_DTYPE_NAMES, decode_ref
 
 UUID = "GPU-00000000-1111-2222-3333-444444444444"
 

@@ -17,9 +17,9 @@ import msgspec
 import torch
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service import schema
-from drafter.service.cuda_ref import FIELD as IPC
-from drafter.service.wire import DTYPE_NAMES, DTYPES, LIST_FIELDS, TENSOR_FIELDS, tensor_bytes
+from drafter.wire import schema
+from drafter.wire.cuda_ref import FIELD as IPC
+from drafter.wire.tensors import DTYPE_NAMES, DTYPES, LIST_FIELDS, TENSOR_FIELDS, tensor_bytes
 from tests.support.cuda_refs import ref_message
 
 IA, FP, NF = "INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND"

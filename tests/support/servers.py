@@ -112,7 +112,7 @@ class DrafterServer:
 def layout_for(info, num_blocks, *, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                hidden_dtype: str = "float32", client_name: str = "test"):
     """An AttachRequest that fits what the server's Info says it serves."""
-    from drafter.service import schema
+    from drafter.wire import schema
 
     groups = info.limits.kv_groups
     blocks = list(num_blocks) if isinstance(num_blocks, (list, tuple)) else [num_blocks] * len(groups)

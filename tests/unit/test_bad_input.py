@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.inputs import InvalidInput
+from drafter.wire.errors import InvalidInput
 from tests.support.engines import build_engine
 from tests.support.scenario import Scenario
 

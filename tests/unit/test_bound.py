@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be checked")
 
 from drafter.graphs import GraphRunner  # noqa: E402
-from drafter.inputs import InvalidInput  # noqa: E402
+from drafter.wire.errors import InvalidInput  # noqa: E402
 from tests.support.engines import build_engine  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402
 from tests.support.triton_bounds import allowing, allowing_outputs  # noqa: E402

@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from drafter.service import core as core_mod
-from drafter.service import cuda_ipc, cuda_support, schema
+from drafter.service import cuda_ipc, cuda_support
+from drafter.wire import schema
 from drafter.service.batcher import EngineRunner, Pending
 from drafter.service.core import describe_engine
 from drafter.service.cuda_ipc import CudaIpcOpener
-from drafter.service.cuda_ref import FIELD
-from drafter.service.errors import Code, DrafterError
+from drafter.wire.cuda_ref import FIELD
+from drafter.wire.errors import Code, DrafterError
 from drafter.service.sessions import SessionTable
-from drafter.service.wire import ProposeCall
+from drafter.wire.tensors import ProposeCall
 from tests.support.core import run_with_core
 from tests.support.cuda_refs import UUID, FakeCudaIpc, ref
 from tests.support.engines import build_engine

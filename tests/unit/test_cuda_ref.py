@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service import schema
-from drafter.service.cuda_ref import FIELD, decode_ref
-from drafter.service.errors import Code, DrafterError
-from drafter.service.pbwire import call_from_raw, encode_propose_request
-from drafter.service.wire import call_from_frames, call_from_proto, call_to_frames, call_to_proto
+from drafter.wire import schema
+from drafter.wire.cuda_ref import FIELD, decode_ref
+from drafter.wire.errors import Code, DrafterError
+from drafter.wire.pbwire import call_from_raw, encode_propose_request
+from drafter.wire.tensors import call_from_frames, call_from_proto, call_to_frames, call_to_proto
 from tests.support.cuda_refs import ref, ref_message
 
 ROWS, WIDTH = 6, 24

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from coordinator.transport.cuda_share import CudaShare
-from drafter.service import schema
-from drafter.service.cuda_ref import FIELD
-from drafter.service.errors import Code, DrafterError
+from drafter.wire import schema
+from drafter.wire.cuda_ref import FIELD
+from drafter.wire.errors import Code, DrafterError
 from tests.support.cuda_refs import UUID, ref
 
 SUPPORT = schema.CudaIpcSupport(enabled=True, host_id="boot-1", device_uuids=[UUID])

@@ -18,7 +18,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.transport import ZmqDrafterClient
-from drafter.service import schema, zmq_server
+from drafter.service import zmq_server
+from drafter.wire import schema
 from drafter.service.metrics import ReplyLedger
 from tests.support.core import run_with_core
 from tests.support.engines import build_engine

@@ -21,15 +21,15 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service import schema
+from drafter.wire import schema
 from drafter.service.batcher import (Batcher, EngineRunner, EngineThread, HostStager, Pending, Staged,
                                     all_finite)
-from drafter.service.errors import Code, DrafterError
-from drafter.service.ipc import (SUN_PATH_MAX, IpcPathError, bind_ipc, check_client_path, check_server_path,
+from drafter.wire.errors import Code, DrafterError
+from drafter.wire.ipc import (SUN_PATH_MAX, IpcPathError, bind_ipc, check_client_path, check_server_path,
                                  unlink_ipc)
-from drafter.service.pbwire import _split, call_from_raw, encode_propose_request
+from drafter.wire.pbwire import _split, call_from_raw, encode_propose_request
 from drafter.service.sessions import Session, offset_kwargs
-from drafter.service.wire import (DTYPES, FLOAT, INT, LIST_FIELDS, TENSOR_FIELDS, ProposeCall, call_from_frames,
+from drafter.wire.tensors import (DTYPES, FLOAT, INT, LIST_FIELDS, TENSOR_FIELDS, ProposeCall, call_from_frames,
                                   call_from_proto, call_to_frames, call_to_proto, decode_tensor, tensor_bytes)
 
 FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -152,7 +152,7 @@ def test_raw_decode_equals_protobuf_and_views_the_received_bytes(kw, rid):
 
 
 def _field(num: int, wire: int, payload: bytes) -> bytes:
-    from drafter.service.pbwire import _varint_bytes
+    from drafter.wire.pbwire import _varint_bytes
     key = _varint_bytes(num << 3 | wire)
     return key + (_varint_bytes(len(payload)) + payload if wire == 2 else payload)
 

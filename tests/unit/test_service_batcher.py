@@ -8,12 +8,12 @@ import concurrent.futures
 import pytest
 import torch
 
-from drafter.service import schema
+from drafter.wire import schema
 from drafter.service.batcher import Batcher, EngineRunner, Pending
 from drafter.service.core import describe_engine
-from drafter.service.errors import Code, DrafterError
+from drafter.wire.errors import Code, DrafterError
 from drafter.service.sessions import SessionTable
-from drafter.service.wire import ProposeCall
+from drafter.wire.tensors import ProposeCall
 from tests.support.engines import BLOCK_SIZES, build_engine
 from tests.support.scenario import Scenario
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from drafter.service import core as core_mod
-from drafter.service import schema
-from drafter.service.errors import Code, DrafterError
-from drafter.service.wire import ProposeCall
+from drafter.wire import schema
+from drafter.wire.errors import Code, DrafterError
+from drafter.wire.tensors import ProposeCall
 from tests.support.core import run_with_core
 from tests.support.engines import build_engine
 from tests.support.scenario import Scenario

@@ -9,9 +9,9 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from drafter.inputs import InvalidInput
+from drafter.wire.errors import InvalidInput
 from drafter.service.config import ServerConfig, add_arguments, from_args
-from drafter.service.errors import Code, DrafterError, from_exception
+from drafter.wire.errors import Code, DrafterError, from_exception
 from drafter.service.metrics import Metrics, accepted_from_report
 
 

@@ -7,8 +7,8 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor as FD
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service import schema
-from drafter.service.errors import Code
+from drafter.wire import schema
+from drafter.wire.errors import Code
 
 SCALARS = {
     FD.TYPE_UINT32: (int, 0, 2**32 - 1),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.service import schema
-from drafter.service.errors import Code, DrafterError
+from drafter.wire import schema
+from drafter.wire.errors import Code, DrafterError
 from drafter.service.sessions import (
     BlockAllocator, EngineDescription, SessionTable, check_call, offset_kwargs)
-from drafter.service.wire import ProposeCall
+from drafter.wire.tensors import ProposeCall
 
 ENG = EngineDescription(
     method="eagle3", num_speculative_tokens=3, speculative_token_tree=None, dtype="float32", hidden_size=64,

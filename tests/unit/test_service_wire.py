@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service import schema
-from drafter.service.errors import Code, DrafterError
-from drafter.service.wire import (
+from drafter.wire import schema
+from drafter.wire.errors import Code, DrafterError
+from drafter.wire.tensors import (
     DTYPES, FLOAT, INT, call_from_frames, call_from_proto, call_to_frames, call_to_proto, decode_tensor,
     struct_from_proto, struct_to_proto, tensor_bytes)
 

@@ -14,8 +14,9 @@ import torch
 
 from coordinator.remote_proposer import error_detail
 from coordinator.transport.base import ms
-from drafter.service import schema, zmq_server
-from drafter.service.errors import Code, DrafterError
+from drafter.service import zmq_server
+from drafter.wire import schema
+from drafter.wire.errors import Code, DrafterError
 from drafter.service.sessions import EngineDescription, SessionTable, check_layout
 from drafter_vllm.settings import PluginSettings
 from drafter_vllm.sources import TargetFacts, make_source

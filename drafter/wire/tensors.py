@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from drafter.service import schema
-from drafter.service.cuda_ref import FIELD as IPC_FIELD
-from drafter.service.cuda_ref import CudaIpcRef, decode_ref
-from drafter.service.errors import invalid
+from drafter.wire import schema
+from drafter.wire.cuda_ref import FIELD as IPC_FIELD
+from drafter.wire.cuda_ref import CudaIpcRef, decode_ref
+from drafter.wire.errors import invalid
 
 # Request buffers are read-only (protobuf bytes, received frames) and nothing downstream writes into
 # request tensors. torch warns about that once per process: spend the warning here, silenced.
@@ -119,7 +119,7 @@ class ProposeCall:
     tokens_padded: int = 0
     accepted_counts: torch.Tensor | None = None  # [batch] int, -1 = no report for that row
     deadline: float | None = None  # time.monotonic() after which the result is useless
-    probe: object = None  # drafter.service.probes.Probe when stage timing is on
+    probe: object = None  # drafter.wire.probes.Probe when stage timing is on
     # target_hidden_states in the target's GPU memory instead of kwargs["target_hidden_states"]; the
     # engine thread opens it and puts the tensor into the kwargs (drafter.service.cuda_ipc)
     hidden_ipc: CudaIpcRef | None = None

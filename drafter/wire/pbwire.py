@@ -20,9 +20,9 @@ from __future__ import annotations
 from google.protobuf.message import DecodeError
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
-from drafter.service.errors import Code, DrafterError
-from drafter.service.cuda_ref import CudaIpcRef
-from drafter.service.wire import (LIST_FIELDS, REQUIRED_FIELDS, TENSOR_FIELDS, ProposeCall, _build_call,
+from drafter.wire.errors import Code, DrafterError
+from drafter.wire.cuda_ref import CudaIpcRef
+from drafter.wire.tensors import (LIST_FIELDS, REQUIRED_FIELDS, TENSOR_FIELDS, ProposeCall, _build_call,
                                   _check_list, _flat_fields, call_from_proto, decode_tensor, dtype_name,
                                   ipc_from_proto, tensor_bytes)
 

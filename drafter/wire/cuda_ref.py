@@ -25,10 +25,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from drafter.service.errors import invalid
+from drafter.wire.errors import invalid
 
 FIELD = "target_hidden_states_ipc"
 HIDDEN_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -43,6 +44,20 @@ MAX_STORAGE_BYTES = 2**48
 # fields whose refusal says "this host cannot share with this drafter", not "this request is wrong":
 # a client then stops sharing and sends bytes (coordinator.transport.cuda_share)
 ENVIRONMENT_FIELDS = (f"{FIELD}.handle", f"{FIELD}.device_uuid", f"{FIELD}.step_event_handle")
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def host_id() -> str:
+    """This host's boot id ("" where the kernel does not say)."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def device_uuid(device) -> str:
+    """The GPU's uuid as torch reports it (the same string in every process, whatever its device index)."""
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import enum
 
-import grpc
-
-from drafter.inputs import InvalidInput
-
 
 class Code(enum.IntEnum):
     OK = 0
@@ -24,19 +20,26 @@ class Code(enum.IntEnum):
     UNAVAILABLE = 14  # loading, draining
 
     @property
-    def grpc(self) -> grpc.StatusCode:
-        return _TO_GRPC[self]
+    def grpc(self):
+        """The grpc.StatusCode of the same name (grpc imported here: the engine needs none of it)."""
+        import grpc
+
+        return getattr(grpc.StatusCode, self.name)
 
     @classmethod
-    def from_grpc(cls, status: grpc.StatusCode) -> "Code":
-        return _FROM_GRPC.get(status, cls.INTERNAL)
-
-
-_TO_GRPC = {c: getattr(grpc.StatusCode, c.name) for c in Code}
-_FROM_GRPC = {v: k for k, v in _TO_GRPC.items()}
+    def from_grpc(cls, status) -> "Code":
+        return cls.__members__.get(getattr(status, "name", ""), cls.INTERNAL)
 
 # gRPC trailing-metadata key that names the offending field of a failed unary call.
 FIELD_METADATA_KEY = "drafter-field"
+
+
+class InvalidInput(ValueError):
+    """A propose call's input is malformed; `field` names the culprit (raised by the engine's checks)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
 
 
 class DrafterError(Exception):

@@ -41,7 +41,7 @@ class Tensor(_Msg):
 
 
 class CudaIpcTensor(_Msg):
-    """proto CudaIpcTensor: hidden states in the target's GPU memory (drafter.service.cuda_ref checks it)."""
+    """proto CudaIpcTensor: hidden states in the target's GPU memory (drafter.wire.cuda_ref checks it)."""
 
     dtype: str = ""
     shape: Annotated[list[I64], msgspec.Meta(max_length=8)] = []
