@@ -18,7 +18,16 @@ class UnsupportedConfig(ValueError):
 
     def __init__(self, key: str, why: str):
         super().__init__(f"deepseek config: {key}: {why}")
-        self.key = key
+        self.key, self.why = key, why
+
+
+def value_at(cfg: dict, dotted: str):
+    """cfg's value under a dotted key ("rope_scaling.type"), None where absent."""
+    for part in dotted.split("."):
+        if not isinstance(cfg, dict):
+            return None
+        cfg = cfg.get(part)
+    return cfg
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from drafter.models.deepseek_config import DeepseekConfig, parse_deepseek
+from drafter.models.deepseek_config import DeepseekConfig, UnsupportedConfig, parse_deepseek, value_at
 from drafter.models.deepseek_v3 import DeepseekMTPHead
 from drafter.models.fp8 import FP8, FP8Linear, dequantize
 from drafter.models.sharding import SINGLE, Shard
@@ -126,6 +126,16 @@ def _fill(head: nn.Module, weights: dict, source: str) -> None:
         tensor.copy_(given.to(tensor.dtype))
 
 
+def parse_named(cfg: dict, source: str) -> DeepseekConfig:
+    """parse_deepseek whose refusals name the file, key and value (HeadConfigError, as for every head)."""
+    from drafter.models.spec import HeadConfigError
+
+    try:
+        return parse_deepseek(cfg)
+    except UnsupportedConfig as err:
+        raise HeadConfigError(source, err.key, value_at(cfg, err.key), err.why) from err
+
+
 def load_deepseek_mtp(
     head_dir: str | Path,
     target_dir: str | Path | None = None,
@@ -139,11 +149,11 @@ def load_deepseek_mtp(
     FP8 weight into `dtype` at load (more memory, no per-call dequantisation).  kernels (default:
     on a GPU) runs FP8 linears and the routed experts through the Triton grouped GEMM."""
     from drafter.models.deepseek_shard import shard_weights
-    from drafter.models.spec import read_config
+    from drafter.models.spec import config_source, read_config
 
     if dtype == torch.float16:
         raise ValueError("dtype float16: vLLM 0.32 rescales DeepSeek's residual stream in float16; use bfloat16")
-    config = parse_deepseek(read_config(head_dir))
+    config = parse_named(read_config(head_dir), config_source(head_dir))
     built = config if keep_fp8 else replace(config, fp8_block=None)
     weights, vocab = mtp_weights(head_dir, config)
     if target_dir is not None:
@@ -170,8 +180,6 @@ def deepseek_model_spec(config: DeepseekConfig):
 
 def load_deepseek_head(head_dir, target_dir=None, device="cpu", dtype: torch.dtype = torch.bfloat16):
     """load_deepseek_mtp with the engine's ModelSpec attached (what load_head returns for deepseek_mtp)."""
-    from drafter.models.spec import read_config
-
     head = load_deepseek_mtp(head_dir, target_dir, device=device, dtype=dtype)
-    head.spec = deepseek_model_spec(parse_deepseek(read_config(head_dir)))
+    head.spec = deepseek_model_spec(head.config)
     return head

@@ -131,6 +131,10 @@ def load_head(
     max_model_len: int | None = None,
 ) -> DraftHead:
     """max_model_len: the engine's (rope: vLLM raises an EAGLE head's max_position_embeddings to it)."""
+    if method == "deepseek_mtp":  # MLA + MoE + FP8 blocks: drafter.models.deepseek_loader
+        from drafter.models.deepseek_loader import load_deepseek_head
+
+        return load_deepseek_head(head_dir, target_dir, device=device, dtype=dtype)
     source = config_source(head_dir)
     head_cfg = read_config(head_dir)
     spec = parse_head(head_cfg, method, source, max_model_len)

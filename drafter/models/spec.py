@@ -366,6 +366,10 @@ def parse_head(cfg: dict, method: str, source: str | None = None, max_model_len:
     """Parse a draft head's config.json in either layout; source: the file named in refusals
     (default: where read_config read it); max_model_len: the engine's (EAGLE heads see
     max_position_embeddings raised to it, as vLLM does; longrope picks its factors by it)."""
+    if method == "deepseek_mtp":  # MLA + MoE layers: drafter.models.deepseek_config parses them
+        from drafter.models.deepseek_loader import deepseek_model_spec, parse_named
+
+        return deepseek_model_spec(parse_named(cfg, source or getattr(cfg, "source", "config.json")))
     source = source or getattr(cfg, "source", "config.json")
     hk = _head_keys(cfg, method, source)
     lcfg = hk.layer.cfg

@@ -268,6 +268,7 @@ VARIANTS = {
     "mtp": ("mtp", TinySizes()),
     "mtp-multi": ("mtp", TinySizes(num_mtp_layers=2, head_layer_types=("full_attention", "sliding_attention"))),
     "extract_hidden_states": ("extract_hidden_states", TinySizes()),
+    "deepseek_mtp": ("deepseek_mtp", TinySizes()),  # MLA + MoE + FP8 blocks: drafter.models.tiny_deepseek
 }
 
 
@@ -289,8 +290,20 @@ def write_tiny(variant: str, out_dir: str | Path, seed: int = 0, sizes: TinySize
     if variant not in VARIANTS:
         raise ValueError(f"unknown tiny variant {variant!r}; choose from {sorted(VARIANTS)}")
     method, default_sizes = VARIANTS[variant]
+    if method == "deepseek_mtp":
+        return _write_deepseek(variant, out_dir, seed, sizes)
     s = sizes or default_sizes
     out = Path(out_dir)
     write_target(out / "target", s, seed)
     WRITERS[method](out / "head", s, seed + 1)
     return method
+
+
+def _write_deepseek(variant: str, out_dir, seed: int, sizes: TinySizes | None) -> str:
+    """DeepSeek-V3's layout has its own sizes (TinyDeepseekSizes); Llama head flags do not apply."""
+    from drafter.models.tiny_deepseek import write_tiny_deepseek
+
+    if sizes is not None and sizes not in (VARIANTS[variant][1], head_sizes(variant)):
+        raise ValueError("make-tiny --method deepseek_mtp writes the released DeepSeek-V3 layout: the head "
+                         "shape flags (--rope, --head-dim, biases, layouts) do not apply to it")
+    return write_tiny_deepseek(out_dir, seed)

@@ -320,3 +320,32 @@ def test_config_writer_round_trips_through_the_parser():
     cfg = parse_deepseek(deepseek_config(s))
     assert cfg.layers[0].moe is not None and cfg.fp8_block == (128, 128)
     assert replace(s, num_mtp_layers=2).num_mtp_layers == 2
+
+
+# ------------------------------------------------------------------ the models package's entry points
+def test_make_tiny_variant_and_load_head_give_the_mtp_head(tmp_path):
+    from drafter.models.loader import load_head
+    from drafter.models.spec import parse_head, read_config
+    from drafter.models.tiny import head_sizes, write_tiny
+
+    assert write_tiny("deepseek_mtp", tmp_path, sizes=head_sizes("deepseek_mtp")) == "deepseek_mtp"
+    head = load_head(tmp_path / "head", "deepseek_mtp", tmp_path / "target")
+    spec = parse_head(read_config(tmp_path / "head"), "deepseek_mtp")
+    assert head.spec == spec and spec.method == "deepseek_mtp" and spec.num_kv_groups == 1
+    assert spec.layer_shapes[0].kv_cache_shape(8, 16) == (8, 16, 40) and spec.hidden_input_width == 64
+    with pytest.raises(ValueError, match="do not apply"):
+        write_tiny("deepseek_mtp", tmp_path / "other", sizes=head_sizes("deepseek_mtp", rope="yarn"))
+
+
+def test_refusals_name_the_file_key_and_value(tmp_path):
+    from drafter.models.loader import load_head
+    from drafter.models.spec import HeadConfigError
+
+    write_tiny_deepseek(tmp_path)
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    cfg["rope_scaling"] = {"type": "linear", "factor": 2.0}
+    (tmp_path / "head" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HeadConfigError) as err:
+        load_head(tmp_path / "head", "deepseek_mtp")
+    assert err.value.key == "rope_scaling.type" and err.value.value == "linear"
+    assert str(tmp_path / "head" / "config.json") in str(err.value)
