@@ -72,6 +72,14 @@ class SessionInfo:
     max_num_batched_tokens: int
 
 
+@dataclass(frozen=True)
+class DraftResult:
+    """One step's drafting outcome as every TP rank sees it (coordinator.tp shares it)."""
+
+    drafts: torch.Tensor | None  # [batch, k] int64, or None = no drafts this step
+    generation: int | None  # the drafter session that answered (a change means new, empty KV)
+
+
 class DraftTransport(Protocol):
     name: str  # "grpc" | "zmq" | "inprocess": labels latency and events
 

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from coordinator.target.drafting import DraftResult
+from coordinator.session import DraftResult
 
 _NONE_GENERATION = -1
 

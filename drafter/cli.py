@@ -42,7 +42,7 @@ def _make_tiny(ns) -> int:
 SUBCOMMANDS = [
     "drafter.service.serve_cli",  # serve
     _register_make_tiny,  # make-tiny
-    "coordinator.demo",  # demo
+    "coordinator.demo.cli",  # demo
     "drafter.loadtest.cli",  # loadtest
     "drafter.bench",  # bench
 ]

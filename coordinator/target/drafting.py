@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.session import SessionSpec
+from coordinator.session import DraftResult, SessionSpec
 from coordinator.target.request import Request
 from drafter.config import KVGroupSpec
 
@@ -39,12 +39,6 @@ class DraftCall:
     @property
     def num_tokens(self) -> int:
         return int(self.kwargs["target_token_ids"].shape[0]) if self.requests else 0
-
-
-@dataclass(frozen=True)
-class DraftResult:
-    drafts: torch.Tensor | None  # [batch, k] int64, or None = no drafts this step
-    generation: int | None  # the drafter session that answered (a change means new, empty KV)
 
 
 EMPTY_CALL = DraftCall({}, [], [])

@@ -19,8 +19,8 @@ from dataclasses import replace
 import pytest
 
 from coordinator.circuit import BreakerConfig
-from coordinator.drafters import DrafterProcess, DrafterSpec
-from coordinator.fleet import FleetConfig, join_fleet, make_gates, run_fleet, start_fleet
+from coordinator.demo.drafters import DrafterProcess, DrafterSpec
+from coordinator.demo.fleet import FleetConfig, join_fleet, make_gates, run_fleet, start_fleet
 from coordinator.remote_proposer import ProposerConfig
 from coordinator.routing import Endpoint, assign, session_key
 from coordinator.target.engine import TargetConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from coordinator.fleet import _context, free_port
+from coordinator.demo.fleet import _context, free_port
 
 
 def _entry(rank: int, world: int, init: str, out: str, fn, args) -> None:

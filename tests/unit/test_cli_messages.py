@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.demo import drafter_lines
+from coordinator.demo.cli import drafter_lines
 
 
 def test_demo_header_shows_each_drafter_as_started_and_its_restart():

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from coordinator.fleet import FleetConfig, FleetError, run_fleet
+from coordinator.demo.fleet import FleetConfig, FleetError, run_fleet
 from coordinator.target.engine import TargetConfig
 from coordinator.target.request import RequestSpec, random_requests
 from tests.support.engines import tiny_dirs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from coordinator.target.drafting import DraftResult
+from coordinator.session import DraftResult
 from coordinator.tp import TPFanout
 from tests.support.ranks import run_ranks
 

@@ -94,7 +94,7 @@ def init_vllm_groups(cfg, world: int, rank: int, init_method: str = "env://") ->
 
 @pytest.fixture(scope="module")
 def single_rank(ckpts):
-    from coordinator.fleet import free_port
+    from coordinator.demo.fleet import free_port
 
     init_vllm_groups(gpu_host_config(ckpts / "eagle", "eagle"), 1, 0, f"tcp://127.0.0.1:{free_port()}")
     yield

@@ -88,7 +88,7 @@ def run(cfg: DemoConfig) -> int:
     import torch
     from rich.console import Console
 
-    from coordinator import fleet as fleet_mod
+    from coordinator.demo import fleet as fleet_mod
     from coordinator.circuit import BreakerConfig
     from coordinator.remote_proposer import ProposerConfig
     from coordinator.target.distill import DistillConfig, train_pair
@@ -195,7 +195,7 @@ def _uneven(by_dp):
 def _start_drafters(cfg: DemoConfig, pair: Path, target, work: Path, console):
     if cfg.transport == "inprocess":
         return ("inprocess://drafter-a:0", "inprocess://drafter-b:0"), []
-    from coordinator.drafters import DrafterProcess, DrafterSpec
+    from coordinator.demo.drafters import DrafterProcess, DrafterSpec
 
     spec = DrafterSpec(str(pair / "head"), str(pair / "target"), cfg.method, cfg.k, target.max_model_len,
                        max_num_seqs=16, max_num_batched_tokens=2048, kv_blocks=4 * target.num_blocks,
@@ -211,7 +211,7 @@ def _start_drafters(cfg: DemoConfig, pair: Path, target, work: Path, console):
 
 
 def _run_fleet(fcfg, by_dp, out, drafters, cfg: DemoConfig):
-    from coordinator import fleet as fleet_mod
+    from coordinator.demo import fleet as fleet_mod
 
     if not cfg.chaos:
         return fleet_mod.run_fleet(fcfg, by_dp, out), None
