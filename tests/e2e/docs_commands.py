@@ -175,9 +175,9 @@ def all_commands() -> list[Command]:
 def _environment(shims: Path) -> dict:
     """This checkout's `drafter` first on PATH, whatever is installed; no DRAFTER_* from outside."""
     shims.mkdir(parents=True, exist_ok=True)
-    for name, module in (("drafter", "drafter"), ("drafter-loadtest", "drafter.loadtest.cli")):
+    for name, command in (("drafter", "drafter"), ("drafter-loadtest", "drafter loadtest")):
         script = shims / name
-        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
+        script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {command} "$@"\n')
         script.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTER_")}
     env["PATH"] = f"{shims}{os.pathsep}{env.get('PATH', '')}"
