@@ -88,7 +88,14 @@ class ServerConfig:
     tls_key: str = _opt(str, "", "gRPC server key (PEM)")
     tls_client_ca: str = _opt(str, "", "CA (PEM) that client certificates must chain to; enables mTLS")
     curve_server_cert: str = _opt(str, "", "ZMQ CURVE secret certificate (zmq.auth .key_secret file); enables CURVE")
-    curve_clients_dir: str = _opt(str, "", "directory of authorised client public certificates (zmq.auth)")
+    curve_clients_dir: str = _opt(str, "", "directory of authorised client public certificates (zmq.auth); "
+                                         "required with --curve-server-cert")
+    transports: str = _opt(str, "grpc,zmq", "which call transports listen: grpc,zmq | grpc | zmq (the health and "
+                                            "metrics ports always do)")
+    insecure_grpc: bool = _opt(_bool, False, "serve gRPC without mTLS although ZMQ requires CURVE (anyone who can "
+                                             "reach the gRPC port may call; logged as a warning at start)")
+    insecure_zmq: bool = _opt(_bool, False, "serve ZMQ without CURVE although gRPC requires mTLS (anyone who can "
+                                            "reach the ZMQ port may call; logged as a warning at start)")
     # ---- logs
     log_format: str = _opt(str, "json", "json | text", choices=("json", "text"))
     log_level: str = _opt(str, "info", "debug | info | warning | error")
@@ -126,6 +133,47 @@ class ServerConfig:
             return self.dtype
         return "float32" if self.resolved_device() == "cpu" else "bfloat16"
 
+    @property
+    def transport_set(self) -> frozenset[str]:
+        names = frozenset(t for t in self.transports.replace(" ", "").split(",") if t)
+        if not names or names - {"grpc", "zmq"}:
+            raise ValueError(f"--transports {self.transports!r}: a comma list of grpc and zmq (at least one)")
+        return names
+
+    @property
+    def serves_grpc(self) -> bool:
+        return "grpc" in self.transport_set
+
+    @property
+    def serves_zmq(self) -> bool:
+        return "zmq" in self.transport_set
+
+    def insecure_transports(self) -> list[str]:
+        """The listening transports left without client authentication by an explicit opt-out flag."""
+        if not (self.tls_client_ca or self.curve_server_cert):
+            return []
+        out = []
+        if self.serves_grpc and not self.tls_client_ca:
+            out.append("grpc")
+        if self.serves_zmq and not self.curve_server_cert:
+            out.append("zmq")
+        return out
+
+    def check_auth(self) -> None:
+        """All or nothing: once any transport authenticates its clients, every listening transport must,
+        unless an --insecure-* flag says otherwise; CURVE always needs its client allow list."""
+        if self.curve_server_cert and not self.curve_clients_dir:
+            raise ValueError("--curve-server-cert needs --curve-clients-dir (without an allow list CURVE accepts "
+                             "any client key)")
+        if not (self.tls_client_ca or self.curve_server_cert):
+            return
+        if self.serves_grpc and not self.tls_client_ca and not self.insecure_grpc:
+            raise ValueError("ZMQ requires CURVE but gRPC would serve anyone: pass --tls-client-ca (mTLS), "
+                             "--transports zmq (no gRPC), or --insecure-grpc")
+        if self.serves_zmq and not self.curve_server_cert and not self.insecure_zmq:
+            raise ValueError("gRPC requires mTLS but ZMQ would serve anyone: pass --curve-server-cert with "
+                             "--curve-clients-dir, --transports grpc (no ZMQ), or --insecure-zmq")
+
     def check(self) -> None:
         if not self.method:
             raise ValueError("--method (DRAFTER_METHOD) is required")
@@ -137,6 +185,10 @@ class ServerConfig:
             raise ValueError("--tls-client-ca needs --tls-cert/--tls-key")
         if self.curve_clients_dir and not self.curve_server_cert:
             raise ValueError("--curve-clients-dir needs --curve-server-cert")
+        self.transport_set  # noqa: B018 - raises on an unknown name
+        self.check_auth()
+        if self.zmq_ipc and not self.serves_zmq:
+            raise ValueError("--zmq-ipc needs zmq in --transports")
         if self.zmq_ipc:
             from drafter.wire.ipc import _check_syntax
 

@@ -110,27 +110,31 @@ async def _listen(cfg: ServerConfig, core: ServiceCore, metrics: Metrics, health
     metrics_port = _bind("metrics-port", cfg, cfg.metrics_port, lambda: metrics.serve_http(cfg.host, cfg.metrics_port))
     opened.append(metrics.shutdown_http)
     check_port_free("health-port", cfg.host, cfg.health_port)
-    check_port_free("grpc-port", cfg.host, cfg.grpc_port)
+    if cfg.serves_grpc:
+        check_port_free("grpc-port", cfg.host, cfg.grpc_port)
     health_server, health_port = _bind("health-port", cfg, cfg.health_port,
                                        lambda: build_health_server(health_state, host=cfg.host, port=cfg.health_port))
-    grpc_server, grpc_port = _bind("grpc-port", cfg, cfg.grpc_port, lambda: build_main_server(
-        DrafterGrpcService(core, drain_event), health_state, host=cfg.host, port=cfg.grpc_port,
-        max_message_bytes=cfg.max_message_bytes, keepalive_time_s=cfg.keepalive_time_s,
-        keepalive_timeout_s=cfg.keepalive_timeout_s, tls_cert=cfg.tls_cert or None, tls_key=cfg.tls_key or None,
-        tls_client_ca=cfg.tls_client_ca or None))
     await health_server.start()
     opened.append(lambda: health_server.stop(0))
-    await grpc_server.start()
-    opened.append(lambda: grpc_server.stop(0))
-    zmq_server = ZmqServer(core, host=cfg.host, port=cfg.zmq_port, max_message_bytes=cfg.max_message_bytes,
-                           heartbeat_s=cfg.keepalive_time_s, heartbeat_timeout_s=cfg.keepalive_timeout_s,
-                           curve_server_cert=cfg.curve_server_cert or None,
-                           curve_clients_dir=cfg.curve_clients_dir or None, ipc_path=cfg.zmq_ipc or None,
-                           ipc_mode=cfg.ipc_mode)
-    opened.append(lambda: zmq_server.close(timeout=0.1))
-    # the tcp socket binds first: a failure after it is the ipc socket's
-    zmq_port = _bind("zmq-port", cfg, cfg.zmq_port, lambda: _start_zmq(zmq_server, cfg))
-    ports = {"grpc_port": grpc_port, "zmq_port": zmq_port, "health_port": health_port, "metrics_port": metrics_port}
+    ports = {"health_port": health_port, "metrics_port": metrics_port}
+    grpc_server = zmq_server = None
+    if cfg.serves_grpc:
+        grpc_server, ports["grpc_port"] = _bind("grpc-port", cfg, cfg.grpc_port, lambda: build_main_server(
+            DrafterGrpcService(core, drain_event), health_state, host=cfg.host, port=cfg.grpc_port,
+            max_message_bytes=cfg.max_message_bytes, keepalive_time_s=cfg.keepalive_time_s,
+            keepalive_timeout_s=cfg.keepalive_timeout_s, tls_cert=cfg.tls_cert or None, tls_key=cfg.tls_key or None,
+            tls_client_ca=cfg.tls_client_ca or None))
+        await grpc_server.start()
+        opened.append(lambda: grpc_server.stop(0))
+    if cfg.serves_zmq:
+        zmq_server = ZmqServer(core, host=cfg.host, port=cfg.zmq_port, max_message_bytes=cfg.max_message_bytes,
+                               heartbeat_s=cfg.keepalive_time_s, heartbeat_timeout_s=cfg.keepalive_timeout_s,
+                               curve_server_cert=cfg.curve_server_cert or None,
+                               curve_clients_dir=cfg.curve_clients_dir or None, ipc_path=cfg.zmq_ipc or None,
+                               ipc_mode=cfg.ipc_mode)
+        opened.append(lambda: zmq_server.close(timeout=0.1))
+        # the tcp socket binds first: a failure after it is the ipc socket's
+        ports["zmq_port"] = _bind("zmq-port", cfg, cfg.zmq_port, lambda: _start_zmq(zmq_server, cfg))
     return ports, health_server, grpc_server, zmq_server
 
 
@@ -178,9 +182,12 @@ async def serve(cfg: ServerConfig) -> int:
         await _close_opened(opened)
         await core.close()
         raise
-    if zmq_server.ipc_endpoint:
+    if zmq_server is not None and zmq_server.ipc_endpoint:
         ports["zmq_ipc"] = zmq_server.ipc_endpoint
     event("listening", host=cfg.host, **ports)
+    for name in cfg.insecure_transports():  # only reachable through an explicit --insecure-* flag
+        log.warning(f"{name} serves unauthenticated clients although the other transport requires auth",
+                    extra={"event": "insecure_transport", "transport": name})
     log.info("listening", extra={"event": "listening", "host": cfg.host, **ports,
                                  "grpc_tls": bool(cfg.tls_cert), "grpc_mtls": bool(cfg.tls_client_ca),
                                  "zmq_curve": bool(cfg.curve_server_cert)})
@@ -223,8 +230,10 @@ async def serve(cfg: ServerConfig) -> int:
     event("draining", inflight=core.inflight)
     log.info("draining", extra={"event": "draining", "inflight": core.inflight})
     clean = await core.wait_idle(max(0.0, deadline - time.monotonic()))
-    await grpc_server.stop(max(0.0, deadline - time.monotonic()))
-    await zmq_server.close(timeout=max(0.1, deadline - time.monotonic()))
+    if grpc_server is not None:
+        await grpc_server.stop(max(0.0, deadline - time.monotonic()))
+    if zmq_server is not None:
+        await zmq_server.close(timeout=max(0.1, deadline - time.monotonic()))
     await health_server.stop(0)
     if watchdog is not None:
         watchdog.cancel()
