@@ -67,7 +67,7 @@ def test_curve_applies_on_ipc(tiny_root, tmp_path):
     _, model = tiny_dirs(tiny_root, "eagle3")
     with DrafterServer(model, "eagle3", log_path=tmp_path / "server.log", kv_blocks=64, block_sizes=16,
                        zmq_ipc=run / "d.sock", curve_server_cert=keys["server"][1], curve_clients_dir=clients,
-                       **SERVER_SETTINGS) as server:
+                       transports="zmq", **SERVER_SETTINGS) as server:
         endpoint = server.ready["zmq_ipc"]
         good = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
         with ZmqDrafterClient(endpoint, curve=good, timeout_s=10) as c:

@@ -1,0 +1,68 @@
+"""Auth on one transport must not leave the other open (issue 19, item 3).
+
+mTLS alone used to leave plaintext ZMQ serving anyone; CURVE without an allow list accepted any key.
+Now `drafter serve` refuses such a configuration in one line, serves it only under an explicit
+--insecure-* flag (with a warning in the log), and can turn a transport off entirely.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from coordinator.transport import GrpcDrafterClient, TlsConfig, ZmqDrafterClient
+from tests.integration.conftest import SERVER_SETTINGS
+from tests.integration.test_startup_errors import _one_line, _serve
+from tests.support.certs import CA, curve_certificates
+from tests.support.engines import tiny_dirs
+from tests.support.servers import DrafterServer
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pki")
+    ca = CA(d, "drafter-ca")
+    cert, key = ca.issue("drafter", server=True)
+    return d, ca, cert, key
+
+
+@pytest.fixture(scope="module")
+def eagle3(tiny_root):
+    return tiny_dirs(tiny_root, "eagle3")[1]
+
+
+def test_mtls_alone_refuses_to_start(eagle3, pki):
+    _, ca, cert, key = pki
+    run = _serve(eagle3, "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", ca.cert_path)
+    _one_line(run, "--insecure-zmq", "--transports")
+
+
+def test_curve_without_a_client_allow_list_refuses_to_start(eagle3, pki):
+    d, ca, cert, key = pki
+    keys = curve_certificates(d)
+    run = _serve(eagle3, "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", ca.cert_path,
+                 "--curve-server-cert", keys["server"][1])
+    _one_line(run, "--curve-clients-dir")
+
+
+def test_insecure_zmq_is_explicit_and_logged(eagle3, pki, tmp_path, one_torch_thread):
+    _, ca, cert, key = pki
+    log = tmp_path / "server.log"
+    with DrafterServer(eagle3, "eagle3", log_path=log, kv_blocks=64, block_sizes=16, tls_cert=cert, tls_key=key,
+                       tls_client_ca=ca.cert_path, insecure_zmq="true", **SERVER_SETTINGS) as server:
+        with ZmqDrafterClient(server.zmq_endpoint, timeout_s=10) as c:
+            assert c.info().method == "eagle3"
+    warnings = [json.loads(ln) for ln in log.read_text().splitlines() if "insecure_transport" in ln]
+    assert [w["transport"] for w in warnings] == ["zmq"] and warnings[0]["level"] == "warning"
+
+
+def test_a_transport_can_be_turned_off(eagle3, pki, tmp_path, one_torch_thread):
+    _, ca, cert, key = pki
+    with DrafterServer(eagle3, "eagle3", log_path=tmp_path / "server.log", kv_blocks=64, block_sizes=16,
+                       tls_cert=cert, tls_key=key, tls_client_ca=ca.cert_path, transports="grpc",
+                       **SERVER_SETTINGS) as server:
+        assert "zmq_port" not in server.ready
+        worker = ca.issue("target-worker", server=False)
+        with GrpcDrafterClient(server.grpc_target, tls=TlsConfig(ca.cert_path, *worker), timeout_s=10) as c:
+            assert c.info().method == "eagle3"
