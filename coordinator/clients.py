@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from coordinator.routing import Endpoint
 from coordinator.session import PROTOCOL_VERSION, SessionInfo, SessionSpec
+from drafter.wire.records import DraftOutput, ProposeRequest
 
 
 class ServiceTransport:
@@ -51,7 +52,7 @@ class ServiceTransport:
                            limits.max_num_seqs if limits else spec.max_num_seqs,
                            limits.max_num_batched_tokens if limits else spec.max_num_batched_tokens)
 
-    def propose(self, session: SessionInfo, timeout: float, **kwargs):
+    def request_drafts(self, session: SessionInfo, request: ProposeRequest, timeout: float) -> DraftOutput:
         """DraftOutput (draft_token_ids [batch, k], batch_padded, ...) on the given session."""
         state = self.client.session
         if state.session_id != session.session_id:
@@ -61,8 +62,8 @@ class ServiceTransport:
         if self.use_stream:
             if self._stream is None:
                 self._stream = self.client.stream()
-            return self._stream.propose(timeout=timeout, **kwargs)
-        return self.client.propose(timeout=timeout, **kwargs)
+            return self._stream.request_drafts(request, timeout=timeout)
+        return self.client.request_drafts(request, timeout=timeout)
 
     def detach(self, session: SessionInfo, timeout: float) -> None:
         self.client.detach(timeout=timeout)

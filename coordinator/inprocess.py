@@ -16,6 +16,7 @@ from pathlib import Path
 from drafter.config import EngineConfig
 from drafter.engine import DraftEngine
 from drafter.wire.errors import InvalidInput
+from drafter.wire.records import DraftOutput, ProposeRequest
 from drafter.models.loader import load_head
 
 from coordinator.session import Code, DrafterError, SessionInfo, SessionSpec
@@ -83,10 +84,11 @@ class InProcessTransport:
             raise DrafterError(Code.NOT_FOUND, "session_id", f"unknown session {session.session_id}")
         return engine
 
-    def propose(self, session: SessionInfo, timeout: float, accepted_counts=None, **kwargs):
+    def request_drafts(self, session: SessionInfo, request: ProposeRequest, timeout: float) -> DraftOutput:
         engine = self._engine(session)  # accepted_counts feeds a server's metrics; the engine has none
         try:
-            return engine.propose(**kwargs)  # DraftOutput: draft_token_ids [batch, k], batch_padded, ...
+            return engine.draft(request.inputs, return_probs=request.return_probs,
+                                batch_padded=request.batch_padded or None, tokens_padded=request.tokens_padded or None)
         except InvalidInput as e:
             raise DrafterError(Code.INVALID_ARGUMENT, e.field, str(e)) from e
 

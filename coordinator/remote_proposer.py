@@ -3,6 +3,7 @@
     proposer = RemoteProposer(spec, router=Router(StaticEndpoints([...])), key="target/dp0",
                               connect=make_transport)
     drafts = proposer.propose(target_token_ids=..., ..., num_rejected_tokens=...)  # [batch, k] or None
+    drafts = proposer.request_drafts(request)   # the same from a drafter.wire.records.ProposeRequest
 
 None means "no drafts this step": the target decodes normally, and its output cannot change.
 Guarantees:
@@ -42,6 +43,7 @@ from coordinator.circuit import BreakerConfig, CircuitBreaker, State
 from coordinator.routing import Endpoint, Router
 from coordinator.session import (INVALID_ARGUMENT, SESSION_LOST, DraftTransport, SessionInfo, SessionSpec,
                                  code_name)
+from drafter.wire.records import ProposeRequest
 
 log = logging.getLogger("coordinator.proposer")
 
@@ -189,16 +191,22 @@ class RemoteProposer:
             self._drop_transport(ep)
 
     # ---------------------------------------------------------------- the per-step call
-    def propose(self, **kwargs) -> torch.Tensor | None:
+    def propose(self, **keywords) -> torch.Tensor | None:
+        """The keyword front door: DraftEngine.propose's tensors (and the service's options, see
+        ProposeRequest.from_keywords) -> request_drafts."""
+        return self.request_drafts(ProposeRequest.from_keywords(**keywords))
+
+    def request_drafts(self, request: ProposeRequest) -> torch.Tensor | None:
+        """One step's drafts [batch, k] int64 on the caller's device, or None (fail closed)."""
         started = self.clock()
         self.stats.calls += 1
         self.last_batch_padded = None
         try:
-            return self._propose(started, kwargs)
+            return self._request_drafts(started, request)
         finally:
             self.stats.max_wait_s = max(self.stats.max_wait_s, self.clock() - started)
 
-    def _propose(self, started: float, kwargs: dict) -> torch.Tensor | None:
+    def _request_drafts(self, started: float, request: ProposeRequest) -> torch.Tensor | None:
         deadline_at = started + self.cfg.deadline_s
         try:
             ep = self._choose()
@@ -217,7 +225,7 @@ class RemoteProposer:
             self._attach_in_step(ep, deadline_at, started, "attached")
             return None
         try:
-            out = self._transport(ep).propose(self.session, timeout=max(1e-3, deadline_at - self.clock()), **kwargs)
+            out = self._transport(ep).request_drafts(self.session, request, max(1e-3, deadline_at - self.clock()))
         except Exception as e:  # noqa: BLE001 - refusals, transport failures, timeouts, bugs: all fail closed
             code = code_name(e)
             if code in SESSION_LOST and hasattr(e, "message"):
@@ -234,7 +242,7 @@ class RemoteProposer:
                 self._failure(ep, e, started)
             return None
         drafts = getattr(out, "draft_token_ids", out)
-        batch = kwargs["next_token_ids"].shape[0]
+        batch = request.batch_size
         if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2 or drafts.shape[0] != batch or \
                 drafts.shape[1] != self.spec.num_speculative_tokens:
             self._breaker(ep).record_failure()
@@ -246,7 +254,7 @@ class RemoteProposer:
         self.stats.drafted += 1
         self.stats.latencies.setdefault(self._transport(ep).name, []).append(self.clock() - started)
         self.last_batch_padded = getattr(out, "batch_padded", None)
-        return drafts.to(kwargs["next_token_ids"].device, torch.int64)
+        return drafts.to(request.inputs.next_token_ids.device, torch.int64)
 
     def _attach_in_step(self, ep: Endpoint, deadline_at: float, started: float, reason: str) -> None:
         """Attach a session as part of a step that returns no drafts."""

@@ -3,7 +3,7 @@
 A target worker (one per DP rank; TP rank 0 speaks for its group) *attaches* a session with a
 SessionSpec; the drafter allocates that session's KV pools (mirroring the target's block-id
 space) and answers with a SessionInfo: its epoch (changes on restart), capture sizes and limits.
-Per-step propose calls then carry exactly DraftEngine.propose's keywords.
+Per-step propose calls then carry a drafter.wire.records.ProposeRequest (DraftEngine.propose's tensors).
 
 Any transport with attach / propose / detach / close fits DraftTransport: the in-process one
 (coordinator.inprocess) wraps a DraftEngine; the gRPC and ZMQ clients speak to `drafter serve`.
@@ -19,6 +19,7 @@ import torch
 
 from drafter.config import KVGroupSpec
 from drafter.wire.errors import Code, DrafterError  # noqa: F401 (re-exported for transports)
+from drafter.wire.records import DraftOutput, ProposeRequest
 
 PROTOCOL_VERSION = 1
 
@@ -85,7 +86,7 @@ class DraftTransport(Protocol):
 
     def attach(self, spec: SessionSpec, timeout: float) -> SessionInfo: ...
 
-    def propose(self, session: SessionInfo, timeout: float, **kwargs) -> torch.Tensor: ...
+    def request_drafts(self, session: SessionInfo, request: ProposeRequest, timeout: float) -> DraftOutput: ...
 
     def detach(self, session: SessionInfo, timeout: float) -> None: ...
 

@@ -5,6 +5,7 @@ static buffers, proposer) -> servers (gRPC / ZMQ) -> coordinator (target side).
 """
 
 from drafter.config import EngineConfig, KVGroupSpec
-from drafter.engine import DraftEngine, DraftOutput
+from drafter.engine import DraftEngine
+from drafter.wire.records import DraftOutput
 
 __all__ = ["DraftEngine", "DraftOutput", "EngineConfig", "KVGroupSpec"]

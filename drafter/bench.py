@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from drafter.config import EngineConfig, KVGroupSpec
-from drafter.inputs import ProposeInputs
+from drafter.wire.records import ProposeInputs
 from drafter.models.heads import HEADS
 from drafter.models.layers import LayerShape
 from drafter.models.spec import ModelSpec
@@ -370,7 +370,7 @@ def host_breakdown(engine, call: dict, iters: int = 50) -> dict:
     import io
     import pstats
 
-    from drafter.engine import DraftOutput
+    from drafter.wire.records import DraftOutput
     from drafter.graphs import on_device as inputs_on_device
     from drafter.inputs import as_group_list
 

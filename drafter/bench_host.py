@@ -21,8 +21,10 @@ import torch
 
 from drafter.bench import bind_call, decode_call
 from drafter.config import EngineConfig, KVGroupSpec
-from drafter.engine import DraftEngine, DraftOutput
-from drafter.inputs import ProposeInputs, as_group_list
+from drafter.engine import DraftEngine
+from drafter.wire.records import DraftOutput
+from drafter.inputs import as_group_list
+from drafter.wire.records import ProposeInputs
 
 
 def per_call_us(fn, calls: int = 20000, repeats: int = 7) -> float:

@@ -3,17 +3,17 @@
     python -m drafter.bench_service_host [--batch 16 --k 3 --ctx 1024 --json OUT]
 
 What a ZMQ propose call costs the server besides the engine's drafting, in the order it runs:
-header_decode (msgpack body -> ProposeRequest), tensor_decode (frames -> tensors, wire.py),
+header_decode (msgpack body -> ProposeRequest), tensor_decode (frames -> tensors, drafter.wire.tensors),
 check (sessions.check_call, the core's check), prepare (what the engine thread does to a call
-alone in its engine call on a GPU host before engine.propose: offset_kwargs, the finite check and
-HostStager.stage_call, the copy into the pinned buffer, unpinned here; EngineRunner._prepare and
-_run_group's stage_call, whichever of them stages) and validate (drafter.inputs.validate, which engine.propose(validate=True) runs on
+alone in its engine call on a GPU host before engine.draft: offset_inputs, the finite check and
+HostStager.stage, the copy into the pinned buffer, unpinned here; EngineRunner._prepare and
+_run_group's stage, whichever of them stages) and validate (drafter.inputs.validate, which engine.draft(validate=True) runs on
 the staged call).  offsets, finite and stage time prepare's pieces alone; `total` runs the whole
 path back to back.
 
 The calls are EAGLE-3 / Llama-3.1-8B decode steps as they arrive from the wire: batch requests of
 k + 1 tokens, hidden states [tokens, 3 x 4096] bf16, one KV group of block size 16, from the
-second session attached (its blocks start past the first's, so offset_kwargs really shifts).
+second session attached (its blocks start past the first's, so offset_inputs really shifts).
 The parts cycle through distinct calls totalling more than a server CPU's last-level cache, so
 a call's hidden states come from memory as a fresh network message's do.  Each number is
 microseconds per call, best of several repeats of many calls (drafter.bench_host.per_call_us).
@@ -31,8 +31,9 @@ from drafter.bench_transport import BLOCK_SIZE, decode_call, null_engine
 from drafter.wire import schema
 from drafter.service.batcher import EngineRunner, HostStager, Pending, _check_finite, _engine_validate
 from drafter.service.core import describe_engine
-from drafter.service.sessions import PROTOCOL_VERSION, SessionTable, check_call, offset_kwargs
-from drafter.wire.tensors import call_from_frames, call_to_frames
+from drafter.service.sessions import PROTOCOL_VERSION, SessionTable, check_call, offset_inputs
+from drafter.wire.records import ProposeInputs, ProposeRequest
+from drafter.wire.tensors import request_from_frames, request_to_frames
 
 COLD_BYTES = 160 << 20  # the distinct calls cycled through: several times any last-level cache
 
@@ -54,7 +55,7 @@ def _session(engine, blocks: int):
 
 def wire_message(call: dict) -> tuple[bytes, list[memoryview]]:
     """The msgpack body and tensor frames a ZMQ client sends, as the server receives them."""
-    header, frames = call_to_frames("s", 1, 1, call)
+    header, frames = request_to_frames(ProposeRequest.from_keywords(**call))
     return msgspec.msgpack.encode(header), [memoryview(bytes(f)) for f in frames]
 
 
@@ -69,11 +70,11 @@ def measure(batch: int = 16, k: int = 3, ctx: int = 1024, calls: int = 2000) -> 
                 for i in range(max(2, COLD_BYTES // hidden_bytes))]
     decoder = msgspec.msgpack.Decoder(schema.ProposeRequest)
     decoded = [(body, decoder.decode(body), frames) for body, frames in messages]
-    calls_ = [call_from_frames(req, frames) for _, req, frames in decoded]
-    shifted = [offset_kwargs(session, c.kwargs) for c in calls_]
-    staged = [runner.stager.stage_call(_prepare(runner, session, calls_[0]))]  # the buffer is reused
-    for kw in staged:
-        _engine_validate(engine, kw)  # the calls are valid: every part below runs its whole path
+    calls_ = [request_from_frames(req, frames) for _, req, frames in decoded]
+    shifted = [offset_inputs(session, c.inputs) for c in calls_]
+    staged = [runner.stager.stage(_prepare(runner, session, calls_[0]))]  # the buffer is reused
+    for inp in staged:
+        _engine_validate(engine, inp)  # the calls are valid: every part below runs its whole path
 
     def cycled(fn, items):
         it = itertools.cycle(items)
@@ -81,26 +82,26 @@ def measure(batch: int = 16, k: int = 3, ctx: int = 1024, calls: int = 2000) -> 
 
     def total(message):
         body, _, frames = message
-        call = call_from_frames(decoder.decode(body), frames)
+        call = request_from_frames(decoder.decode(body), frames)
         check_call(session, call, desc)
         _engine_validate(engine, _prepare(runner, session, call))
 
     return {
         "header_decode_us": cycled(lambda m: decoder.decode(m[0]), decoded),
-        "tensor_decode_us": cycled(lambda m: call_from_frames(m[1], m[2]), decoded),
+        "tensor_decode_us": cycled(lambda m: request_from_frames(m[1], m[2]), decoded),
         "check_us": cycled(lambda c: check_call(session, c, desc), calls_),
         "prepare_us": cycled(lambda c: _prepare(runner, session, c), calls_),
-        "offsets_us": cycled(lambda c: offset_kwargs(session, c.kwargs), calls_),
+        "offsets_us": cycled(lambda c: offset_inputs(session, c.inputs), calls_),
         "finite_us": cycled(_check_finite, shifted),
-        "stage_us": cycled(runner.stager.stage_call, shifted),
-        "validate_us": cycled(lambda kw: _engine_validate(engine, kw), staged),
+        "stage_us": cycled(runner.stager.stage, shifted),
+        "validate_us": cycled(lambda inp: _engine_validate(engine, inp), staged),
         "total_us": cycled(total, decoded),
     }
 
 
-def _prepare(runner: EngineRunner, session, call) -> dict:
-    """The engine thread's work on a call alone in its engine call, up to engine.propose."""
-    return runner.stager.stage_call(runner._prepare(Pending(session, call, None), True))
+def _prepare(runner: EngineRunner, session, call) -> ProposeInputs:
+    """The engine thread's work on a call alone in its engine call, up to engine.draft."""
+    return runner.stager.stage(runner._prepare(Pending(session, call, None), True))
 
 
 def main(argv=None) -> int:

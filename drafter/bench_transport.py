@@ -70,15 +70,24 @@ class NullEngine:
     def propose(self, *, target_token_ids, target_positions, target_hidden_states, next_token_ids, query_start_loc,
                 seq_lens, block_tables, slot_mappings, token_indices_to_sample=None, num_rejected_tokens=None,
                 temperatures=None, return_probs=False, return_logits=False, batch_padded=None, tokens_padded=None):
-        from drafter.engine import DraftOutput
-        from drafter.inputs import ProposeInputs, as_group_list, validate
+        from drafter.inputs import as_group_list
+        from drafter.wire.records import ProposeInputs
 
         groups = len(self.config.kv_groups)
         inp = ProposeInputs(target_token_ids, target_positions, target_hidden_states, next_token_ids,
                             query_start_loc, seq_lens, as_group_list("block_tables", block_tables, groups),
                             as_group_list("slot_mappings", slot_mappings, groups), token_indices_to_sample,
                             num_rejected_tokens, temperatures)
-        validate(inp, self.limits)
+        return self.draft(inp, return_probs=return_probs, batch_padded=batch_padded, tokens_padded=tokens_padded)
+
+    def draft(self, inp, *, return_probs=False, return_logits=False, batch_padded=None, tokens_padded=None,
+              validate=True):
+        """DraftEngine.draft's contract: the inputs checked, zeros for drafts."""
+        from drafter.inputs import validate as check
+        from drafter.wire.records import DraftOutput
+
+        if validate:
+            check(inp, self.limits)
         b = inp.batch_size
         drafts = torch.zeros(b, self.config.num_speculative_tokens, dtype=torch.int64)
         return DraftOutput(drafts, None, batch_padded or b, tokens_padded or inp.num_tokens)
@@ -455,9 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     procs.append(server)
     try:
         if not args.no_echo:
-            from drafter.wire.tensors import call_to_frames
+            from drafter.wire.records import ProposeRequest
+            from drafter.wire.tensors import request_to_frames
 
-            _, frames = call_to_frames("s", 1, 1, call)
+            _, frames = request_to_frames(ProposeRequest.from_keywords(**call))
             frames = [bytes(f) for f in frames]
             for use_asyncio in (False, True):
                 key = "echo_asyncio" if use_asyncio else "echo"

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from drafter.graphs import readable_in_place
-from drafter.inputs import FLOAT_DTYPES, INT_DTYPES, ProposeInputs
+from drafter.inputs import FLOAT_DTYPES, INT_DTYPES
+from drafter.wire.records import ProposeInputs
 from drafter.wire.errors import InvalidInput
 
 

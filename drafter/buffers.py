@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from drafter.attention.metadata import PADDING_SLOT_ID, AttentionMetadata
-from drafter.inputs import ProposeInputs
+from drafter.wire.records import ProposeInputs
 
 
 class StaticBuffers:

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,25 +15,17 @@ import torch
 from drafter.attention import ReferenceBackend
 from drafter.buffers import StaticBuffers
 from drafter.config import EngineConfig, pad_to_capture_size
-from drafter.inputs import Limits, ProposeInputs, as_group_list
+from drafter.inputs import Limits, as_group_list
 from drafter.inputs import validate as check_inputs
 from drafter.kv_cache import HiddenStateStore, PagedKVCache
 from drafter.models.loader import load_head
 from drafter.models.spec import ModelSpec, parse_head, read_config
 from drafter.proposer import Proposer
 from drafter.wire.errors import InvalidInput
+from drafter.wire.records import DraftOutput, ProposeInputs
 
 if TYPE_CHECKING:
     from drafter.bound import BoundPropose
-
-
-@dataclass
-class DraftOutput:
-    draft_token_ids: torch.Tensor  # [batch, k] int64, or [batch, num_tree_nodes] for a tree
-    draft_probs: torch.Tensor | None  # [batch, k, vocab] float32 when asked
-    batch_padded: int  # rows the draft loop ran (capture size or the agreed DP size)
-    tokens_padded: int  # rows the first pass ran
-    draft_logits: torch.Tensor | None = None  # [batch, k, head_vocab] when asked (parity checks, debugging)
 
 
 def make_backend(name: str, device: torch.device):
@@ -130,11 +121,22 @@ class DraftEngine:
             target_token_ids, target_positions, target_hidden_states, next_token_ids, query_start_loc, seq_lens,
             as_group_list("block_tables", block_tables, groups), as_group_list("slot_mappings", slot_mappings, groups),
             token_indices_to_sample, num_rejected_tokens, temperatures)
+        return self.draft(inp, return_probs=return_probs, return_logits=return_logits, batch_padded=batch_padded,
+                          tokens_padded=tokens_padded, validate=validate)
+
+    def draft(self, inp: ProposeInputs, *, return_probs: bool = False, return_logits: bool = False,
+              batch_padded: int | None = None, tokens_padded: int | None = None, validate: bool = True
+              ) -> DraftOutput:
+        """propose() on a typed record (the service's engine thread calls this): block_tables and
+        slot_mappings already one tensor per KV group."""
         if validate:
+            groups = len(self.config.kv_groups)
+            as_group_list("block_tables", inp.block_tables, groups)
+            as_group_list("slot_mappings", inp.slot_mappings, groups)
             check_inputs(inp, self.limits)
         if self.config.method == "extract_hidden_states":
             return self._extract(inp)
-        if num_rejected_tokens is not None and not self.config.padded_drafter_batch:
+        if inp.num_rejected_tokens is not None and not self.config.padded_drafter_batch:
             inp = drop_rejected_tokens(inp)
         return self._propose_validated(inp, return_probs, return_logits, batch_padded, tokens_padded)
 

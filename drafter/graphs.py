@@ -57,7 +57,7 @@ from drafter.attention.kernels.batch_inputs import InputHeader, load_inputs
 from drafter.attention.kernels.draft_output import store_drafts
 from drafter.attention.metadata import PADDING_SLOT_ID
 from drafter.config import pad_to_capture_size
-from drafter.inputs import ProposeInputs
+from drafter.wire.records import ProposeInputs
 
 
 class GraphRunner:

@@ -14,32 +14,10 @@ import torch
 
 from drafter.attention.metadata import PADDING_SLOT_ID
 from drafter.wire.errors import InvalidInput
+from drafter.wire.records import ProposeInputs
 
 INT_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@dataclass
-class ProposeInputs:
-    target_token_ids: torch.Tensor  # [num_tokens] int
-    target_positions: torch.Tensor  # [num_tokens] int
-    target_hidden_states: torch.Tensor  # [num_tokens, hidden_input_width] float
-    next_token_ids: torch.Tensor  # [batch] int
-    query_start_loc: torch.Tensor  # [batch + 1] int
-    seq_lens: torch.Tensor  # [batch] int, includes this step's tokens (and rejected ones, padded path)
-    block_tables: list[torch.Tensor]  # per KV group: [batch, max_blocks] int
-    slot_mappings: list[torch.Tensor]  # per KV group: [num_tokens] int, -1 = write nothing
-    token_indices_to_sample: torch.Tensor | None = None  # [batch] int
-    num_rejected_tokens: torch.Tensor | None = None  # [batch] int
-    temperatures: torch.Tensor | None = None  # [batch] float, 0 = greedy
-
-    @property
-    def num_tokens(self) -> int:
-        return self.target_token_ids.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return self.next_token_ids.shape[0]
 
 
 @dataclass(frozen=True)

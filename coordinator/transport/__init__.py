@@ -2,7 +2,8 @@
 
     client = GrpcDrafterClient("127.0.0.1:50051")        # or ZmqDrafterClient("tcp://127.0.0.1:5555")
     session = client.attach(layout)                     # drafter.wire.schema.AttachRequest (or a dict)
-    out = client.propose(**engine_kwargs)               # drafter.engine.DraftOutput, drafts [batch, k]
+    out = client.request_drafts(request)                # a drafter.wire.records.ProposeRequest -> DraftOutput
+    out = client.propose(**engine_kwargs)               # the same from DraftEngine.propose's keywords
     client.detach(); client.close()
 
 share_cuda=True (either client) sends CUDA hidden states as CUDA IPC references to a drafter on the
@@ -14,9 +15,9 @@ code and field; a client-side timeout is DEADLINE_EXCEEDED, an unreachable serve
 policy here: fail-closed, re-attach and routing belong to the coordinator built on top.
 """
 
-from coordinator.transport.base import PROPOSE_OPTIONS, SessionState
+from coordinator.transport.base import SessionState
 from coordinator.transport.grpc_client import GrpcDrafterClient, GrpcProposeStream, TlsConfig
 from coordinator.transport.zmq_client import CurveConfig, ZmqDrafterClient
 
 __all__ = ["GrpcDrafterClient", "GrpcProposeStream", "TlsConfig", "ZmqDrafterClient", "CurveConfig",
-           "SessionState", "PROPOSE_OPTIONS"]
+           "SessionState"]

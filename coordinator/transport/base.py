@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import torch
 
-from drafter.engine import DraftOutput
 from drafter.wire import schema
 from drafter.wire.errors import Code, DrafterError
-from drafter.wire.tensors import LIST_FIELDS, TENSOR_FIELDS
-
-# DraftEngine.propose's keyword arguments that travel (everything but return_logits), plus the
-# service's own: the acceptance report, agreed padded sizes, a request id and a per-call timeout.
-ENGINE_TENSORS = tuple(n for n in TENSOR_FIELDS if n != "accepted_counts") + tuple(LIST_FIELDS)
-PROPOSE_OPTIONS = ("return_probs", "batch_padded", "tokens_padded", "accepted_counts", "request_id", "timeout")
+from drafter.wire.records import DraftOutput, ProposeRequest
 
 
 def ms(seconds: float) -> str:
@@ -62,28 +56,15 @@ def as_attach_request(layout) -> schema.AttachRequest:
     raise TypeError(f"layout must be a drafter.wire.schema.AttachRequest or a dict, not {type(layout).__name__}")
 
 
-def split_kwargs(kwargs: dict) -> dict:
-    """The engine tensors of a propose call; unknown names fail here, not on the server."""
-    unknown = set(kwargs) - set(ENGINE_TENSORS)
-    if unknown:
-        raise TypeError(f"propose() got unexpected keyword arguments {sorted(unknown)}")
-    return {k: v for k, v in kwargs.items() if v is not None}
-
-
-def dispatch_propose(session: SessionState, cuda, timeout_s: float, send, *, return_probs: bool,
-                     batch_padded: int | None, tokens_padded: int | None, accepted_counts, request_id: int | None,
-                     timeout: float | None, engine_kwargs: dict):
-    """What every client's propose does before its transport: the session must be attached, the
-    call gets its request id, and the hidden states go by CUDA IPC reference or as bytes (`cuda`,
-    a coordinator.transport.cuda_share sharer).  send(request_id, engine tensors, hidden_ipc,
-    seconds left, options) puts one request on the wire and returns the DraftOutput."""
+def send_request(session: SessionState, cuda, request: ProposeRequest, timeout: float, send) -> DraftOutput:
+    """What every client does before its transport: the session must be attached, the request gets
+    the session, its epoch and a request id (unless it brings one), and its hidden states go by CUDA
+    IPC reference or as bytes (`cuda`, a coordinator.transport.cuda_share sharer).
+    send(request, seconds left) puts one request on the wire and returns the DraftOutput."""
     session.require()
-    rid = session.next_id() if request_id is None else request_id
-    options = dict(return_probs=return_probs, batch_padded=batch_padded, tokens_padded=tokens_padded,
-                   accepted_counts=accepted_counts)
-    return cuda.propose(split_kwargs(engine_kwargs), session.cuda_ipc,
-                        lambda kw, ipc, left: send(rid, kw, ipc, left, options),
-                        timeout_s if timeout is None else timeout)
+    request = replace(request, session_id=session.session_id, epoch=session.epoch,
+                      request_id=request.request_id or session.next_id())
+    return cuda.send(request, session.cuda_ipc, send, timeout)
 
 
 def draft_output(drafts: torch.Tensor, probs: torch.Tensor | None, batch_padded: int,

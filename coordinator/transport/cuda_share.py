@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Callable
 
 import msgspec
@@ -34,6 +35,7 @@ import torch
 from drafter.wire import cuda_ref
 from drafter.wire.cuda_ref import ENVIRONMENT_FIELDS, HIDDEN_DTYPE_NAMES, CudaIpcRef
 from drafter.wire.errors import Code, DrafterError
+from drafter.wire.records import ProposeRequest
 
 log = logging.getLogger("coordinator.transport.cuda_share")
 MAX_BUFFERS = 8  # the drafter keeps as many open per session
@@ -91,31 +93,31 @@ class CudaShare:
         return send(req)
 
     # ------------------------------------------------------------------ the call
-    def propose(self, kwargs: dict, support, send: Callable, timeout: float):
-        """send(kwargs, hidden_ipc or None, timeout) is one call; with a reference the drafter refused for
-        reasons of this environment, sharing stops and the step goes again with bytes."""
+    def send(self, request: ProposeRequest, support, send: Callable, timeout: float):
+        """send(request, timeout) is one call; with a reference the drafter refused for reasons of this
+        environment, sharing stops and the step goes again with bytes."""
         deadline = time.monotonic() + timeout
-        wire, ref = self.split(kwargs, support)
-        if ref is None:
-            return send(kwargs, None, timeout)
+        shared = self.share(request, support)
+        if shared is None:
+            return send(request, timeout)
         try:
-            return send(wire, ref, timeout)
+            return send(shared, timeout)
         except DrafterError as err:
             if not self.refused(err):
                 raise
-        return send(kwargs, None, max(1e-3, deadline - time.monotonic()))
+        return send(request, max(1e-3, deadline - time.monotonic()))
 
-    def split(self, kwargs: dict, support) -> tuple[dict, CudaIpcRef | None]:
-        """(the kwargs that travel, the reference that replaces their hidden states, or None)."""
-        t = kwargs.get("target_hidden_states")
+    def share(self, request: ProposeRequest, support) -> ProposeRequest | None:
+        """The request with a reference in place of its hidden states; None: they travel as bytes."""
+        t = request.inputs.target_hidden_states
         if not self.usable(t, support):
-            return kwargs, None
+            return None
         try:
             ref = self.reference(t)
         except RuntimeError as exc:  # e.g. a tensor this process itself received by IPC: torch cannot re-share it
             self.stop(f"torch cannot share the tensor: {exc}")
-            return kwargs, None
-        return {k: v for k, v in kwargs.items() if k != "target_hidden_states"}, ref
+            return None
+        return replace(request, inputs=replace(request.inputs, target_hidden_states=None), hidden_ipc=ref)
 
     def refused(self, err: DrafterError) -> bool:
         """True (and sharing stops) when the drafter cannot use this client's references at all."""

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.transport.base import SessionState, as_attach_request, dispatch_propose, draft_output, ms
+from coordinator.transport.base import SessionState, as_attach_request, draft_output, ms, send_request
 from coordinator.transport.cuda_share import CudaShare
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.wire import probes, schema
 from drafter.wire.errors import FIELD_METADATA_KEY, Code, DrafterError
 from drafter.wire.pbwire import encode_propose_request
+from drafter.wire.records import DraftOutput, ProposeRequest
 from drafter.wire.tensors import struct_from_proto, struct_to_proto, tensor_from_proto
 
 SERVICE = "/drafter.v1.Drafter/"
@@ -110,19 +111,18 @@ class GrpcDrafterClient:
         self.session.set(resp)
         return resp
 
-    def propose(self, *, return_probs: bool = False, batch_padded: int | None = None,
-                tokens_padded: int | None = None, accepted_counts=None, request_id: int | None = None,
-                timeout: float | None = None, **engine_kwargs):
-        """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
-        return dispatch_propose(self.session, self.cuda, self.timeout_s, self._propose_unary,
-                                return_probs=return_probs, batch_padded=batch_padded, tokens_padded=tokens_padded,
-                                accepted_counts=accepted_counts, request_id=request_id, timeout=timeout,
-                                engine_kwargs=engine_kwargs)
+    def request_drafts(self, request: ProposeRequest, *, timeout: float | None = None) -> DraftOutput:
+        """One unary propose call on this client's session: DraftOutput (draft_token_ids [batch, k])."""
+        return send_request(self.session, self.cuda, request, self.timeout_s if timeout is None else timeout,
+                            self._send_unary)
 
-    def _propose_unary(self, request_id: int, kwargs: dict, hidden_ipc, timeout: float, options: dict):
-        probe = probes.start("client-grpc-unary" + ("-cuda" if hidden_ipc is not None else ""))
-        req = encode_propose_request(self.session.session_id, self.session.epoch, request_id, kwargs,
-                                     hidden_ipc=hidden_ipc, **options)
+    def propose(self, *, timeout: float | None = None, **keywords) -> DraftOutput:
+        """The keyword front door: DraftEngine.propose's tensors and ProposeRequest.from_keywords' options."""
+        return self.request_drafts(ProposeRequest.from_keywords(**keywords), timeout=timeout)
+
+    def _send_unary(self, request: ProposeRequest, timeout: float) -> DraftOutput:
+        probe = probes.start("client-grpc-unary" + ("-cuda" if request.hidden_ipc is not None else ""))
+        req = encode_propose_request(request)
         if probe is not None:
             probe.request_id = req.request_id
             probe.mark("encode")
@@ -250,22 +250,20 @@ class GrpcProposeStream:
             return error_from_rpc(exc)
         return DrafterError(Code.UNAVAILABLE, "", f"the stream ended: {exc}")
 
-    def propose(self, *, return_probs: bool = False, batch_padded: int | None = None,
-                tokens_padded: int | None = None, accepted_counts=None, request_id: int | None = None,
-                timeout: float | None = None, **engine_kwargs):
+    def request_drafts(self, request: ProposeRequest, *, timeout: float | None = None) -> DraftOutput:
+        """One propose call on the stream: DraftOutput (draft_token_ids [batch, k])."""
         c = self.client
-        return dispatch_propose(c.session, c.cuda, c.timeout_s, self._propose, return_probs=return_probs,
-                                batch_padded=batch_padded, tokens_padded=tokens_padded,
-                                accepted_counts=accepted_counts, request_id=request_id, timeout=timeout,
-                                engine_kwargs=engine_kwargs)
+        return send_request(c.session, c.cuda, request, c.timeout_s if timeout is None else timeout, self._send)
 
-    def _propose(self, rid: int, kwargs: dict, hidden_ipc, timeout: float, options: dict):
-        c = self.client
-        probe = probes.start("client-grpc-stream" + ("-cuda" if hidden_ipc is not None else ""))
-        req = encode_propose_request(c.session.session_id, c.session.epoch, rid, kwargs, hidden_ipc=hidden_ipc,
-                                     **options)
+    def propose(self, *, timeout: float | None = None, **keywords) -> DraftOutput:
+        """The keyword front door: DraftEngine.propose's tensors and ProposeRequest.from_keywords' options."""
+        return self.request_drafts(ProposeRequest.from_keywords(**keywords), timeout=timeout)
+
+    def _send(self, request: ProposeRequest, timeout: float) -> DraftOutput:
+        probe = probes.start("client-grpc-stream" + ("-cuda" if request.hidden_ipc is not None else ""))
+        req = encode_propose_request(request)
         if probe is not None:
-            probe.request_id = rid
+            probe.request_id = request.request_id
             probe.mark("encode")
         resp = self._run(self._step_with_timeout(req, timeout))
         if probe is not None:

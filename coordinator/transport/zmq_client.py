@@ -20,13 +20,14 @@ import msgspec
 import zmq
 import zmq.auth
 
-from coordinator.transport.base import SessionState, as_attach_request, dispatch_propose, draft_output, ms
+from coordinator.transport.base import SessionState, as_attach_request, draft_output, ms, send_request
 from coordinator.transport.cuda_share import CudaShare
 from drafter.wire import probes, schema
 from drafter.wire.errors import Code, DrafterError
 from drafter.wire.ipc import check_client_path
 from drafter.wire.zmqio import NOBLOCK, recv_frames, send_frames
-from drafter.wire.tensors import call_to_frames, tensor_from_frames
+from drafter.wire.records import DraftOutput, ProposeRequest
+from drafter.wire.tensors import request_to_frames, tensor_from_frames
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -136,19 +137,18 @@ class ZmqDrafterClient:
         self.session.set(resp)
         return resp
 
-    def propose(self, *, return_probs: bool = False, batch_padded: int | None = None,
-                tokens_padded: int | None = None, accepted_counts=None, request_id: int | None = None,
-                timeout: float | None = None, **engine_kwargs):
-        """DraftEngine.propose's tensors in, DraftOutput out (draft_token_ids [batch, k])."""
-        return dispatch_propose(self.session, self.cuda, self.timeout_s, self._propose, return_probs=return_probs,
-                                batch_padded=batch_padded, tokens_padded=tokens_padded,
-                                accepted_counts=accepted_counts, request_id=request_id, timeout=timeout,
-                                engine_kwargs=engine_kwargs)
+    def request_drafts(self, request: ProposeRequest, *, timeout: float | None = None) -> DraftOutput:
+        """One propose call on this client's session: DraftOutput (draft_token_ids [batch, k])."""
+        return send_request(self.session, self.cuda, request, self.timeout_s if timeout is None else timeout,
+                            self._send)
 
-    def _propose(self, request_id: int, kwargs: dict, hidden_ipc, timeout: float, options: dict):
-        probe = probes.start(self._probe_label + ("-cuda" if hidden_ipc is not None else ""))
-        header, frames = call_to_frames(self.session.session_id, self.session.epoch, request_id, kwargs,
-                                        hidden_ipc=hidden_ipc, **options)
+    def propose(self, *, timeout: float | None = None, **keywords) -> DraftOutput:
+        """The keyword front door: DraftEngine.propose's tensors and ProposeRequest.from_keywords' options."""
+        return self.request_drafts(ProposeRequest.from_keywords(**keywords), timeout=timeout)
+
+    def _send(self, request: ProposeRequest, timeout: float) -> DraftOutput:
+        probe = probes.start(self._probe_label + ("-cuda" if request.hidden_ipc is not None else ""))
+        header, frames = request_to_frames(request)
         if probe is not None:
             probe.request_id = header.request_id
             probe.mark("encode")

@@ -24,17 +24,17 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
 import torch
 
-from drafter.inputs import ProposeInputs, as_group_list, validate
+from drafter.inputs import validate
+from drafter.service.sessions import Session, offset_inputs
 from drafter.wire.cuda_ref import FIELD as IPC_FIELD
 from drafter.wire.errors import Code, DrafterError, from_exception, invalid
-from drafter.service.sessions import Session, offset_kwargs
-from drafter.wire.tensors import ProposeCall, ProposeResult
+from drafter.wire.records import INPUT_FIELDS, ProposeInputs, ProposeRequest, ProposeResult
 
 log = logging.getLogger("drafter.service.batcher")
 
@@ -42,7 +42,7 @@ log = logging.getLogger("drafter.service.batcher")
 @dataclass
 class Pending:
     session: Session
-    call: ProposeCall
+    call: ProposeRequest
     future: asyncio.Future | concurrent.futures.Future | None  # None: on_done is called instead
     enqueued: float = field(default_factory=time.monotonic)
     on_done: Callable | None = None  # called in the event loop with the ProposeResult or the DrafterError
@@ -64,14 +64,7 @@ class EngineCall:
     seconds: float
 
 
-def _engine_validate(engine, kwargs: dict) -> None:
-    groups = len(engine.config.kv_groups)
-    inp = ProposeInputs(
-        kwargs["target_token_ids"], kwargs["target_positions"], kwargs["target_hidden_states"],
-        kwargs["next_token_ids"], kwargs["query_start_loc"], kwargs["seq_lens"],
-        as_group_list("block_tables", kwargs["block_tables"], groups),
-        as_group_list("slot_mappings", kwargs["slot_mappings"], groups),
-        kwargs.get("token_indices_to_sample"), kwargs.get("num_rejected_tokens"), kwargs.get("temperatures"))
+def _engine_validate(engine, inp: ProposeInputs) -> None:
     validate(inp, engine.limits)
 
 
@@ -97,10 +90,10 @@ def all_finite(t: torch.Tensor) -> bool:
     return int(bits.max()) < exp and int(bits.view(unsigned).max()) < (sign | exp)
 
 
-def _check_finite(kwargs: dict, name: str = "target_hidden_states") -> None:
+def _check_finite(inp: ProposeInputs, name: str = "target_hidden_states") -> None:
     # NaN/inf would only poison the sender's own KV, but a drafter should say so rather than draft garbage.
     # (A CUDA IPC tensor is checked on the GPU: one reduction, one flag read back, before any KV write.)
-    if not all_finite(kwargs["target_hidden_states"]):
+    if not all_finite(inp.target_hidden_states):
         raise invalid(name, "must be finite")
 
 
@@ -116,8 +109,8 @@ def _cpu_bits(v) -> np.ndarray | None:
     return _bits(v) if isinstance(v, torch.Tensor) and v.is_cpu else None
 
 
-class Staged(dict):
-    """A call's kwargs whose CPU tensors already lie in a HostStager's buffer: stage_call passes it on."""
+LIST_INPUTS = ("block_tables", "slot_mappings")  # one tensor per KV group
+SINGLE_INPUTS = tuple(n for n in INPUT_FIELDS if n not in LIST_INPUTS)
 
 
 class HostStager:
@@ -137,29 +130,34 @@ class HostStager:
         self.buf_np: np.ndarray | None = None  # the same bytes: numpy slices cost a fraction of torch's
         self.views: dict[np.dtype, np.ndarray] = {}  # buf_np as each dtype staged so far
         self.allocations = 0
+        self.last: ProposeInputs | None = None  # what the buffer holds now
 
-    def stage_call(self, kw: dict) -> Staged | dict:
-        """kw with every CPU tensor (lists of them too) replaced by a copy in the buffer, each at a
-        64-byte boundary; kw unchanged where it does not fit (the engine refuses such calls anyway)
-        or is staged already."""
-        if isinstance(kw, Staged):
-            return kw
-        bits = {k: [_cpu_bits(t) for t in v] if isinstance(v, list) else _cpu_bits(v) for k, v in kw.items()}
-        arrays = [a for v in bits.values() for a in (v if isinstance(v, list) else (v,)) if a is not None]
+    def stage(self, inp: ProposeInputs) -> ProposeInputs:
+        """inp with every CPU tensor (lists of them too) replaced by a copy in the buffer, each at a
+        64-byte boundary; inp unchanged where it does not fit (the engine refuses such calls anyway)
+        or is what the buffer holds already."""
+        if inp is self.last:
+            return inp
+        singles = {n: _cpu_bits(getattr(inp, n)) for n in SINGLE_INPUTS}
+        lists = {n: [_cpu_bits(t) for t in getattr(inp, n) or ()] for n in LIST_INPUTS}
+        arrays = [a for a in (*singles.values(), *(a for v in lists.values() for a in v)) if a is not None]
         nbytes = sum(_aligned(a.nbytes) for a in arrays)
         if not arrays or nbytes > self.max_bytes:
-            return kw
+            return inp
         self._reserve(nbytes)
-        out, offset = Staged(kw), 0
-        for k, v in bits.items():
-            if isinstance(v, list):
-                out[k] = staged = list(kw[k])
-                for i, a in enumerate(v):
-                    if a is not None:
-                        staged[i], offset = self._place(a, staged[i].dtype, offset)
-            elif v is not None:
-                out[k], offset = self._place(v, kw[k].dtype, offset)
-        return out
+        changes, offset = {}, 0
+        for name, a in singles.items():
+            if a is not None:
+                changes[name], offset = self._place(a, getattr(inp, name).dtype, offset)
+        for name, parts in lists.items():
+            if not parts:
+                continue
+            staged = changes[name] = list(getattr(inp, name))
+            for i, a in enumerate(parts):
+                if a is not None:
+                    staged[i], offset = self._place(a, staged[i].dtype, offset)
+        self.last = replace(inp, **changes)
+        return self.last
 
     def _reserve(self, nbytes: int) -> None:
         if self.buf is not None and self.buf.numel() >= nbytes:
@@ -187,65 +185,72 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // 64) * 64
 
 
-def _default_sample_indices(kw: dict) -> torch.Tensor:  # [batch] int64, the engine's own default
-    idx = kw["query_start_loc"][1:].long() - 1
-    if kw.get("num_rejected_tokens") is not None:
-        idx = idx - kw["num_rejected_tokens"].long()
+def _default_sample_indices(inp: ProposeInputs) -> torch.Tensor:  # [batch] int64, the engine's own default
+    idx = inp.query_start_loc[1:].long() - 1
+    if inp.num_rejected_tokens is not None:
+        idx = idx - inp.num_rejected_tokens.long()
     return idx
 
 
-def fuse(kws: list[dict], pads: list[tuple[int, ...]], hidden_dtype: torch.dtype) -> tuple[dict, list[tuple[int, int]]]:
+def fuse(parts: list[ProposeInputs], pads: list[tuple[int, ...]], hidden_dtype: torch.dtype
+         ) -> tuple[ProposeInputs, list[tuple[int, int]]]:
     """Concatenate validated, already shifted requests into one engine call.
 
     pads[i][g]: a block id inside request i's own range, used to widen its block tables (the
     extra columns lie past every position it can reach, so they are never read or written).
-    Returns the fused kwargs and each request's rows [start, end) of the drafts.
+    Returns the fused inputs and each request's rows [start, end) of the drafts.
     """
     token_offsets, rows, t, b = [], [], 0, 0
-    for kw in kws:
+    for p in parts:
         token_offsets.append(t)
-        n, nb = kw["target_token_ids"].shape[0], kw["next_token_ids"].shape[0]
-        rows.append((b, b + nb))
-        t, b = t + n, b + nb
-    cat = lambda name: torch.cat([kw[name].to(torch.int64) for kw in kws])  # noqa: E731
-    qsl = [torch.zeros(1, dtype=torch.int64)] + [kw["query_start_loc"][1:].to(torch.int64) + off
-                                                 for kw, off in zip(kws, token_offsets)]
-    hidden = [kw["target_hidden_states"] for kw in kws]
+        rows.append((b, b + p.batch_size))
+        t, b = t + p.num_tokens, b + p.batch_size
+    ints = lambda ts: torch.cat([x.to(torch.int64) for x in ts])  # noqa: E731
+    qsl = [torch.zeros(1, dtype=torch.int64)] + [p.query_start_loc[1:].to(torch.int64) + off
+                                                 for p, off in zip(parts, token_offsets)]
+    hidden = [p.target_hidden_states for p in parts]
     # shared (CUDA IPC) states live on the GPU: a batch that has any is concatenated there
     device = next((h.device for h in hidden if h.device.type != "cpu"), hidden[0].device)
-    fused = {
-        "target_token_ids": cat("target_token_ids"),
-        "target_positions": cat("target_positions"),
-        "target_hidden_states": torch.cat([h.to(device, hidden_dtype) for h in hidden]),
-        "next_token_ids": cat("next_token_ids"),
-        "query_start_loc": torch.cat(qsl),
-        "seq_lens": cat("seq_lens"),
-        "slot_mappings": [torch.cat([kw["slot_mappings"][g] for kw in kws]) for g in range(len(pads[0]))],
-    }
-    tables = []
-    for g in range(len(pads[0])):
-        width = max(kw["block_tables"][g].shape[1] for kw in kws)
-        parts = []
-        for kw, pad in zip(kws, pads):
-            tb = kw["block_tables"][g]
-            if tb.shape[1] < width:
-                tb = torch.cat([tb, torch.full((tb.shape[0], width - tb.shape[1]), pad[g], dtype=tb.dtype)], 1)
-            parts.append(tb)
-        tables.append(torch.cat(parts))
-    fused["block_tables"] = tables
-    if any(kw.get("num_rejected_tokens") is not None for kw in kws):
-        fused["num_rejected_tokens"] = torch.cat([
-            kw["num_rejected_tokens"].to(torch.int64) if kw.get("num_rejected_tokens") is not None
-            else torch.zeros(kw["next_token_ids"].shape[0], dtype=torch.int64) for kw in kws])
-    if any(kw.get("token_indices_to_sample") is not None for kw in kws):
-        fused["token_indices_to_sample"] = torch.cat([
-            (kw["token_indices_to_sample"].to(torch.int64) if kw.get("token_indices_to_sample") is not None
-             else _default_sample_indices(kw)) + off for kw, off in zip(kws, token_offsets)])
-    if any(kw.get("temperatures") is not None for kw in kws):
-        fused["temperatures"] = torch.cat([
-            kw["temperatures"].to(torch.float32) if kw.get("temperatures") is not None
-            else torch.zeros(kw["next_token_ids"].shape[0], dtype=torch.float32) for kw in kws])
-    return fused, rows
+    groups = range(len(pads[0]))
+    return ProposeInputs(
+        target_token_ids=ints([p.target_token_ids for p in parts]),
+        target_positions=ints([p.target_positions for p in parts]),
+        target_hidden_states=torch.cat([h.to(device, hidden_dtype) for h in hidden]),
+        next_token_ids=ints([p.next_token_ids for p in parts]),
+        query_start_loc=torch.cat(qsl),
+        seq_lens=ints([p.seq_lens for p in parts]),
+        block_tables=[_widened_tables(parts, pads, g) for g in groups],
+        slot_mappings=[torch.cat([p.slot_mappings[g] for p in parts]) for g in groups],
+        token_indices_to_sample=_fused_sample_indices(parts, token_offsets),
+        num_rejected_tokens=_fused_optional(parts, lambda p: p.num_rejected_tokens, torch.int64),
+        temperatures=_fused_optional(parts, lambda p: p.temperatures, torch.float32),
+    ), rows
+
+
+def _widened_tables(parts: list[ProposeInputs], pads, g: int) -> torch.Tensor:  # [batch, width] int
+    width = max(p.block_tables[g].shape[1] for p in parts)
+    out = []
+    for p, pad in zip(parts, pads):
+        tb = p.block_tables[g]
+        if tb.shape[1] < width:
+            tb = torch.cat([tb, torch.full((tb.shape[0], width - tb.shape[1]), pad[g], dtype=tb.dtype)], 1)
+        out.append(tb)
+    return torch.cat(out)
+
+
+def _fused_optional(parts: list[ProposeInputs], get, dtype: torch.dtype) -> torch.Tensor | None:  # [batch]
+    """A per-request optional tensor across the batch; zeros (the engine's default) where a request has none."""
+    if all(get(p) is None for p in parts):
+        return None
+    return torch.cat([get(p).to(dtype) if get(p) is not None else torch.zeros(p.batch_size, dtype=dtype)
+                      for p in parts])
+
+
+def _fused_sample_indices(parts: list[ProposeInputs], token_offsets: list[int]) -> torch.Tensor | None:  # [batch]
+    if all(p.token_indices_to_sample is None for p in parts):
+        return None
+    return torch.cat([(p.token_indices_to_sample.to(torch.int64) if p.token_indices_to_sample is not None
+                       else _default_sample_indices(p)) + off for p, off in zip(parts, token_offsets)])
 
 
 class EngineRunner:
@@ -282,7 +287,8 @@ class EngineRunner:
             except Exception:  # noqa: BLE001 - metrics only
                 log.exception("engine-call metrics failed")
 
-    def run(self, items: list[Pending]) -> list:
+    def run_batch(self, items: list[Pending]) -> list:
+        """Each request's ProposeResult or DrafterError, in order."""
         self.busy_since = time.monotonic()
         try:
             return self._run(items)
@@ -294,7 +300,7 @@ class EngineRunner:
             if it.call.probe is not None:
                 it.call.probe.mark("handoff_in")
         results: list = [None] * len(items)
-        ready: list[tuple[int, dict]] = []
+        ready: list[tuple[int, ProposeInputs]] = []
         now = time.monotonic()
         # Alone in its engine call, a request needs no check of its own: engine.propose validates
         # everything before it writes anything, and its error can only be this request's.
@@ -317,27 +323,27 @@ class EngineRunner:
             self._run_group(items, group, results)
         return results
 
-    def _prepare(self, it: Pending, alone: bool) -> dict:
-        """The request's engine kwargs, its shared hidden states opened, checked before any KV write."""
+    def _prepare(self, it: Pending, alone: bool) -> ProposeInputs:
+        """The request's engine inputs, its shared hidden states opened, checked before any KV write."""
         call = it.call
-        kw = offset_kwargs(it.session, call.kwargs)
+        inp = offset_inputs(it.session, call.inputs)
         if call.probe is not None:
             call.probe.mark("session_offsets")
         if call.hidden_ipc is not None:
-            kw["target_hidden_states"] = self._shared_hidden(it)
+            inp = replace(inp, target_hidden_states=self._shared_hidden(it))
             if call.probe is not None:
                 call.probe.mark("ipc_open")
         if alone and self.stager is not None:
-            # staged here rather than in _run_group (which passes a Staged call on): the finite check
+            # staged here rather than in _run_group (which passes the staged inputs on): the finite check
             # below then reads the staged copy while it is still in cache, not the message again
-            kw = self.stager.stage_call(kw)
+            inp = self.stager.stage(inp)
         # first in both paths (alone or fused), so a request's error never depends on its batch
-        _check_finite(kw, IPC_FIELD if call.hidden_ipc is not None else "target_hidden_states")
+        _check_finite(inp, IPC_FIELD if call.hidden_ipc is not None else "target_hidden_states")
         if call.probe is not None:
             call.probe.mark("finite_check")
         if not alone:
-            _engine_validate(self.engine, kw)
-        return kw
+            _engine_validate(self.engine, inp)
+        return inp
 
     def _shared_hidden(self, it: Pending) -> torch.Tensor:  # [num_tokens, hidden_width] on the GPU
         if self.cuda_ipc is None:  # ServiceCore.check refuses these first; kept for direct callers
@@ -349,19 +355,19 @@ class EngineRunner:
         if self.cuda_ipc is not None:
             self.cuda_ipc.forget(session_id)
 
-    def _plan(self, items, ready) -> list[list[tuple[int, dict]]]:
+    def _plan(self, items, ready) -> list[list[tuple[int, ProposeInputs]]]:
         """Greedy packing up to the engine's limits; agreed padded sizes (DP) run alone."""
         groups, current, b, n = [], [], 0, 0
-        for i, kw in ready:
+        for i, inp in ready:
             call = items[i].call
             if call.batch_padded or call.tokens_padded:
-                groups.append([(i, kw)])
+                groups.append([(i, inp)])
                 continue
             cb, cn = call.batch_size, call.num_tokens
             if current and (b + cb > self.max_batch or n + cn > self.max_tokens):
                 groups.append(current)
                 current, b, n = [], 0, 0
-            current.append((i, kw))
+            current.append((i, inp))
             b, n = b + cb, n + cn
         if current:
             groups.append(current)
@@ -371,18 +377,18 @@ class EngineRunner:
         calls = [items[i].call for i, _ in group]
         try:
             if len(group) == 1:
-                kw, rows = group[0][1], [(0, calls[0].batch_size)]
+                inp, rows = group[0][1], [(0, calls[0].batch_size)]
             else:
-                kw, rows = fuse([kw for _, kw in group], [items[i].session.bases for i, _ in group],
-                                self.hidden_dtype)
+                inp, rows = fuse([part for _, part in group], [items[i].session.bases for i, _ in group],
+                                 self.hidden_dtype)
             if self.stager is not None:
-                kw = self.stager.stage_call(kw)
+                inp = self.stager.stage(inp)
             for c in calls:
                 if c.probe is not None:
                     c.probe.mark("prepare")
             t0 = time.perf_counter()
-            out = self.engine.propose(
-                **kw, return_probs=any(c.return_probs for c in calls),
+            out = self.engine.draft(
+                inp, return_probs=any(c.return_probs for c in calls),
                 batch_padded=calls[0].batch_padded or None, tokens_padded=calls[0].tokens_padded or None)
             # the drafts on the host here, in the engine thread: the event loop never waits on the GPU,
             # and the staged inputs have been read before the next call overwrites them
@@ -522,7 +528,7 @@ class EngineThread(concurrent.futures.Executor):
                 _abandon([item])
                 continue
             items, carry = batcher.collect(item, self._q)
-            batcher.run_batch(items)
+            batcher.answer_batch(items)
 
 
 def _abandon(items: list) -> None:
@@ -553,7 +559,7 @@ class Batcher:
         self._job: concurrent.futures.Future | None = None
 
     def start(self) -> None:
-        self.runner.defer_records = True  # metrics after the replies (run_batch flushes them)
+        self.runner.defer_records = True  # metrics after the replies (answer_batch flushes them)
         if isinstance(self.executor, EngineThread):
             self.executor.batcher = self
             self._post = self.executor.post
@@ -586,20 +592,20 @@ class Batcher:
                 _abandon(left)
                 return
             items, carry = self.collect(item, q)
-            self.run_batch(items)
+            self.answer_batch(items)
 
     def _submit(self, item: Pending) -> None:
         if self._post is None:
             raise DrafterError(Code.UNAVAILABLE, "", "the drafter is shutting down")
         self._post(item)
 
-    async def submit(self, session: Session, call: ProposeCall) -> ProposeResult:
+    async def submit(self, session: Session, call: ProposeRequest) -> ProposeResult:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._submit(Pending(session, call, fut, loop=loop))
         return await fut
 
-    def submit_nowait(self, session: Session, call: ProposeCall, on_done: Callable, reply: Callable | None = None
+    def submit_nowait(self, session: Session, call: ProposeRequest, on_done: Callable, reply: Callable | None = None
                       ) -> None:
         """From the event loop: on_done(result or DrafterError) runs in this loop once the engine is done;
         reply(result), if given, runs in the engine thread before that, for successful results only."""
@@ -627,9 +633,10 @@ class Batcher:
             b, n = b + cb, n + cn
         return items, None
 
-    def run_batch(self, items: list[Pending]) -> None:
+    def answer_batch(self, items: list[Pending]) -> None:
+        """Run one collected batch and answer every request of it (replies first, then bookkeeping)."""
         try:
-            results = self.runner.run(items)
+            results = self.runner.run_batch(items)
         except Exception as exc:  # noqa: BLE001 - the worker itself failed; answer everyone
             results = [from_exception(exc)] * len(items)
         for it, r in zip(items, results):

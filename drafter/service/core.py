@@ -25,7 +25,7 @@ from drafter.wire.cuda_ref import FIELD as IPC_FIELD
 from drafter.wire.errors import Code, DrafterError, from_exception, invalid
 from drafter.service.metrics import Metrics, accepted_from_report
 from drafter.service.sessions import PROTOCOL_VERSION, EngineDescription, Session, SessionTable, check_call
-from drafter.wire.tensors import ProposeCall, ProposeResult
+from drafter.wire.records import ProposeRequest, ProposeResult
 
 log = logging.getLogger("drafter.service")
 VERSION = "0.1.0"
@@ -286,7 +286,7 @@ class ServiceCore:
             num_speculative_tokens=d.num_speculative_tokens, speculative_token_tree=self._tree(),
             protocol_version=PROTOCOL_VERSION, cuda_ipc=self.cuda_ipc if req.cuda_ipc_capable else None)
 
-    def check(self, call: ProposeCall) -> Session:
+    def check(self, call: ProposeRequest) -> Session:
         """Everything that can be decided in the event loop, cheaply, before queueing."""
         self._check_epoch(call.epoch)
         s = self.sessions.get(call.session_id)
@@ -296,7 +296,7 @@ class ServiceCore:
         check_call(s, call, self.desc)
         return s
 
-    def _admit(self, call: ProposeCall) -> Session:
+    def _admit(self, call: ProposeRequest) -> Session:
         s = self.check(call)
         if call.probe is not None:
             call.probe.mark("validate")
@@ -304,21 +304,21 @@ class ServiceCore:
         s.calls += 1
         return s
 
-    async def propose(self, call: ProposeCall) -> ProposeResult:
+    async def serve_propose(self, call: ProposeRequest) -> ProposeResult:
         result = await self.batcher.submit(self._admit(call), call)
         self.record_acceptance(call)
         return result
 
-    def propose_nowait(self, call: ProposeCall, on_done, reply=None) -> None:
-        """The same checks as propose() (raising DrafterError here for what the event loop decides),
+    def serve_propose_nowait(self, call: ProposeRequest, on_done, reply=None) -> None:
+        """The same checks as serve_propose() (raising DrafterError here for what the event loop decides),
         then the call goes straight to the engine thread; reply(result), if given, runs there as soon
         as the drafts are on the host (successful calls only), and on_done(result or DrafterError)
         runs in this event loop after it.  Call record_acceptance(call) after answering."""
         self.batcher.submit_nowait(self._admit(call), call, on_done, reply)
 
-    def record_acceptance(self, call: ProposeCall) -> None:
-        report = accepted_from_report(call.accepted_counts, call.kwargs.get("num_rejected_tokens"),
-                                      call.kwargs["query_start_loc"], self.desc.num_speculative_tokens)
+    def record_acceptance(self, call: ProposeRequest) -> None:
+        report = accepted_from_report(call.accepted_counts, call.inputs.num_rejected_tokens,
+                                      call.inputs.query_start_loc, self.desc.num_speculative_tokens)
         if report is not None:
             self.metrics.record_acceptance(report, self.desc.num_speculative_tokens)
 

@@ -21,7 +21,7 @@ from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.wire import probes, schema
 from drafter.service.core import ServiceCore
 from drafter.wire.errors import FIELD_METADATA_KEY, Code, DrafterError
-from drafter.wire.pbwire import call_from_raw
+from drafter.wire.pbwire import request_from_raw
 from drafter.wire.tensors import result_to_proto, struct_from_proto, struct_to_proto
 
 log = logging.getLogger("drafter.service.grpc")
@@ -94,7 +94,7 @@ class DrafterGrpcService:
         return await self._unary("Info", context, work)
 
     async def _propose_one(self, raw: bytes, context, probe=None):
-        call = call_from_raw(raw)  # tensors view `raw`: protobuf never copies the payloads
+        call = request_from_raw(raw)  # tensors view `raw`: protobuf never copies the payloads
         call.probe = probes.labelled(probe, call)
         if probe is not None:
             probe.request_id = call.request_id
@@ -102,7 +102,7 @@ class DrafterGrpcService:
         remaining = context.time_remaining()
         if remaining is not None:
             call.deadline = time.monotonic() + remaining
-        result = await self.core.propose(call)
+        result = await self.core.serve_propose(call)
         if probe is not None:
             probe.mark("handoff_out")
         resp = result_to_proto(result, pb.ProposeResponse)

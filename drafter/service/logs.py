@@ -53,3 +53,30 @@ def event(name: str, **fields) -> None:
     """One lifecycle event as a JSON line on stdout (the ready line tests and tooling wait for)."""
     sys.stdout.write(json.dumps({"event": name, **fields}) + "\n")
     sys.stdout.flush()
+
+
+class RefusalLog:
+    """One "call refused" warning per refused call, throttled on what the server decides, never on what
+    the client writes: the key is (transport, rpc, code), where rpc is one of the server's own method names
+    ("unknown" otherwise) and code one of a fixed enum, so at most len(transports x rpcs x codes) lines
+    per `period` seconds, however many distinct field names or messages a client invents.  The first
+    refusal of a key is logged with its field and reason; the next line of that key says how many were
+    suppressed in between."""
+
+    def __init__(self, period: float = 10.0, logger: logging.Logger | None = None):
+        self.period = period
+        self.logger = logger or logging.getLogger("drafter.service.core")
+        self.last: dict[tuple, tuple[float, int]] = {}
+
+    def log(self, transport: str, rpc: str, err) -> None:
+        """err: a DrafterError (code, field, message)."""
+        key = (transport, rpc, err.code)
+        now = time.monotonic()
+        since, suppressed = self.last.get(key, (-1e18, 0))
+        if now - since < self.period:
+            self.last[key] = (since, suppressed + 1)
+            return
+        self.last[key] = (now, 0)
+        self.logger.warning("call refused", extra={"event": "refused", "transport": transport, "rpc": rpc,
+                                                   "code": err.code.name, "field": err.field[:64],
+                                                   "reason": err.message[:300], "suppressed_since_last": suppressed})

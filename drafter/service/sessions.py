@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -20,7 +20,8 @@ from drafter.inputs import out_of_range
 from drafter.wire import schema
 from drafter.wire.cuda_ref import FIELD as IPC_FIELD
 from drafter.wire.errors import Code, DrafterError, invalid
-from drafter.wire.tensors import DTYPES, ProposeCall
+from drafter.wire.records import ProposeInputs, ProposeRequest
+from drafter.wire.tensors import DTYPES
 
 PROTOCOL_VERSION = 1
 PROBS_HEADROOM = 64 * 1024  # bytes a response needs besides the probabilities
@@ -289,9 +290,9 @@ def _range(name: str, t: torch.Tensor, low: int, high: int) -> None:
         raise invalid(name, f"values must lie in [{low}, {high}), got [{int(a.min())}, {int(a.max())}]")
 
 
-def check_call(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
+def check_call(s: Session, call: ProposeRequest, eng: EngineDescription) -> None:
     """The session's own limits; the engine's full validation follows (drafter.inputs.validate)."""
-    kw = call.kwargs
+    inp = call.inputs
     b, n = call.batch_size, call.num_tokens
     if b == 0:
         raise invalid("next_token_ids", "batch is empty")
@@ -301,15 +302,15 @@ def check_call(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
         raise invalid("target_token_ids",
                       f"{n} tokens exceed the session's max_num_batched_tokens {s.max_num_batched_tokens}")
     _check_hidden(s, call, eng)
-    _range("target_positions", kw["target_positions"], 0, s.max_model_len)
-    _range("seq_lens", kw["seq_lens"], 1, s.max_model_len + 1)
+    _range("target_positions", inp.target_positions, 0, s.max_model_len)
+    _range("seq_lens", inp.seq_lens, 1, s.max_model_len + 1)
     groups = len(s.num_blocks)
-    for name in ("block_tables", "slot_mappings"):
-        if len(kw[name]) != groups:
-            raise invalid(name, f"expected one entry per KV group ({groups}), got {len(kw[name])}")
+    for name, tables in (("block_tables", inp.block_tables), ("slot_mappings", inp.slot_mappings)):
+        if len(tables) != groups:
+            raise invalid(name, f"expected one entry per KV group ({groups}), got {len(tables)}")
     for g in range(groups):
-        _range(f"block_tables[{g}]", kw["block_tables"][g], 0, s.num_blocks[g])
-        _range(f"slot_mappings[{g}]", kw["slot_mappings"][g], -1, s.num_blocks[g] * s.block_sizes[g])
+        _range(f"block_tables[{g}]", inp.block_tables[g], 0, s.num_blocks[g])
+        _range(f"slot_mappings[{g}]", inp.slot_mappings[g], -1, s.num_blocks[g] * s.block_sizes[g])
     if call.accepted_counts is not None:
         if call.accepted_counts.shape[0] != b:
             raise invalid("accepted_counts", f"has {call.accepted_counts.shape[0]} rows, expected batch {b}")
@@ -331,11 +332,11 @@ def check_call(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
                                           f"{eng.max_message_bytes}")
 
 
-def _check_hidden(s: Session, call: ProposeCall, eng: EngineDescription) -> None:
+def _check_hidden(s: Session, call: ProposeRequest, eng: EngineDescription) -> None:
     """The hidden states' dtype; for a CUDA IPC reference also its shape, before anything opens it."""
     ref = call.hidden_ipc
     if ref is None:
-        dtype = call.kwargs["target_hidden_states"].dtype
+        dtype = call.inputs.target_hidden_states.dtype
         if dtype != s.hidden_dtype:
             raise invalid("target_hidden_states", f"dtype {dtype}, the session attached with {s.hidden_dtype}")
         return
@@ -346,17 +347,16 @@ def _check_hidden(s: Session, call: ProposeCall, eng: EngineDescription) -> None
                                             f"hidden_width={eng.hidden_width}]")
 
 
-def offset_kwargs(s: Session, kwargs: dict) -> dict:
+def offset_inputs(s: Session, inp: ProposeInputs) -> ProposeInputs:
     """The session's block ids and slots moved into its range of the engine pool (-1 stays -1), as int64.
 
     A group whose range starts at block 0 keeps the caller's tensors as they are (nothing moves;
     the engine takes int32 as well).  Otherwise numpy does the shift (CPU tensors, as decoded from
     the wire): a fraction of torch's per-op cost on these small arrays."""
-    out = dict(kwargs)
-    out["block_tables"] = [t if base == 0 else _shift(t, base) for t, base in zip(kwargs["block_tables"], s.bases)]
-    out["slot_mappings"] = [t if base == 0 else _shift(t, base * bs, keep_negative=True)
-                            for t, base, bs in zip(kwargs["slot_mappings"], s.bases, s.block_sizes)]
-    return out
+    tables = [t if base == 0 else _shift(t, base) for t, base in zip(inp.block_tables, s.bases)]
+    slots = [t if base == 0 else _shift(t, base * bs, keep_negative=True)
+             for t, base, bs in zip(inp.slot_mappings, s.bases, s.block_sizes)]
+    return replace(inp, block_tables=tables, slot_mappings=slots)
 
 
 def _shift(t: torch.Tensor, offset: int, keep_negative: bool = False) -> torch.Tensor:

@@ -39,7 +39,7 @@ from drafter.wire import probes, schema
 from drafter.service.core import ServiceCore
 from drafter.wire.errors import Code, DrafterError, invalid
 from drafter.wire.ipc import DEFAULT_MODE, bind_ipc, unlink_ipc
-from drafter.wire.tensors import call_from_frames, result_to_frames
+from drafter.wire.tensors import request_from_frames, result_to_frames
 from drafter.wire.zmqio import NOBLOCK, recv_frames, send_frames
 
 log = logging.getLogger("drafter.service.zmq")
@@ -344,7 +344,7 @@ class ZmqServer:
             req = decode_struct(_DECODERS["Propose"], body, "body") if len(body) else schema.ProposeRequest()
             if probe is not None:
                 probe.mark("header_decode")
-            call = call_from_frames(req, rest[1:])
+            call = request_from_frames(req, rest[1:])
             call.probe = probes.labelled(probe, call)
             if probe is not None:
                 probe.request_id = call.request_id
@@ -352,7 +352,7 @@ class ZmqServer:
             if env.timeout_ms:
                 call.deadline = time.monotonic() + env.timeout_ms / 1000
             state = _ProposeReply(self, ep, head, env, call, rec)
-            self.core.propose_nowait(call, state.done, state.reply)
+            self.core.serve_propose_nowait(call, state.done, state.reply)
         except BaseException as exc:
             raise self.core.finish(rec, exc) or exc from None
 
@@ -368,6 +368,9 @@ class ZmqServer:
     async def _dispatch(self, env: schema.Envelope, rest: list):
         method = env.method
         async with self.core.serving("zmq", method if method in schema.METHODS else "unknown"):
+            if method == "Bind":  # bound sessions (drafter.service.bound_sessions): their own data sockets
+                from drafter.service.bound_sessions import BoundPlane
+                return await BoundPlane.of(self).bind(rest)
             if method not in schema.METHODS:
                 raise invalid("method", f"unknown method {method!r}; one of {sorted(schema.METHODS)}")
             _check_frames(rest, self.max_message_bytes)
@@ -395,6 +398,8 @@ class ZmqServer:
                 pass
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=max(0.01, deadline - time.monotonic()))
+        if getattr(self, "_bound_plane", None) is not None:  # bound sessions' data threads
+            self._bound_plane.close()
         for ep in self._eps:
             with ep.lock:
                 ep.closed = True

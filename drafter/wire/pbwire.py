@@ -7,7 +7,7 @@ copies of a 1.5 MB hidden-state batch per call.  Here:
   * client: `encode_propose_request` serialises the scalar fields and each Tensor's dtype and
     shape with protobuf itself and writes the length-delimited framing around the payloads by
     hand: one b"".join is the only copy (gRPC then copies the bytes into its own buffer);
-  * server: `call_from_raw` walks the request's top-level fields and its Tensors' fields, keeps
+  * server: `request_from_raw` walks the request's top-level fields and its Tensors' fields, keeps
     every payload as a memoryview of the received bytes, and lets protobuf parse (and validate)
     everything else from a skeleton: the same bytes with the payloads left out.  torch then views
     the received bytes directly.  Anything the walk does not expect (a repeated singular field,
@@ -21,10 +21,10 @@ from google.protobuf.message import DecodeError
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.wire.errors import Code, DrafterError
-from drafter.wire.cuda_ref import CudaIpcRef
-from drafter.wire.tensors import (LIST_FIELDS, REQUIRED_FIELDS, TENSOR_FIELDS, ProposeCall, _build_call,
-                                  _check_list, _flat_fields, call_from_proto, decode_tensor, dtype_name,
-                                  ipc_from_proto, tensor_bytes)
+from drafter.wire.records import ProposeRequest
+from drafter.wire.tensors import (LIST_FIELDS, REQUIRED_FIELDS, TENSOR_FIELDS, _build_request, _check_list,
+                                  decode_tensor, dtype_name, flat_fields, ipc_from_proto, request_from_proto,
+                                  tensor_bytes)
 
 _FIELDS = pb.ProposeRequest.DESCRIPTOR.fields_by_name
 _TENSOR_NUMBERS = {_FIELDS[n].number: n for n in (*TENSOR_FIELDS, *LIST_FIELDS)}
@@ -67,19 +67,18 @@ class EncodedRequest:
         return len(self.data)
 
 
-def encode_propose_request(session_id: str, epoch: int, request_id: int, kwargs: dict, *, return_probs=False,
-                           batch_padded=0, tokens_padded=0, accepted_counts=None,
-                           hidden_ipc: CudaIpcRef | None = None) -> EncodedRequest:
-    """Client side: engine-style kwargs -> the bytes protobuf would produce for call_to_proto's message
-    (up to field order, which no parser minds), with each payload copied once.  hidden_ipc (no payload)
+def encode_propose_request(request: ProposeRequest) -> EncodedRequest:
+    """Client side: the record -> the bytes protobuf would produce for request_to_proto's message (up
+    to field order, which no parser minds), with each payload copied once.  hidden_ipc (no payload)
     goes with the scalars."""
-    scalars = pb.ProposeRequest(session_id=session_id, epoch=epoch, request_id=request_id,
-                                return_probs=bool(return_probs), batch_padded=batch_padded or 0,
-                                tokens_padded=tokens_padded or 0,
-                                target_hidden_states_ipc=None if hidden_ipc is None else
-                                hidden_ipc.to_wire(pb.CudaIpcTensor)).SerializeToString()
+    ipc = request.hidden_ipc
+    scalars = pb.ProposeRequest(session_id=request.session_id, epoch=request.epoch, request_id=request.request_id,
+                                return_probs=request.return_probs, batch_padded=request.batch_padded,
+                                tokens_padded=request.tokens_padded,
+                                target_hidden_states_ipc=None if ipc is None else
+                                ipc.to_wire(pb.CudaIpcTensor)).SerializeToString()
     parts: list = [scalars]
-    for name, value in _flat_fields(kwargs, accepted_counts):
+    for name, value in flat_fields(request):
         key = _KEYS[_FIELDS[name].number]
         for t in (value if isinstance(value, list) else [value]):
             meta = pb.Tensor(dtype=dtype_name(t), shape=list(t.shape)).SerializeToString()
@@ -88,7 +87,7 @@ def encode_propose_request(session_id: str, epoch: int, request_id: int, kwargs:
             parts += [key, _varint_bytes(len(head) + data.nbytes), head]
             if data.nbytes:
                 parts.append(data)
-    return EncodedRequest(b"".join(parts), request_id)
+    return EncodedRequest(b"".join(parts), request.request_id)
 
 
 # ------------------------------------------------------------------ server
@@ -188,15 +187,15 @@ def parse_request(raw: bytes) -> pb.ProposeRequest:
         raise DrafterError(Code.INVALID_ARGUMENT, "request", f"not a drafter.v1.ProposeRequest: {exc}") from None
 
 
-def call_from_raw(raw: bytes) -> ProposeCall:
-    """Server side: the received bytes of a ProposeRequest -> ProposeCall, tensors viewing `raw`.
+def request_from_raw(raw: bytes) -> ProposeRequest:
+    """Server side: the received bytes of a ProposeRequest -> the record, tensors viewing `raw`.
 
-    Same checks, errors and values as call_from_proto(parse_request(raw))."""
+    Same checks, errors and values as request_from_proto(parse_request(raw))."""
     try:
         skeleton, payloads = _split(raw)
         req = pb.ProposeRequest.FromString(skeleton)
     except Exception:  # noqa: BLE001 - _Bail or a protobuf error: the authoritative path answers
-        return call_from_proto(parse_request(raw))
+        return request_from_proto(parse_request(raw))
 
     def payload(num: int, index: int):
         data = payloads.get((num, index))
@@ -215,8 +214,8 @@ def call_from_raw(raw: bytes) -> ProposeCall:
         return [decode_tensor(f"{name}[{i}]", m.dtype, m.shape, payload(num, i), ndim, kind)
                 for i, m in enumerate(items)]
 
-    return _build_call(req.session_id, req.epoch, req.request_id, req.return_probs, req.batch_padded,
-                       req.tokens_padded, get_tensor, get_list, ipc_from_proto(req))
+    return _build_request(req.session_id, req.epoch, req.request_id, req.return_probs, req.batch_padded,
+                          req.tokens_padded, get_tensor, get_list, ipc_from_proto(req))
 
 
-__all__ = ["EncodedRequest", "encode_propose_request", "call_from_raw", "parse_request", "REQUIRED_FIELDS"]
+__all__ = ["EncodedRequest", "encode_propose_request", "request_from_raw", "parse_request", "REQUIRED_FIELDS"]

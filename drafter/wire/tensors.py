@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
 
 import msgspec
 import torch
 
 from drafter.wire import schema
 from drafter.wire.cuda_ref import FIELD as IPC_FIELD
-from drafter.wire.cuda_ref import CudaIpcRef, decode_ref
+from drafter.wire.cuda_ref import decode_ref
 from drafter.wire.errors import invalid
+from drafter.wire.records import ProposeInputs, ProposeRequest, ProposeResult
 
 # Request buffers are read-only (protobuf bytes, received frames) and nothing downstream writes into
 # request tensors. torch warns about that once per process: spend the warning here, silenced.
@@ -105,49 +105,11 @@ def dtype_name(t: torch.Tensor) -> str:
     return name
 
 
-# ------------------------------------------------------------------ decoded calls
-@dataclass
-class ProposeCall:
-    """One decoded propose request, independent of the transport it came on."""
-
-    session_id: str
-    epoch: int
-    request_id: int
-    kwargs: dict  # exactly DraftEngine.propose's tensor kwargs (block_tables / slot_mappings: lists)
-    return_probs: bool = False
-    batch_padded: int = 0  # 0 = the server chooses
-    tokens_padded: int = 0
-    accepted_counts: torch.Tensor | None = None  # [batch] int, -1 = no report for that row
-    deadline: float | None = None  # time.monotonic() after which the result is useless
-    probe: object = None  # drafter.wire.probes.Probe when stage timing is on
-    # target_hidden_states in the target's GPU memory instead of kwargs["target_hidden_states"]; the
-    # engine thread opens it and puts the tensor into the kwargs (drafter.service.cuda_ipc)
-    hidden_ipc: CudaIpcRef | None = None
-
-    @property
-    def batch_size(self) -> int:
-        return self.kwargs["next_token_ids"].shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.kwargs["target_token_ids"].shape[0]
-
-
-@dataclass
-class ProposeResult:
-    request_id: int
-    draft_token_ids: torch.Tensor  # [batch, k] int64
-    draft_probs: torch.Tensor | None  # [batch, k, vocab] float32
-    batch_padded: int
-    tokens_padded: int
-    timings: dict = field(default_factory=dict)
-
-
-def _build_call(session_id, epoch, request_id, return_probs, batch_padded, tokens_padded, get_tensor,
-                get_list, ipc_message) -> ProposeCall:
+# ------------------------------------------------------------------ decoded requests
+def _build_request(session_id, epoch, request_id, return_probs, batch_padded, tokens_padded, get_tensor,
+                   get_list, ipc_message) -> ProposeRequest:
     """ipc_message: the request's CudaIpcTensor (either representation), None when unset."""
-    kwargs = {}
-    accepted = None
+    tensors = {}
     hidden_ipc = None
     for name, (ndim, kind) in TENSOR_FIELDS.items():
         t = get_tensor(name, ndim, kind)
@@ -155,19 +117,16 @@ def _build_call(session_id, epoch, request_id, return_probs, batch_padded, token
             if t is not None:
                 raise invalid(IPC_FIELD, "set target_hidden_states or target_hidden_states_ipc, not both")
             hidden_ipc = decode_ref(ipc_message)
+            tensors[name] = None
             continue
-        if t is None:
-            if name in REQUIRED_FIELDS:
-                raise invalid(name, "missing")
-            continue
-        if name == "accepted_counts":
-            accepted = t
-        else:
-            kwargs[name] = t
+        if t is None and name in REQUIRED_FIELDS:
+            raise invalid(name, "missing")
+        tensors[name] = t
     for name, (ndim, kind) in LIST_FIELDS.items():
-        kwargs[name] = get_list(name, ndim, kind)
-    return ProposeCall(session_id, epoch, request_id, kwargs, bool(return_probs), batch_padded, tokens_padded,
-                       accepted, hidden_ipc=hidden_ipc)
+        tensors[name] = get_list(name, ndim, kind)
+    accepted = tensors.pop("accepted_counts")
+    return ProposeRequest(ProposeInputs(**tensors), accepted, bool(return_probs), batch_padded, tokens_padded,
+                          hidden_ipc, session_id, epoch, request_id)
 
 
 def _check_list(name: str, items) -> None:
@@ -178,7 +137,7 @@ def _check_list(name: str, items) -> None:
 
 
 # ------------------------------------------------------------------ protobuf (gRPC)
-def call_from_proto(req) -> ProposeCall:
+def request_from_proto(req) -> ProposeRequest:
     def get_tensor(name, ndim, kind):
         if not req.HasField(name):
             return None
@@ -190,8 +149,8 @@ def call_from_proto(req) -> ProposeCall:
         _check_list(name, items)
         return [decode_tensor(f"{name}[{i}]", m.dtype, m.shape, m.data, ndim, kind) for i, m in enumerate(items)]
 
-    return _build_call(req.session_id, req.epoch, req.request_id, req.return_probs, req.batch_padded,
-                       req.tokens_padded, get_tensor, get_list, ipc_from_proto(req))
+    return _build_request(req.session_id, req.epoch, req.request_id, req.return_probs, req.batch_padded,
+                          req.tokens_padded, get_tensor, get_list, ipc_from_proto(req))
 
 
 def ipc_from_proto(req):
@@ -221,14 +180,14 @@ def result_to_proto(result: ProposeResult, pb_cls):
     return resp
 
 
-def call_to_proto(pb_cls, session_id: str, epoch: int, request_id: int, kwargs: dict, *, return_probs=False,
-                  batch_padded=0, tokens_padded=0, accepted_counts=None, hidden_ipc: CudaIpcRef | None = None):
-    """Client side: engine-style kwargs -> ProposeRequest (hidden_ipc instead of kwargs' hidden states)."""
-    req = pb_cls(session_id=session_id, epoch=epoch, request_id=request_id, return_probs=bool(return_probs),
-                 batch_padded=batch_padded or 0, tokens_padded=tokens_padded or 0)
-    if hidden_ipc is not None:
-        req.target_hidden_states_ipc.CopyFrom(hidden_ipc.to_wire(type(req.target_hidden_states_ipc)))
-    for name, value in _flat_fields(kwargs, accepted_counts):
+def request_to_proto(pb_cls, request: ProposeRequest):
+    """Client side: the record -> a ProposeRequest message (its hidden_ipc instead of hidden states)."""
+    req = pb_cls(session_id=request.session_id, epoch=request.epoch, request_id=request.request_id,
+                 return_probs=request.return_probs, batch_padded=request.batch_padded,
+                 tokens_padded=request.tokens_padded)
+    if request.hidden_ipc is not None:
+        req.target_hidden_states_ipc.CopyFrom(request.hidden_ipc.to_wire(type(req.target_hidden_states_ipc)))
+    for name, value in flat_fields(request):
         if isinstance(value, list):
             for t in value:
                 tensor_to_proto(t, getattr(req, name).add())
@@ -237,20 +196,21 @@ def call_to_proto(pb_cls, session_id: str, epoch: int, request_id: int, kwargs: 
     return req
 
 
-def _flat_fields(kwargs: dict, accepted_counts):
+def flat_fields(request: ProposeRequest):
+    """(wire field, tensor or list of tensors) of every tensor the request carries, in wire order."""
+    inputs = request.inputs
     for name in TENSOR_FIELDS:
-        value = accepted_counts if name == "accepted_counts" else kwargs.get(name)
+        value = request.accepted_counts if name == "accepted_counts" else getattr(inputs, name)
         if value is not None:
             yield name, value
     for name in LIST_FIELDS:
-        value = kwargs.get(name)
-        if value is None:
-            continue
-        yield name, [value] if isinstance(value, torch.Tensor) else list(value)
+        value = getattr(inputs, name)
+        if value is not None:
+            yield name, value
 
 
 # ------------------------------------------------------------------ msgspec + frames (ZMQ)
-def call_from_frames(header: schema.ProposeRequest, frames: list) -> ProposeCall:
+def request_from_frames(header: schema.ProposeRequest, frames: list) -> ProposeRequest:
     """frames: the tensor frames (zmq.Frame or bytes-like), indexed by Tensor.frame."""
 
     def buffer(name: str, ref: schema.Tensor):
@@ -271,8 +231,9 @@ def call_from_frames(header: schema.ProposeRequest, frames: list) -> ProposeCall
         return [decode_tensor(f"{name}[{i}]", r.dtype, r.shape, buffer(f"{name}[{i}]", r), ndim, kind)
                 for i, r in enumerate(items)]
 
-    return _build_call(header.session_id, header.epoch, header.request_id, header.return_probs,
-                       header.batch_padded, header.tokens_padded, get_tensor, get_list, header.target_hidden_states_ipc)
+    return _build_request(header.session_id, header.epoch, header.request_id, header.return_probs,
+                          header.batch_padded, header.tokens_padded, get_tensor, get_list,
+                          header.target_hidden_states_ipc)
 
 
 def tensor_to_frames(t: torch.Tensor, frames: list) -> schema.Tensor:
@@ -299,23 +260,21 @@ def result_to_frames(result: ProposeResult) -> tuple[schema.ProposeResponse, lis
     return header, frames
 
 
-def call_to_frames(session_id: str, epoch: int, request_id: int, kwargs: dict, *, return_probs=False,
-                   batch_padded=0, tokens_padded=0, accepted_counts=None,
-                   hidden_ipc: CudaIpcRef | None = None) -> tuple[schema.ProposeRequest, list]:
-    """Client side: engine-style kwargs -> (header Struct, tensor frames); hidden_ipc instead of the
-    kwargs' hidden states rides in the header (a few hundred bytes: no frame)."""
+def request_to_frames(request: ProposeRequest) -> tuple[schema.ProposeRequest, list]:
+    """Client side: the record -> (header Struct, tensor frames); a hidden_ipc reference rides in the
+    header (a few hundred bytes: no frame)."""
     frames: list = []
     values = {}
-    if hidden_ipc is not None:
-        values[IPC_FIELD] = hidden_ipc.to_wire(schema.CudaIpcTensor)
-    for name, value in _flat_fields(kwargs, accepted_counts):
+    if request.hidden_ipc is not None:
+        values[IPC_FIELD] = request.hidden_ipc.to_wire(schema.CudaIpcTensor)
+    for name, value in flat_fields(request):
         if isinstance(value, list):
             values[name] = [tensor_to_frames(t, frames) for t in value]
         else:
             values[name] = tensor_to_frames(value, frames)
-    header = schema.ProposeRequest(session_id=session_id, epoch=epoch, request_id=request_id,
-                                   return_probs=bool(return_probs), batch_padded=batch_padded or 0,
-                                   tokens_padded=tokens_padded or 0, **values)
+    header = schema.ProposeRequest(session_id=request.session_id, epoch=request.epoch, request_id=request.request_id,
+                                   return_probs=request.return_probs, batch_padded=request.batch_padded,
+                                   tokens_padded=request.tokens_padded, **values)
     return header, frames
 
 

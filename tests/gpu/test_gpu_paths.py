@@ -280,14 +280,15 @@ def test_skinny_gemm_matches_cublas_on_8b_shapes(shape, m, variant):
 def test_host_stager_hands_out_pinned_views():
     """What the service stages must count as pinned, or the engine would copy it synchronously."""
     from drafter.service.batcher import HostStager
+    from drafter.wire.records import INPUT_FIELDS, ProposeInputs
 
     stager = HostStager(1 << 20, pin=True)
     kw = {"target_hidden_states": torch.randn(4, 8).to(torch.bfloat16), "seq_lens": torch.arange(3, dtype=torch.int32),
           "block_tables": [torch.ones(2, 3, dtype=torch.int64)]}
-    out = stager.stage_call(kw)
-    for t in (out["target_hidden_states"], out["seq_lens"], out["block_tables"][0]):
+    out = stager.stage(ProposeInputs(**{name: kw.get(name) for name in INPUT_FIELDS}))
+    for t in (out.target_hidden_states, out.seq_lens, out.block_tables[0]):
         assert t.is_pinned()
-    assert torch.equal(out["target_hidden_states"], kw["target_hidden_states"])
+    assert torch.equal(out.target_hidden_states, kw["target_hidden_states"])
 
 
 def test_the_planner_times_the_kernel_each_input_kind_will_run(monkeypatch):

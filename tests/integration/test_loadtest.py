@@ -177,7 +177,7 @@ def test_workload_calls_are_always_valid(block_sizes):
 
 
 def _inputs(kw):
-    from drafter.inputs import ProposeInputs
+    from drafter.wire.records import ProposeInputs
 
     return ProposeInputs(kw["target_token_ids"], kw["target_positions"], kw["target_hidden_states"],
                          kw["next_token_ids"], kw["query_start_loc"], kw["seq_lens"], kw["block_tables"],

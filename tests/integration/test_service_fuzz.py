@@ -79,13 +79,13 @@ def _oracle_for_grpc_bytes(raw: bytes, ctx) -> tuple[str, str] | None:
     """What random bytes must get; None when they happen to be a well-formed request."""
     from drafter._proto.drafter.v1 import drafter_pb2 as pb
     from drafter.wire.errors import DrafterError
-    from drafter.wire.tensors import call_from_proto
+    from drafter.wire.tensors import request_from_proto
     try:
         req = pb.ProposeRequest.FromString(raw)
     except Exception:  # noqa: BLE001
         return "INVALID_ARGUMENT", "request"
     try:
-        call_from_proto(req)
+        request_from_proto(req)
     except DrafterError as e:
         return e.code.name, e.field
     if req.epoch != ctx.epoch:

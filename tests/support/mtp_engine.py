@@ -8,7 +8,7 @@ import torch
 
 from drafter.buffers import StaticBuffers
 from drafter.engine import drop_rejected_tokens
-from drafter.inputs import ProposeInputs
+from drafter.wire.records import ProposeInputs
 from drafter.models.deepseek_v3 import kv_cache_shape
 from drafter.proposer import Proposer
 

@@ -20,10 +20,10 @@ from drafter.service.cuda_ipc import CudaIpcOpener
 from drafter.wire.cuda_ref import FIELD
 from drafter.wire.errors import Code, DrafterError
 from drafter.service.sessions import SessionTable
-from drafter.wire.tensors import ProposeCall
 from tests.support.core import run_with_core
 from tests.support.cuda_refs import UUID, FakeCudaIpc, ref
 from tests.support.engines import build_engine
+from tests.support.requests import request
 from tests.support.scenario import Scenario
 
 SUPPORT = schema.CudaIpcSupport(enabled=True, host_id="host", device_uuids=[UUID])
@@ -165,15 +165,15 @@ def test_drafts_from_a_reference_equal_drafts_from_bytes_and_nan_is_refused_befo
     for step, plan in enumerate(plans):
         kw, r, backend = _shared(ipc_scn.call(plan).kwargs, seed=step)
         runner = EngineRunner(shared_engine, cuda_ipc=_opener(backend))
-        got = runner.run([Pending(session, ProposeCall(session.id, 0, step, kw, hidden_ipc=r), None)])[0]
+        got = runner.run_batch([Pending(session, request(kw, session.id, 0, step, hidden_ipc=r), None)])[0]
         want = bytes_engine.propose(**bytes_scn.call(plan).kwargs).draft_token_ids
         assert not isinstance(got, Exception), got
         assert torch.equal(got.draft_token_ids, want), f"step {step}"
     kw, r, backend = _shared(ipc_scn.call([(0, 4, 0)]).kwargs, seed=9)
     backend.content[2, 5] = float("nan")
     before = [t.clone() for t in shared_engine.kv_snapshot()]
-    err = EngineRunner(shared_engine, cuda_ipc=_opener(backend)).run(
-        [Pending(session, ProposeCall(session.id, 0, 9, kw, hidden_ipc=r), None)])[0]
+    err = EngineRunner(shared_engine, cuda_ipc=_opener(backend)).run_batch(
+        [Pending(session, request(kw, session.id, 0, 9, hidden_ipc=r), None)])[0]
     assert isinstance(err, DrafterError) and (err.code, err.field, err.message) == \
         (Code.INVALID_ARGUMENT, FIELD, "must be finite")
     assert err.__traceback__ is None, "the error must not keep the request's tensors alive"
@@ -184,7 +184,7 @@ def test_a_runner_without_an_opener_refuses_references(engines):
     table = SessionTable(describe_engine(engines[0], 1 << 26), max_sessions=4)
     session = table.attach(_layout(engines[0]))
     kw, r, _ = _shared(_scenario(engines[0]).call([(0, 4, 0)]).kwargs)
-    err = EngineRunner(engines[0]).run([Pending(session, ProposeCall(session.id, 0, 1, kw, hidden_ipc=r), None)])[0]
+    err = EngineRunner(engines[0]).run_batch([Pending(session, request(kw, session.id, 0, 1, hidden_ipc=r), None)])[0]
     assert (err.code, err.field) == (Code.INVALID_ARGUMENT, FIELD)
 
 
@@ -201,7 +201,7 @@ def test_a_cpu_drafter_advertises_no_support_and_refuses_references_clearly(engi
         assert core.info(schema.InfoRequest(cuda_ipc_capable=True)).cuda_ipc == a.cuda_ipc
         kw, r, _ = _shared(_scenario(engines[0]).call([(0, 4, 0)]).kwargs)
         with pytest.raises(DrafterError) as err:
-            await core.propose(ProposeCall(a.session_id, core.epoch, 1, kw, hidden_ipc=r))
+            await core.serve_propose(request(kw, a.session_id, core.epoch, 1, hidden_ipc=r))
         assert (err.value.code, err.value.field) == (Code.INVALID_ARGUMENT, FIELD)
         assert "does not open CUDA IPC" in err.value.message
     _with_core(engines[0], body, allow)
@@ -222,9 +222,9 @@ def test_the_core_opens_references_and_detach_releases_them(engines, monkeypatch
         kw, r, content = _shared(_scenario(engines[0]).call([(0, 9, 0)]).kwargs)
         backends[0].content = content.content
         with pytest.raises(DrafterError) as err:  # shape checked against the call before anything opens
-            await core.propose(ProposeCall(a.session_id, core.epoch, 1, kw, hidden_ipc=ref(8, r.shape[1])))
+            await core.serve_propose(request(kw, a.session_id, core.epoch, 1, hidden_ipc=ref(8, r.shape[1])))
         assert err.value.field == f"{FIELD}.shape" and backends[0].opens == []
-        out = await core.propose(ProposeCall(a.session_id, core.epoch, 2, kw, hidden_ipc=r))
+        out = await core.serve_propose(request(kw, a.session_id, core.epoch, 2, hidden_ipc=r))
         assert out.draft_token_ids.shape == (1, 3)
         await core.detach(schema.DetachRequest(session_id=a.session_id, epoch=core.epoch))
         gc.collect()

@@ -11,8 +11,9 @@ from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.wire import schema
 from drafter.wire.cuda_ref import FIELD, decode_ref
 from drafter.wire.errors import Code, DrafterError
-from drafter.wire.pbwire import call_from_raw, encode_propose_request
-from drafter.wire.tensors import call_from_frames, call_from_proto, call_to_frames, call_to_proto
+from drafter.wire.pbwire import request_from_raw
+from drafter.wire.tensors import request_from_frames, request_from_proto
+from tests.support.requests import to_frames, to_proto, to_raw
 from tests.support.cuda_refs import ref, ref_message
 
 ROWS, WIDTH = 6, 24
@@ -29,18 +30,18 @@ def _kwargs(with_hidden: bool = True) -> dict:
 
 
 def _via_zmq(kwargs, hidden_ipc):
-    header, frames = call_to_frames("s", 7, 3, kwargs, hidden_ipc=hidden_ipc)
+    header, frames = to_frames("s", 7, 3, kwargs, hidden_ipc=hidden_ipc)
     header = msgspec.msgpack.decode(msgspec.msgpack.encode(header), type=schema.ProposeRequest)
-    return call_from_frames(header, [bytes(f) for f in frames])
+    return request_from_frames(header, [bytes(f) for f in frames])
 
 
 def _via_grpc_fast(kwargs, hidden_ipc):
-    return call_from_raw(encode_propose_request("s", 7, 3, kwargs, hidden_ipc=hidden_ipc).data)
+    return request_from_raw(to_raw("s", 7, 3, kwargs, hidden_ipc=hidden_ipc).data)
 
 
 def _via_grpc_proto(kwargs, hidden_ipc):
-    raw = call_to_proto(pb.ProposeRequest, "s", 7, 3, kwargs, hidden_ipc=hidden_ipc).SerializeToString()
-    return call_from_proto(pb.ProposeRequest.FromString(raw))
+    raw = to_proto(pb.ProposeRequest, "s", 7, 3, kwargs, hidden_ipc=hidden_ipc).SerializeToString()
+    return request_from_proto(pb.ProposeRequest.FromString(raw))
 
 
 PATHS = [_via_zmq, _via_grpc_fast, _via_grpc_proto]
@@ -51,10 +52,10 @@ def test_a_reference_travels_unchanged_on_every_path(path):
     r = ref(ROWS, WIDTH, torch.bfloat16, row_stride=WIDTH + 8, storage_offset=5, seed=3)
     call = path(_kwargs(with_hidden=False), r)
     assert call.hidden_ipc == r
-    assert "target_hidden_states" not in call.kwargs
-    assert torch.equal(call.kwargs["target_token_ids"], torch.arange(ROWS))
+    assert call.inputs.target_hidden_states is None
+    assert torch.equal(call.inputs.target_token_ids, torch.arange(ROWS))
     plain = path(_kwargs(), None)  # and without one, nothing changes
-    assert plain.hidden_ipc is None and plain.kwargs["target_hidden_states"].shape == (ROWS, WIDTH)
+    assert plain.hidden_ipc is None and plain.inputs.target_hidden_states.shape == (ROWS, WIDTH)
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda f: f.__name__)

@@ -11,6 +11,7 @@ from drafter.wire import schema
 from drafter.wire.cuda_ref import FIELD
 from drafter.wire.errors import Code, DrafterError
 from tests.support.cuda_refs import UUID, ref
+from tests.support.requests import present, request
 
 SUPPORT = schema.CudaIpcSupport(enabled=True, host_id="boot-1", device_uuids=[UUID])
 
@@ -19,8 +20,8 @@ def _share(enabled=True) -> CudaShare:
     return CudaShare(enabled, host_id=lambda: "boot-1", device_uuid=lambda device: UUID)
 
 
-def _kwargs():
-    return {"target_hidden_states": torch.randn(4, 8), "target_token_ids": torch.arange(4)}
+def _request():
+    return request({"target_hidden_states": torch.randn(4, 8), "target_token_ids": torch.arange(4)})
 
 
 class Recorder:
@@ -30,8 +31,8 @@ class Recorder:
         self.errors = list(errors)
         self.sent: list = []
 
-    def __call__(self, kwargs, hidden_ipc, timeout):
-        self.sent.append((set(kwargs), hidden_ipc, timeout))
+    def __call__(self, request, timeout):
+        self.sent.append((set(present(request.inputs)), request.hidden_ipc, timeout))
         if self.errors:
             raise self.errors.pop(0)
         return "drafts"
@@ -49,14 +50,14 @@ def test_cpu_tensors_and_missing_support_send_bytes():
     for support in (SUPPORT, None, schema.CudaIpcSupport(enabled=False, reason="cpu")):
         assert not share.usable(torch.randn(4, 8), support)
     send = Recorder()
-    assert share.propose(_kwargs(), SUPPORT, send, 1.0) == "drafts"
+    assert share.send(_request(), SUPPORT, send, 1.0) == "drafts"
     assert send.sent == [({"target_hidden_states", "target_token_ids"}, None, 1.0)]
     assert not _share(enabled=False).usable(torch.randn(4, 8), SUPPORT)
 
 
 def test_a_shared_step_sends_the_reference_instead_of_the_bytes():
     send = Recorder()
-    _forced(_share()).propose(_kwargs(), SUPPORT, send, 1.0)
+    _forced(_share()).send(_request(), SUPPORT, send, 1.0)
     (names, hidden_ipc, _), = send.sent
     assert names == {"target_token_ids"} and hidden_ipc == ref(4, 8)
 
@@ -65,11 +66,11 @@ def test_a_shared_step_sends_the_reference_instead_of_the_bytes():
 def test_a_reference_this_host_cannot_share_falls_back_to_bytes_for_good(field):
     share = _forced(_share())
     send = Recorder(DrafterError(Code.INVALID_ARGUMENT, f"{FIELD}.{field}", "cannot open"))
-    assert share.propose(_kwargs(), SUPPORT, send, 1.0) == "drafts"
+    assert share.send(_request(), SUPPORT, send, 1.0) == "drafts"
     assert [s[1] is None for s in send.sent] == [False, True], "the same step again, with bytes"
     assert "target_hidden_states" in send.sent[1][0] and 0 < send.sent[1][2] <= 1.0
     assert not share.enabled and field in share.reason
-    share.propose(_kwargs(), SUPPORT, send, 1.0)
+    share.send(_request(), SUPPORT, send, 1.0)
     assert send.sent[2][1] is None, "and bytes from then on"
 
 
@@ -82,7 +83,7 @@ def test_a_reference_this_host_cannot_share_falls_back_to_bytes_for_good(field):
 def test_other_refusals_are_the_callers_and_sharing_stays_on(err):
     share = _forced(_share())
     with pytest.raises(DrafterError) as got:
-        share.propose(_kwargs(), SUPPORT, Recorder(err), 1.0)
+        share.send(_request(), SUPPORT, Recorder(err), 1.0)
     assert got.value is err and share.enabled
 
 
@@ -93,7 +94,7 @@ def test_a_tensor_torch_cannot_share_goes_as_bytes():
         raise RuntimeError("Attempted to send CUDA tensor received from another process")
     share.reference = cannot
     send = Recorder()
-    share.propose(_kwargs(), SUPPORT, send, 1.0)
+    share.send(_request(), SUPPORT, send, 1.0)
     assert send.sent[0][1] is None and not share.enabled
 
 

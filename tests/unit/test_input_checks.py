@@ -11,9 +11,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from drafter.attention.metadata import PADDING_SLOT_ID
-from drafter.inputs import (FLOAT_DTYPES, INT_DTYPES, Limits, ProposeInputs, _length, _tensor,
+from drafter.inputs import (FLOAT_DTYPES, INT_DTYPES, Limits, _length, _tensor,
                             as_group_list, out_of_range, validate)
 from drafter.wire.errors import InvalidInput
+from drafter.wire.records import ProposeInputs
 from tests.support.scenario import Scenario
 
 FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -22,15 +22,16 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.wire import schema
-from drafter.service.batcher import (Batcher, EngineRunner, EngineThread, HostStager, Pending, Staged,
-                                    all_finite)
+from drafter.service.batcher import Batcher, EngineRunner, EngineThread, HostStager, Pending, all_finite
 from drafter.wire.errors import Code, DrafterError
 from drafter.wire.ipc import (SUN_PATH_MAX, IpcPathError, bind_ipc, check_client_path, check_server_path,
                                  unlink_ipc)
-from drafter.wire.pbwire import _split, call_from_raw, encode_propose_request
-from drafter.service.sessions import Session, offset_kwargs
-from drafter.wire.tensors import (DTYPES, FLOAT, INT, LIST_FIELDS, TENSOR_FIELDS, ProposeCall, call_from_frames,
-                                  call_from_proto, call_to_frames, call_to_proto, decode_tensor, tensor_bytes)
+from drafter.service.sessions import Session, offset_inputs
+from drafter.wire.pbwire import _split, request_from_raw
+from drafter.wire.records import INPUT_FIELDS, ProposeInputs, ProposeRequest
+from drafter.wire.tensors import (DTYPES, FLOAT, INT, LIST_FIELDS, TENSOR_FIELDS, decode_tensor, request_from_frames,
+                                  request_from_proto, tensor_bytes)
+from tests.support.requests import present, request, to_frames, to_proto, to_raw
 
 FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 INT_NAMES = ("int32", "int64")
@@ -66,12 +67,13 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bytes(tensor_bytes(a)) == bytes(tensor_bytes(b))
 
 
-def _same_call(a: ProposeCall, b: ProposeCall) -> None:
+def _same_call(a: ProposeRequest, b: ProposeRequest) -> None:
     assert (a.session_id, a.epoch, a.request_id, a.return_probs, a.batch_padded, a.tokens_padded) == \
         (b.session_id, b.epoch, b.request_id, b.return_probs, b.batch_padded, b.tokens_padded)
-    assert set(a.kwargs) == set(b.kwargs)
-    for k, x in a.kwargs.items():
-        y = b.kwargs[k]
+    fa, fb = present(a.inputs), present(b.inputs)
+    assert set(fa) == set(fb)
+    for k, x in fa.items():
+        y = fb[k]
         if isinstance(x, list):
             assert len(x) == len(y) and all(_same_tensor(u, v) for u, v in zip(x, y)), k
         else:
@@ -91,6 +93,12 @@ def _outcome(fn, *args):
 def _inside(t: torch.Tensor, buf: bytes) -> bool:
     base = np.frombuffer(buf, dtype=np.uint8).ctypes.data
     return base <= t.data_ptr() < base + len(buf)
+
+
+def _viewable(t: torch.Tensor, buf: bytes) -> bool:
+    """Whether t's bytes lie in buf at an address aligned for its dtype (else decoding copies them)."""
+    at = bytes(buf).find(bytes(tensor_bytes(t)))
+    return at >= 0 and (np.frombuffer(buf, dtype=np.uint8).ctypes.data + at) % t.element_size() == 0
 
 
 # ------------------------------------------------------------------ zero-copy tensor decoding
@@ -113,17 +121,18 @@ def test_frames_round_trip_is_exact_and_zero_copy(kw, rid):
     if not kw["block_tables"] or not kw["slot_mappings"]:
         kw["block_tables"] = kw["block_tables"] or [torch.zeros(1, 1, dtype=torch.int32)]
         kw["slot_mappings"] = kw["slot_mappings"] or [torch.zeros(1, dtype=torch.int64)]
-    header, frames = call_to_frames("s", 3, rid, kw)
+    header, frames = to_frames("s", 3, rid, kw)
     frames = [bytes(f) for f in frames]
-    call, err = _outcome(call_from_frames, header, frames)
-    ref, ref_err = _outcome(call_from_proto, call_to_proto(pb.ProposeRequest, "s", 3, rid, kw))
+    call, err = _outcome(request_from_frames, header, frames)
+    ref, ref_err = _outcome(request_from_proto, to_proto(pb.ProposeRequest, "s", 3, rid, kw))
     assert err == ref_err
     if call is None:
         return
     _same_call(call, ref)
-    hidden = call.kwargs["target_hidden_states"]
-    if hidden.numel():
-        assert _inside(hidden, frames[header.target_hidden_states.frame])
+    hidden = call.inputs.target_hidden_states
+    source = frames[header.target_hidden_states.frame]
+    if hidden.numel() and _viewable(hidden, source):
+        assert _inside(hidden, source)
 
 
 # ------------------------------------------------------------------ gRPC payloads without protobuf copies
@@ -131,23 +140,23 @@ def test_frames_round_trip_is_exact_and_zero_copy(kw, rid):
 @given(kw=propose_kwargs(), rid=st.integers(0, 2**64 - 1), epoch=st.integers(0, 2**64 - 1),
        probs=st.booleans(), bp=st.integers(0, 2**32 - 1), accepted=st.none() | tensors(INT, 1))
 def test_encoded_request_is_what_protobuf_would_send(kw, rid, epoch, probs, bp, accepted):
-    ours = pb.ProposeRequest.FromString(encode_propose_request(
+    ours = pb.ProposeRequest.FromString(to_raw(
         "sess", epoch, rid, kw, return_probs=probs, batch_padded=bp, accepted_counts=accepted).SerializeToString())
-    assert ours == call_to_proto(pb.ProposeRequest, "sess", epoch, rid, kw, return_probs=probs, batch_padded=bp,
+    assert ours == to_proto(pb.ProposeRequest, "sess", epoch, rid, kw, return_probs=probs, batch_padded=bp,
                                  accepted_counts=accepted)
 
 
 @settings(max_examples=200, **FUZZ)
 @given(kw=propose_kwargs(), rid=st.integers(0, 2**64 - 1))
 def test_raw_decode_equals_protobuf_and_views_the_received_bytes(kw, rid):
-    raw = encode_propose_request("sess", 7, rid, kw).SerializeToString()
-    fast, fast_err = _outcome(call_from_raw, raw)
-    slow, slow_err = _outcome(lambda r: call_from_proto(pb.ProposeRequest.FromString(r)), raw)
+    raw = to_raw("sess", 7, rid, kw).SerializeToString()
+    fast, fast_err = _outcome(request_from_raw, raw)
+    slow, slow_err = _outcome(lambda r: request_from_proto(pb.ProposeRequest.FromString(r)), raw)
     assert fast_err == slow_err
     if fast is not None:
         _same_call(fast, slow)
-        hidden = fast.kwargs["target_hidden_states"]
-        if hidden.numel():
+        hidden = fast.inputs.target_hidden_states
+        if hidden.numel() and _viewable(hidden, raw):
             assert _inside(hidden, raw), "the payload must be a view of the received bytes"
 
 
@@ -162,7 +171,7 @@ def _field(num: int, wire: int, payload: bytes) -> bytes:
 def test_malformed_and_unusual_bytes_get_the_answer_protobuf_gives(kw, data):
     """Duplicated Tensors (protobuf merges them), unknown fields, wrong wire types, truncation and
     flipped bytes: the fast path either handles them exactly like protobuf or hands them over."""
-    raw = bytearray(encode_propose_request("sess", 7, 1, kw).SerializeToString())
+    raw = bytearray(to_raw("sess", 7, 1, kw).SerializeToString())
     how = data.draw(st.sampled_from(["duplicate", "unknown", "wire", "truncate", "flip", "tensor-unknown",
                                      "garbage"]))
     if how == "duplicate":  # a second target_hidden_states: protobuf merges the two submessages
@@ -190,8 +199,8 @@ def test_malformed_and_unusual_bytes_get_the_answer_protobuf_gives(kw, data):
             req = pb.ProposeRequest.FromString(r)
         except Exception:  # noqa: BLE001
             raise DrafterError(Code.INVALID_ARGUMENT, "request", "undecodable") from None
-        return call_from_proto(req)
-    fast, fast_err = _outcome(call_from_raw, raw)
+        return request_from_proto(req)
+    fast, fast_err = _outcome(request_from_raw, raw)
     ref, ref_err = _outcome(slow, raw)
     assert fast_err == ref_err, how
     if fast is not None:
@@ -201,7 +210,7 @@ def test_malformed_and_unusual_bytes_get_the_answer_protobuf_gives(kw, data):
 def test_the_fast_path_is_taken_for_what_clients_send():
     kw = dict(target_token_ids=torch.arange(4), target_hidden_states=torch.randn(4, 8).to(torch.bfloat16),
               block_tables=[torch.zeros(1, 2, dtype=torch.int32)], slot_mappings=[torch.arange(4)])
-    raw = encode_propose_request("s", 1, 2, kw).SerializeToString()
+    raw = to_raw("s", 1, 2, kw).SerializeToString()
     skeleton, payloads = _split(raw)  # raises when the walk would fall back
     assert len(skeleton) < len(raw) - 4 * 8 * 2 and len(payloads) == 4
 
@@ -249,8 +258,8 @@ def test_finite_check_refuses_nan_and_inf_anywhere_and_accepts_every_finite_valu
 
 
 def test_a_call_alone_is_staged_once_and_its_staged_copy_checked():
-    """A call alone in its engine call is staged in _prepare (Staged: _run_group's stage_call passes it
-    on), the finite check then refuses a NaN in the staged copy exactly as in the message, by field."""
+    """A call alone in its engine call is staged in _prepare (_run_group's stage then passes the staged
+    inputs on), the finite check then refuses a NaN in the staged copy exactly as in the message, by field."""
     engine = _RecordingEngine()
     runner = EngineRunner(engine)
     runner.stager = HostStager(1 << 20, pin=False)
@@ -258,17 +267,22 @@ def test_a_call_alone_is_staged_once_and_its_staged_copy_checked():
     kw = {"target_token_ids": torch.zeros(4, dtype=torch.int64), "target_hidden_states": torch.randn(4, 32).to(
           torch.bfloat16), "next_token_ids": torch.zeros(1, dtype=torch.int64), "query_start_loc": torch.tensor([0, 4]),
           "block_tables": [torch.arange(3, dtype=torch.int32).view(1, 3)], "slot_mappings": [torch.tensor([0, 1, -1, 3])]}
-    staged = runner._prepare(Pending(s, ProposeCall("x", 0, 1, kw), None), alone=True)
-    assert isinstance(staged, Staged) and runner.stager.stage_call(staged) is staged
+    staged = runner._prepare(Pending(s, request(kw, "x", 0, 1), None), alone=True)
+    assert runner.stager.stage(staged) is staged
     base, end = runner.stager.buf.data_ptr(), runner.stager.buf.data_ptr() + runner.stager.buf.numel()
-    assert base <= staged["target_hidden_states"].data_ptr() < end
-    assert torch.equal(staged["block_tables"][0], kw["block_tables"][0] + 5), "shifted, then staged"
-    assert staged["slot_mappings"][0].tolist() == [80, 81, -1, 83]
+    assert base <= staged.target_hidden_states.data_ptr() < end
+    assert torch.equal(staged.block_tables[0], kw["block_tables"][0] + 5), "shifted, then staged"
+    assert staged.slot_mappings[0].tolist() == [80, 81, -1, 83]
     kw["target_hidden_states"][2, 7] = float("nan")
-    results = runner.run([Pending(s, ProposeCall("x", 0, 1, kw), concurrent.futures.Future())])
+    results = runner.run_batch([Pending(s, request(kw, "x", 0, 1), concurrent.futures.Future())])
     assert (results[0].code, results[0].field, results[0].message) == (
         Code.INVALID_ARGUMENT, "target_hidden_states", "must be finite")
     assert len(engine.seen) == 0
+
+
+def _inputs(**tensors) -> ProposeInputs:
+    """A ProposeInputs with only these tensors set (the others None)."""
+    return ProposeInputs(**{name: tensors.get(name) for name in INPUT_FIELDS})
 
 
 def _reference_offsets(s: Session, kwargs: dict) -> dict:
@@ -289,9 +303,9 @@ def test_block_offsets_equal_the_torch_reference(bases, dtype, data):
                                         dtype=dtype).view(2, 3) for _ in bases],
           "slot_mappings": [torch.tensor(data.draw(st.lists(st.integers(-1, 1023), min_size=5, max_size=5)),
                                          dtype=dtype) for _ in bases]}
-    got, want = offset_kwargs(s, kw), _reference_offsets(s, kw)
+    got, want = offset_inputs(s, _inputs(**kw)), _reference_offsets(s, kw)
     for name in ("block_tables", "slot_mappings"):
-        for g, w in zip(got[name], want[name]):
+        for g, w in zip(getattr(got, name), want[name]):
             assert torch.equal(g.to(torch.int64), w), name
 
 
@@ -301,36 +315,36 @@ def test_host_stager_copies_exactly_and_reuses_one_buffer():
     ptrs = set()
     for rows in (4, 2, 8, 8, 3, 16):
         t = torch.randn(rows, 64).to(torch.bfloat16)
-        out = stager.stage_call({"t": t})["t"]
+        out = stager.stage(_inputs(target_hidden_states=t)).target_hidden_states
         assert out.dtype == t.dtype and out.shape == t.shape and torch.equal(out, t)
         ptrs.add(stager.buf.data_ptr())
     assert stager.allocations == len(ptrs) <= 3, "grown geometrically, never allocated per call"
     strided = torch.randn(8, 128).to(torch.bfloat16)[:, ::2]
-    assert torch.equal(stager.stage_call({"t": strided})["t"], strided)
+    assert torch.equal(stager.stage(_inputs(target_hidden_states=strided)).target_hidden_states, strided)
     huge = torch.zeros(1 << 19, dtype=torch.float32)  # 2 MiB: more than any call the engine accepts
-    assert stager.stage_call({"t": huge})["t"] is huge and stager.buf.numel() <= 1 << 20
+    assert stager.stage(_inputs(target_hidden_states=huge)).target_hidden_states is huge
+    assert stager.buf.numel() <= 1 << 20
 
 
 def test_host_stager_stages_a_whole_call_in_one_buffer():
     """Every CPU tensor of a call (lists included) lands in the one buffer, 64-byte aligned, equal
-    to the original; GPU tensors and non-tensors pass through; a call too large stays as it was."""
+    to the original; unset fields stay unset; a call too large stays as it was."""
     stager = HostStager(max_bytes=1 << 16, pin=False)
     kw = {"target_token_ids": torch.arange(7), "target_hidden_states": torch.randn(7, 16).to(torch.bfloat16),
           "query_start_loc": torch.tensor([0, 3, 7], dtype=torch.int32), "block_tables": [torch.ones(2, 3).int()] * 2,
-          "slot_mappings": [torch.arange(7), torch.arange(7) + 1], "temperatures": None, "batch_padded": 4}
-    out = stager.stage_call(kw)
+          "slot_mappings": [torch.arange(7), torch.arange(7) + 1]}
+    out = stager.stage(_inputs(**kw))
+    assert out.temperatures is None and out.seq_lens is None
     base, end = stager.buf.data_ptr(), stager.buf.data_ptr() + stager.buf.numel()
-    flat = [(a, b) for k in kw for a, b in (zip(kw[k], out[k]) if isinstance(kw[k], list) else [(kw[k], out[k])])]
+    flat = [(a, b) for k in kw for a, b in (zip(kw[k], getattr(out, k)) if isinstance(kw[k], list)
+                                            else [(kw[k], getattr(out, k))])]
     for orig, staged in flat:
-        if isinstance(orig, torch.Tensor):
-            assert torch.equal(orig, staged) and staged.dtype == orig.dtype
-            assert base <= staged.data_ptr() < end and (staged.data_ptr() - base) % 64 == 0
-        else:
-            assert staged is orig
+        assert torch.equal(orig, staged) and staged.dtype == orig.dtype
+        assert base <= staged.data_ptr() < end and (staged.data_ptr() - base) % 64 == 0
     starts = sorted(t.data_ptr() for _, t in flat if isinstance(t, torch.Tensor))
     assert len(set(starts)) == len(starts), "no two tensors share bytes"
-    big = {"target_hidden_states": torch.zeros(1 << 15, dtype=torch.float32)}  # 128 KiB > 64 KiB
-    assert stager.stage_call(big)["target_hidden_states"] is big["target_hidden_states"]
+    big = _inputs(target_hidden_states=torch.zeros(1 << 15, dtype=torch.float32))  # 128 KiB > 64 KiB
+    assert stager.stage(big) is big
 
 
 # ------------------------------------------------------------------ the engine thread
@@ -343,7 +357,7 @@ class _FakeRunner:
         self.log = log
         self.defer_records = False
 
-    def run(self, items):
+    def run_batch(self, items):
         self.log.append(("batch", [it.call.request_id for it in items]))
         return [it.call.request_id * 10 for it in items]
 
@@ -353,7 +367,7 @@ class _FakeRunner:
 
 def _call(rid, batch=1):
     kw = {"next_token_ids": torch.zeros(batch, dtype=torch.int64), "target_token_ids": torch.zeros(batch)}
-    return ProposeCall("s", 0, rid, kw)
+    return request(kw, "s", 0, rid)
 
 
 def test_engine_thread_keeps_jobs_and_batches_in_arrival_order():
@@ -565,11 +579,11 @@ class _RecordingEngine:
     def __init__(self):
         self.seen = []
 
-    def propose(self, **kw):
-        from drafter.engine import DraftOutput
-        self.seen.append(kw["target_hidden_states"])
-        b = kw["next_token_ids"].shape[0]
-        return DraftOutput(torch.arange(b * 3).view(b, 3), None, b, kw["target_token_ids"].shape[0])
+    def draft(self, inp, **options):
+        from drafter.wire.records import DraftOutput
+        self.seen.append(inp.target_hidden_states)
+        b = inp.next_token_ids.shape[0]
+        return DraftOutput(torch.arange(b * 3).view(b, 3), None, b, inp.target_token_ids.shape[0])
 
 
 def test_the_runner_stages_hidden_states_and_copies_drafts_to_the_host():
@@ -585,7 +599,7 @@ def test_the_runner_stages_hidden_states_and_copies_drafts_to_the_host():
               "next_token_ids": torch.zeros(1, dtype=torch.int64), "query_start_loc": torch.tensor([0, rows]),
               "block_tables": [torch.zeros(1, 1, dtype=torch.int32)],
               "slot_mappings": [torch.zeros(rows, dtype=torch.int64)]}
-        out = runner.run([Pending(s, ProposeCall("x", 0, rows, kw), concurrent.futures.Future())])[0]
+        out = runner.run_batch([Pending(s, request(kw, "x", 0, rows), concurrent.futures.Future())])[0]
         staged = engine.seen[-1]
         base, size = runner.stager.buf.data_ptr(), runner.stager.buf.numel()
         assert torch.equal(staged, hidden) and base <= staged.data_ptr() < base + size

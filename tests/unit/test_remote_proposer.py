@@ -43,13 +43,13 @@ class Probe:
         self.attaches += 1
         return self.inner.attach(spec, timeout)
 
-    def propose(self, session, timeout, **kw):
+    def request_drafts(self, session, request, timeout):
         self.proposes += 1
         self.timeouts.append(timeout)
         if self.delay > timeout:  # what a real transport does when the answer is late
             self.clock.t += timeout
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", "no reply in time")
-        out = self.inner.propose(session, timeout, **kw)
+        out = self.inner.request_drafts(session, request, timeout)
         return torch.zeros(1, 1, dtype=torch.long) if self.junk else out
 
     def detach(self, session, timeout):
@@ -169,16 +169,16 @@ def test_deadline_bounds_attach_and_propose_together(dirs):
     # a lost session whose re-attach would not fit in what is left of the budget waits a step
     probes[A].delay = 0.0
     probes[A].inner.sessions.clear()
-    orig = probes[A].propose
+    orig = probes[A].request_drafts
 
-    def slow_not_found(session, timeout, **kw):
+    def slow_not_found(session, request, timeout):
         clock.t += 0.6
         raise DrafterError(Code.NOT_FOUND, "session_id", "unknown")
 
-    probes[A].propose = slow_not_found
+    probes[A].request_drafts = slow_not_found
     attaches = probes[A].attaches
     assert p.propose(**_calls(1)[0]) is None and probes[A].attaches == attaches  # no time left: no attach
-    probes[A].propose = orig
+    probes[A].request_drafts = orig
     assert p.propose(**_calls(1)[0]) is None and probes[A].attaches == attaches + 1  # next step attaches
 
 

@@ -13,8 +13,8 @@ from drafter.service.batcher import Batcher, EngineRunner, Pending
 from drafter.service.core import describe_engine
 from drafter.wire.errors import Code, DrafterError
 from drafter.service.sessions import SessionTable
-from drafter.wire.tensors import ProposeCall
 from tests.support.engines import BLOCK_SIZES, build_engine
+from tests.support.requests import request
 from tests.support.scenario import Scenario
 
 MML = 96
@@ -50,7 +50,7 @@ def _layout(engine, max_num_seqs=4):
 
 
 def _pending(session, kwargs, rid=0, **call):
-    return Pending(session, ProposeCall(session.id, 0, rid, kwargs, **call), concurrent.futures.Future())
+    return Pending(session, request(kwargs, session.id, 0, rid, **call), concurrent.futures.Future())
 
 
 PLANS = [
@@ -79,7 +79,7 @@ def test_fused_calls_give_every_session_its_solo_drafts(setup):
             kw = remote_scn[i].call(plan, temperatures=temps).kwargs
             items.append(_pending(sessions[i], kw, rid=step))
             expected.append(solos[i].propose(**solo_scn[i].call(plan, temperatures=temps).kwargs).draft_token_ids)
-        results = runner.run(items)
+        results = runner.run_batch(items)
         for r, e in zip(results, expected):
             assert not isinstance(r, Exception), r
             assert torch.equal(r.draft_token_ids, e), f"step {step}"
@@ -98,7 +98,7 @@ def test_a_bad_request_is_refused_alone(setup):
     broken["slot_mappings"] = [broken["slot_mappings"][0].clone(), broken["slot_mappings"][1]]
     broken["slot_mappings"][0][3] += 1  # consistent ranges, but not what block_tables[0] says
     calls = []
-    results = EngineRunner(pool, calls.append).run([
+    results = EngineRunner(pool, calls.append).run_batch([
         _pending(good_a, sa.call(PLANS[0]).kwargs), _pending(bad, broken), _pending(good_b, sb.call(PLANS[0]).kwargs)])
     assert isinstance(results[1], DrafterError)
     assert (results[1].code, results[1].field) == (Code.INVALID_ARGUMENT, "slot_mappings[0]")
@@ -119,7 +119,7 @@ def test_a_lone_bad_request_is_refused_by_the_engine(setup):
     broken["slot_mappings"][0][3] += 1
     before = pool.kv_snapshot()
     calls = []
-    results = EngineRunner(pool, calls.append).run([_pending(bad, broken)])
+    results = EngineRunner(pool, calls.append).run_batch([_pending(bad, broken)])
     assert isinstance(results[0], DrafterError)
     assert (results[0].code, results[0].field) == (Code.INVALID_ARGUMENT, "slot_mappings[0]")
     assert not calls
@@ -134,7 +134,7 @@ def test_detached_expired_and_dp_padded_requests(setup):
     kws = [_scenario(pool, s).call(PLANS[0]).kwargs for s in (1, 2, 3)]
     calls = []
     items = [_pending(a, kws[0], deadline=0.0), _pending(b, kws[1]), _pending(c, kws[2], batch_padded=8)]
-    results = EngineRunner(pool, calls.append).run(items)
+    results = EngineRunner(pool, calls.append).run_batch(items)
     assert results[0].code == Code.DEADLINE_EXCEEDED
     assert (results[1].code, results[1].field) == (Code.NOT_FOUND, "session_id")
     assert results[2].batch_padded == 8, "agreed padded sizes are honoured"
@@ -147,7 +147,7 @@ def test_packing_respects_the_engine_batch_limit(setup):
     sessions = [table.attach(_layout(pool, max_num_seqs=4)) for _ in range(3)]
     plan = [(r, 3, 0) for r in range(4)]
     calls = []
-    results = EngineRunner(pool, calls.append).run(
+    results = EngineRunner(pool, calls.append).run_batch(
         [_pending(s, _scenario(pool, i).call(plan).kwargs) for i, s in enumerate(sessions)])
     assert all(not isinstance(r, Exception) for r in results)
     assert [c.batch for c in calls] == [8, 4]
@@ -165,7 +165,7 @@ def test_batcher_collects_concurrent_requests_into_one_call(setup):
         # a window far longer than this test: the batch goes when it is full, not when the window ends
         batcher = Batcher(EngineRunner(pool, calls.append), executor, window_s=600.0)
         batcher.start()
-        outs = await asyncio.gather(*(batcher.submit(s, ProposeCall(s.id, 0, i, kw))
+        outs = await asyncio.gather(*(batcher.submit(s, request(kw, s.id, 0, i))
                                       for i, (s, kw) in enumerate(zip(sessions, kws))))
         await batcher.stop()
         executor.shutdown()

@@ -12,9 +12,9 @@ import torch
 from drafter.service import core as core_mod
 from drafter.wire import schema
 from drafter.wire.errors import Code, DrafterError
-from drafter.wire.tensors import ProposeCall
 from tests.support.core import run_with_core
 from tests.support.engines import build_engine
+from tests.support.requests import request
 from tests.support.scenario import Scenario
 
 MML, BLOCKS = 96, 24
@@ -49,7 +49,7 @@ def _blocks_after_detach(engine) -> tuple[float, float]:
         a = await core.attach(_layout(core))
         s = core.sessions.get(a.session_id)
         mine = slice(s.bases[0], s.bases[0] + s.num_blocks[0])
-        await core.propose(ProposeCall(a.session_id, core.epoch, 1, _scenario(engine).call([(0, 40, 0)]).kwargs))
+        await core.serve_propose(request(_scenario(engine).call([(0, 40, 0)]).kwargs, a.session_id, core.epoch, 1))
         before = max(float(t[:, mine].abs().max()) for t in engine.kv.layers)
         await core.detach(schema.DetachRequest(session_id=a.session_id, epoch=core.epoch))
         after = max(float(t[:, mine].abs().max()) for t in engine.kv.layers)
@@ -73,10 +73,10 @@ def test_epoch_session_and_draining(engine):
         a = await core.attach(_layout(core))
         kw = _scenario(engine).call([(0, 5, 0)]).kwargs
         with pytest.raises(DrafterError) as e:
-            await core.propose(ProposeCall(a.session_id, core.epoch + 1, 1, kw))
+            await core.serve_propose(request(kw, a.session_id, core.epoch + 1, 1))
         assert (e.value.code, e.value.field) == (Code.FAILED_PRECONDITION, "epoch")
         with pytest.raises(DrafterError) as e:
-            await core.propose(ProposeCall("nope", core.epoch, 1, kw))
+            await core.serve_propose(request(kw, "nope", core.epoch, 1))
         assert (e.value.code, e.value.field) == (Code.NOT_FOUND, "session_id")
         core.start_draining()
         with pytest.raises(DrafterError) as e:

@@ -8,8 +8,9 @@ import torch
 from drafter.wire import schema
 from drafter.wire.errors import Code, DrafterError
 from drafter.service.sessions import (
-    BlockAllocator, EngineDescription, SessionTable, check_call, offset_kwargs)
-from drafter.wire.tensors import ProposeCall
+    BlockAllocator, EngineDescription, SessionTable, check_call, offset_inputs)
+from drafter.wire.records import ProposeRequest
+from tests.support.requests import request
 
 ENG = EngineDescription(
     method="eagle3", num_speculative_tokens=3, speculative_token_tree=None, dtype="float32", hidden_size=64,
@@ -90,7 +91,7 @@ def test_allocator_coalesces():
     assert a.allocate(6) == 0 and a.allocate(2) is None
 
 
-def _call(**over) -> ProposeCall:
+def _call(**over) -> ProposeRequest:
     kw = dict(
         target_token_ids=torch.tensor([1, 2, 3]), target_positions=torch.tensor([0, 1, 2]),
         target_hidden_states=torch.zeros(3, 192), next_token_ids=torch.tensor([4]),
@@ -100,7 +101,7 @@ def _call(**over) -> ProposeCall:
     call_over = {k: over.pop(k) for k in ("accepted_counts", "return_probs", "batch_padded", "tokens_padded")
                  if k in over}
     kw.update(over)
-    return ProposeCall("s", 1, 1, kw, **call_over)
+    return request(kw, "s", 1, 1, **call_over)
 
 
 @pytest.mark.parametrize("over,field", [
@@ -135,11 +136,11 @@ def test_offsets_move_ids_into_the_sessions_range_and_keep_padding_slots():
     s = table.attach(layout())
     call = _call()
     check_call(s, call, ENG)
-    out = offset_kwargs(s, call.kwargs)
-    assert out["block_tables"][0].tolist() == [[59, 30]] and out["block_tables"][1].tolist() == [[39, 23, 20]]
-    assert out["slot_mappings"][0].tolist() == [464 + 30 * 16, 465 + 30 * 16, -1]
-    assert out["slot_mappings"][1].tolist() == [152 + 20 * 8, 153 + 160, 154 + 160]
-    assert call.kwargs["block_tables"][0].tolist() == [[29, 0]], "the request's own tensors stay untouched"
+    out = offset_inputs(s, call.inputs)
+    assert out.block_tables[0].tolist() == [[59, 30]] and out.block_tables[1].tolist() == [[39, 23, 20]]
+    assert out.slot_mappings[0].tolist() == [464 + 30 * 16, 465 + 30 * 16, -1]
+    assert out.slot_mappings[1].tolist() == [152 + 20 * 8, 153 + 160, 154 + 160]
+    assert call.inputs.block_tables[0].tolist() == [[29, 0]], "the request's own tensors stay untouched"
 
 
 def test_probabilities_that_fit_are_allowed():

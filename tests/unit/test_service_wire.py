@@ -12,8 +12,9 @@ from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.wire import schema
 from drafter.wire.errors import Code, DrafterError
 from drafter.wire.tensors import (
-    DTYPES, FLOAT, INT, call_from_frames, call_from_proto, call_to_frames, call_to_proto, decode_tensor,
-    struct_from_proto, struct_to_proto, tensor_bytes)
+    DTYPES, FLOAT, INT, decode_tensor, request_from_frames, request_from_proto, struct_from_proto, struct_to_proto,
+    tensor_bytes)
+from tests.support.requests import present, to_frames, to_proto
 
 
 def _kwargs():
@@ -43,23 +44,23 @@ def _same(a: dict, b: dict):
 
 def test_proto_round_trip_keeps_dtypes_and_values():
     kw = _kwargs()
-    req = pb.ProposeRequest.FromString(call_to_proto(pb.ProposeRequest, "s", 7, 3, kw, return_probs=True,
+    req = pb.ProposeRequest.FromString(to_proto(pb.ProposeRequest, "s", 7, 3, kw, return_probs=True,
                                                      batch_padded=4, accepted_counts=torch.tensor([2]))
                                        .SerializeToString())
-    call = call_from_proto(req)
+    call = request_from_proto(req)
     assert (call.session_id, call.epoch, call.request_id, call.return_probs, call.batch_padded) == ("s", 7, 3, True, 4)
     assert torch.equal(call.accepted_counts, torch.tensor([2]))
-    _same(call.kwargs, kw)
+    _same(present(call.inputs), kw)
 
 
 def test_frames_round_trip_is_zero_copy_on_decode():
     kw = _kwargs()
-    header, frames = call_to_frames("s", 7, 3, kw)
+    header, frames = to_frames("s", 7, 3, kw)
     frames = [bytes(f) for f in frames]
     header = schema.ProposeRequest(**{f: getattr(header, f) for f in header.__struct_fields__})
-    call = call_from_frames(header, frames)
-    _same(call.kwargs, kw)
-    hidden = call.kwargs["target_hidden_states"]
+    call = request_from_frames(header, frames)
+    _same(present(call.inputs), kw)
+    hidden = call.inputs.target_hidden_states
     source = frames[header.target_hidden_states.frame]
     assert hidden.untyped_storage().data_ptr() == torch.frombuffer(source, dtype=torch.uint8).data_ptr()
 
@@ -109,18 +110,18 @@ def test_missing_and_misnamed_fields_are_named():
     kw = _kwargs()
     del kw["seq_lens"]
     with pytest.raises(DrafterError) as e:
-        call_from_proto(call_to_proto(pb.ProposeRequest, "s", 1, 1, kw))
+        request_from_proto(to_proto(pb.ProposeRequest, "s", 1, 1, kw))
     assert e.value.field == "seq_lens" and "missing" in e.value.message
     kw = _kwargs()
-    header, frames = call_to_frames("s", 1, 1, kw)
+    header, frames = to_frames("s", 1, 1, kw)
     header.block_tables[1].frame = 99
     with pytest.raises(DrafterError) as e:
-        call_from_frames(header, frames)
+        request_from_frames(header, frames)
     assert e.value.field == "block_tables[1]"
     kw = _kwargs()
     kw["block_tables"] = []
     with pytest.raises(DrafterError) as e:
-        call_from_proto(call_to_proto(pb.ProposeRequest, "s", 1, 1, kw))
+        request_from_proto(to_proto(pb.ProposeRequest, "s", 1, 1, kw))
     assert e.value.field == "block_tables"
 
 

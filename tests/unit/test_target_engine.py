@@ -42,14 +42,14 @@ class Scripted(InProcessTransport):
         self.script = script or {}
         self.n = 0
 
-    def propose(self, session, timeout, **kw):
+    def request_drafts(self, session, request, timeout):
         action = self.script.get(self.n)
         self.n += 1
         if action == "die":
             self.fail(Code.UNAVAILABLE)
         elif action == "restart":
             self.restart()
-        return super().propose(session, timeout, **kw)
+        return super().request_drafts(session, request, timeout)
 
 
 class TickClock:

@@ -210,7 +210,7 @@ def test_header_loader_matches_buffers_load(tiny_root, rejection, wide, strided)
     StaticBuffers.load does, up to the padded sizes, for int32 and int64 inputs, and for
     strided views (which the header converts)."""
     from drafter.attention.kernels.batch_inputs import InputHeader, load_inputs
-    from drafter.inputs import ProposeInputs
+    from drafter.wire.records import ProposeInputs
 
     engine = build_engine(tiny_root, "eagle-2groups", max_model_len=MAX_MODEL_LEN, max_num_seqs=6,
                           max_num_batched_tokens=32)
