@@ -23,6 +23,7 @@ from drafter.wire import schema
 from drafter.service.batcher import Batcher, EngineRunner, EngineThread
 from drafter.wire.cuda_ref import FIELD as IPC_FIELD
 from drafter.wire.errors import Code, DrafterError, from_exception, invalid
+from drafter.service.logs import RefusalLog
 from drafter.service.metrics import Metrics, accepted_from_report
 from drafter.service.sessions import PROTOCOL_VERSION, EngineDescription, Session, SessionTable, check_call
 from drafter.wire.records import ProposeRequest, ProposeResult
@@ -60,29 +61,6 @@ def zero_session_blocks(engine, s: Session) -> None:
             engine.kv.zero_blocks(g, ids)
         elif engine.store is not None:
             engine.store.states[ids.to(engine.store.states.device)] = 0
-
-
-class RefusalLog:
-    """One log line per refused call, but at most one per (code, field) every `period` seconds:
-    a client stuck on a bad request (or a fuzzer) must not flood the logs."""
-
-    def __init__(self, period: float = 10.0):
-        self.period = period
-        self.last: dict[tuple, tuple[float, int]] = {}
-
-    def log(self, transport: str, rpc: str, err: DrafterError) -> None:
-        key = (err.code, err.field[:64])
-        if len(self.last) > 1024:  # fields can be client-chosen names (unknown ZMQ header keys)
-            self.last.clear()
-        now = time.monotonic()
-        since, suppressed = self.last.get(key, (-1e18, 0))
-        if now - since < self.period:
-            self.last[key] = (since, suppressed + 1)
-            return
-        self.last[key] = (now, 0)
-        log.warning("call refused", extra={"event": "refused", "transport": transport, "rpc": rpc,
-                                           "code": err.code.name, "field": err.field, "reason": err.message[:300],
-                                           "suppressed_since_last": suppressed})
 
 
 @dataclass
