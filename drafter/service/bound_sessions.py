@@ -1,0 +1,320 @@
+"""Bound sessions over the host ring: an attached session binds its buffers once, then steps.
+
+    Bind (control socket, one dispatch branch of zmq_server):
+        check the buffer layout once (names, dtypes, shapes, capacities, size)
+        allocate the session's ring (pinned where CUDA is) and bind the engine ONCE to views into it
+        open the session's data socket (its own ROUTER, tcp on the server's host or ipc)
+    each step (the session's data thread):
+        [identity, StepHeader, ring prefix]: the prefix is received straight into the ring (recv_into)
+        on the engine thread: the sizes on the host, the values by a few vectorised checks over the
+        bound views (one flag word read back), the session's blocks moved into its pool range in
+        place, bound.propose(num_tokens, batch)
+        [identity, StepDone, drafts]
+
+No per-tensor Python work per step: no decode, no staging, no per-field range pass.  A step whose
+flag word is set is refused with INVALID_ARGUMENT naming the first bad field and never reaches
+the engine, so it writes no KV at all (on a GPU the same checks would live inside the graphs and
+mask the bad rows to the padding slot; that is not built: see docs/remote-path.md).
+
+A session's data thread ends when the session is gone (detach, expiry), the server closes, or the
+session binds again.  The data sockets use a context of their own, so the server's context can
+terminate while one is still closing.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+
+import torch
+import zmq
+
+from drafter.wire import bound as wb
+from drafter.wire.errors import Code, DrafterError, InvalidInput, invalid
+from drafter.wire.tensors import DTYPES
+
+log = logging.getLogger("drafter.service.bound")
+
+POLL_MS = 100  # how often an idle data thread looks whether its session or the server is gone
+
+
+def itemsize(dtype: str) -> int:
+    return DTYPES[dtype].itemsize
+
+
+def _kind(name: str) -> str:
+    """The buffer family of a field name ("block_tables[1]" -> "block_tables")."""
+    return name.split("[", 1)[0]
+
+
+class BoundPlane:
+    """Every bound session of one ZmqServer (created at the first Bind)."""
+
+    def __init__(self, server):
+        self.server, self.core = server, server.core
+        self.ctx = zmq.Context()
+        self.sessions: dict[str, "BoundSession"] = {}  # session id -> its binding
+
+    @classmethod
+    def of(cls, server) -> "BoundPlane":
+        plane = getattr(server, "_bound_plane", None)
+        if plane is None:
+            plane = server._bound_plane = cls(server)
+        return plane
+
+    async def bind(self, rest: list) -> wb.BindResponse:
+        """Answer one Bind (frames after the envelope); raises DrafterError for the reply."""
+        if len(rest) != 1:
+            raise invalid("frames", "Bind takes one body frame")
+        try:
+            req = wb.BIND_DECODER.decode(rest[0].buffer)
+        except Exception as exc:  # noqa: BLE001 - msgspec's errors name the path
+            raise invalid("body", f"Bind: {exc}") from None
+        core = self.core
+        if req.epoch != core.epoch:
+            raise DrafterError(Code.FAILED_PRECONDITION, "epoch", "the drafter restarted: attach (and bind) again")
+        s = core.sessions.get(req.session_id)
+        if req.plane not in wb.PLANES:
+            raise invalid("plane", f"{req.plane!r}; this drafter serves {list(wb.PLANES)}")
+        if req.transport not in wb.TRANSPORTS or (req.transport == "ipc" and not self.server.ipc_endpoint):
+            raise invalid("transport", f"{req.transport!r}: tcp, or ipc where the server listens on ipc")
+        slots, total = check_layout(req, s, core.desc)
+        if total > core.max_message_bytes:
+            raise invalid("buffers", f"the ring needs {total} bytes, more than max_message_bytes "
+                                     f"{core.max_message_bytes}")
+        old = self.sessions.pop(s.id, None)
+        if old is not None:
+            old.stop()
+        loop = __import__("asyncio").get_running_loop()
+        b = await loop.run_in_executor(core.executor, BoundSession, self, s, req, slots, total)
+        b.open(self.ctx, self._endpoint(req.transport, b.bind_id))
+        self.sessions[s.id] = b
+        log.info("session bound", extra={"event": "bind", "session": s.id, "ring_bytes": total,
+                                         "endpoint": b.endpoint})
+        return wb.BindResponse(bind_id=b.bind_id, endpoint=b.endpoint, ring_bytes=total,
+                               drafts_width=b.drafts.shape[1])
+
+    def close(self) -> None:
+        """Stop every data thread and wait for it (its socket closes as it ends)."""
+        for b in self.sessions.values():
+            b.stop()
+        for b in self.sessions.values():
+            b.join()
+        self.sessions.clear()
+        self.ctx.term()
+
+    def _endpoint(self, transport: str, bind_id: str) -> str:
+        if transport == "ipc":
+            return f"{self.server.ipc_endpoint}.bound-{bind_id[:12]}"
+        host = self.server.host
+        return f"tcp://{'[' + host + ']' if ':' in host else host}:*"
+
+
+def check_layout(req: wb.BindRequest, s, desc) -> tuple[list[wb.Slot], int]:
+    """The buffers' structure, once: known names, one per field, wire dtypes the engine reads,
+    shapes that fit the session; InvalidInput-style refusals naming the buffer."""
+    if not req.buffers or len(req.buffers) > wb.MAX_BUFFERS:
+        raise invalid("buffers", f"1 to {wb.MAX_BUFFERS} buffers")
+    groups = len(s.num_blocks)
+    allowed = set(wb.INT_BUFFERS) | {wb.HIDDEN} | {f"{k}[{g}]" for k in ("block_tables", "slot_mappings")
+                                                  for g in range(groups)}
+    names = [b.name for b in req.buffers]
+    for b in req.buffers:
+        if b.name not in allowed:
+            raise invalid("buffers", f"unknown buffer {b.name!r}")
+        if names.count(b.name) > 1:
+            raise invalid(b.name, "registered twice")
+        _check_buffer(b, s, desc)
+    for name in (*wb.REQUIRED, *(f"{k}[{g}]" for k in ("block_tables", "slot_mappings") for g in range(groups))):
+        if name not in names:
+            raise invalid(name, "missing: a bound session registers every buffer a step reads")
+    if not 0 < req.max_batch <= s.max_num_seqs:
+        raise invalid("max_batch", f"{req.max_batch} must lie in [1, max_num_seqs {s.max_num_seqs}]")
+    return wb.ring_layout(req.buffers, itemsize)
+
+
+def _check_buffer(b: wb.BufferSpec, s, desc) -> None:
+    if b.dtype not in DTYPES:
+        raise invalid(b.name, f"dtype {b.dtype!r}; one of {sorted(DTYPES)}")
+    if any(d <= 0 or d > 1 << 24 for d in b.shape):
+        raise invalid(b.name, f"shape {b.shape}: every dimension in [1, 2**24]")
+    kind = _kind(b.name)
+    if kind == wb.HIDDEN:
+        if DTYPES[b.dtype] != s.hidden_dtype or len(b.shape) != 2 or b.shape[1] != desc.hidden_width:
+            raise invalid(b.name, f"expected [tokens, {desc.hidden_width}] {s.hidden_dtype}, got {b.shape} {b.dtype}")
+        return
+    if b.dtype not in ("int32", "int64"):
+        raise invalid(b.name, f"dtype {b.dtype}: int32 or int64")
+    if len(b.shape) != (2 if kind == "block_tables" else 1):
+        raise invalid(b.name, f"shape {b.shape}: {'2-D' if kind == 'block_tables' else '1-D'}")
+
+
+class BoundSession:
+    """One session's ring, its engine binding and its data socket (built on the engine thread)."""
+
+    def __init__(self, plane: BoundPlane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
+        self.plane, self.session, self.slots = plane, s, slots
+        self.core = plane.core
+        engine = self.core.engine
+        self.bind_id = secrets.token_hex(16)
+        self.ring = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.ring.zero_()
+        self.views = {sl.name: _view(self.ring, sl) for sl in slots}
+        self.groups = len(s.num_blocks)
+        self.drafts = torch.zeros(req.max_batch, _width(engine), dtype=torch.int64, device=engine.device)
+        v = self.views
+        try:
+            self.bound = engine.bind(
+                target_token_ids=v["target_token_ids"], target_positions=v["target_positions"],
+                target_hidden_states=v[wb.HIDDEN], next_token_ids=v["next_token_ids"],
+                query_start_loc=v["query_start_loc"], seq_lens=v["seq_lens"],
+                block_tables=[v[f"block_tables[{g}]"] for g in range(self.groups)],
+                slot_mappings=[v[f"slot_mappings[{g}]"] for g in range(self.groups)],
+                token_indices_to_sample=v.get("token_indices_to_sample"),
+                num_rejected_tokens=v.get("num_rejected_tokens"), drafts=self.drafts)
+        except InvalidInput as exc:
+            raise invalid(exc.field, str(exc)) from None
+        self.sock: zmq.Socket | None = None
+        self.endpoint = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ data socket
+    def open(self, ctx: zmq.Context, endpoint: str) -> None:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.ring.numel() + 4096)
+        if endpoint.startswith("ipc://"):
+            from drafter.wire.ipc import bind_ipc
+
+            self.endpoint = bind_ipc(sock, endpoint)
+        else:
+            sock.bind(endpoint)
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.sock = sock
+        self._thread = threading.Thread(target=self._serve, name=f"bound-{self.bind_id[:8]}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+    def _alive(self) -> bool:
+        return not self._stop.is_set() and self.session.alive and not self.plane.server._closing
+
+    def _serve(self) -> None:
+        """The data thread: receive each step into the ring, run it on the engine thread, reply."""
+        sock, ring = self.sock, memoryview(self.ring.numpy())
+        try:
+            while self._alive():
+                if not sock.poll(POLL_MS):
+                    continue
+                identity = sock.recv()
+                done, payload = self._receive_and_run(sock, ring)
+                sock.send_multipart([identity, wb.encode(done), payload], copy=True)
+        except zmq.ZMQError as exc:
+            log.debug("bound data socket ended: %s", exc)
+        finally:
+            sock.close(linger=0)
+            if self.endpoint.startswith("ipc://"):
+                from drafter.wire.ipc import unlink_ipc
+
+                unlink_ipc(self.endpoint)
+
+    def _receive_and_run(self, sock: zmq.Socket, ring: memoryview) -> tuple[wb.StepDone, bytes]:
+        header_frame = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
+        nbytes = sock.recv_into(ring) if sock.getsockopt(zmq.RCVMORE) else -1
+        extra = 0
+        while sock.getsockopt(zmq.RCVMORE):  # a malformed message: drain it, answer once
+            sock.recv()
+            extra += 1
+        try:
+            head = wb.STEP_DECODER.decode(header_frame)
+        except Exception as exc:  # noqa: BLE001
+            return wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header", message=str(exc)), b""
+        if nbytes < 0 or extra:
+            return self._refused(head, invalid("frames", "a step is [StepHeader, ring prefix]")), b""
+        try:
+            fut = self.core.executor.submit(self.step, head, nbytes)
+            drafts = fut.result()
+        except DrafterError as exc:
+            return self._refused(head, exc), b""
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: the step still gets its answer
+            log.exception("bound step failed")
+            return wb.StepDone(step=head.step, code=int(Code.INTERNAL), message=repr(exc)), b""
+        return wb.StepDone(step=head.step), drafts
+
+    @staticmethod
+    def _refused(head: wb.StepHeader, exc: DrafterError) -> wb.StepDone:
+        return wb.StepDone(step=head.step, code=int(exc.code), field=exc.field, message=exc.message)
+
+    # ------------------------------------------------------------------ one step (engine thread)
+    def step(self, head: wb.StepHeader, nbytes: int) -> bytes:
+        """Check, move into the session's pool range, replay; the drafts' bytes."""
+        n, b = head.num_tokens, head.batch
+        s = self.session
+        if not 0 < b <= min(self.drafts.shape[0], s.max_num_seqs):
+            raise invalid("batch_size", f"{b} must lie in [1, {min(self.drafts.shape[0], s.max_num_seqs)}]")
+        if not b <= n <= s.max_num_batched_tokens:
+            raise invalid("num_tokens", f"{n} must lie in [batch={b}, {s.max_num_batched_tokens}]")
+        want = wb.step_bytes(self.slots, n)
+        if nbytes != want:
+            raise invalid("ring", f"{nbytes} bytes for {n} tokens; the layout needs {want}")
+        bad = first_bad_field(self.views, n, b, s, self.core.desc)
+        if bad is not None:
+            raise invalid(bad, "out of range for this session (or not finite); the step was not run")
+        self._to_pool(n, b)
+        s.calls += 1
+        s.last_used = time.monotonic()
+        try:
+            out = self.bound.propose(n, b, head.batch_padded or None, head.tokens_padded or None)
+        except InvalidInput as exc:
+            raise invalid(exc.field, str(exc)) from None
+        return out[:b].cpu().numpy().tobytes()
+
+    def _to_pool(self, n: int, b: int) -> None:  # in place, in the ring: the next step overwrites it
+        s = self.session
+        for g, base in enumerate(s.bases):
+            if base:
+                self.views[f"block_tables[{g}]"][:b].add_(base)
+                slots = self.views[f"slot_mappings[{g}]"][:n]
+                slots.add_((slots >= 0).to(slots.dtype) * (base * s.block_sizes[g]))
+
+
+def first_bad_field(v: dict, n: int, b: int, s, desc) -> str | None:
+    """The first field of this step outside the session's limits, by vectorised checks over the
+    bound views (one bool per field, one read back to the host); None when all are in range."""
+    checks: list[tuple[str, torch.Tensor]] = []
+
+    def outside(name: str, t: torch.Tensor, low: int, high: int) -> None:
+        checks.append((name, ((t < low) | (t >= high)).any()))
+
+    outside("target_token_ids", v["target_token_ids"][:n], 0, desc.vocab_size)
+    outside("target_positions", v["target_positions"][:n], 0, s.max_model_len)
+    checks.append((wb.HIDDEN, ~torch.isfinite(v[wb.HIDDEN][:n]).all()))
+    outside("next_token_ids", v["next_token_ids"][:b], 0, desc.vocab_size)
+    qsl = v["query_start_loc"][:b + 1]
+    checks.append(("query_start_loc", (qsl[0] != 0) | (qsl[b] != n) | ((qsl[1:] - qsl[:-1]) < 1).any()))
+    outside("seq_lens", v["seq_lens"][:b], 1, s.max_model_len + 1)
+    for g, (blocks, size) in enumerate(zip(s.num_blocks, s.block_sizes)):
+        outside(f"block_tables[{g}]", v[f"block_tables[{g}]"][:b], 0, blocks)
+        outside(f"slot_mappings[{g}]", v[f"slot_mappings[{g}]"][:n], -1, blocks * size)
+    if "token_indices_to_sample" in v:
+        outside("token_indices_to_sample", v["token_indices_to_sample"][:b], 0, n)
+    if "num_rejected_tokens" in v:
+        outside("num_rejected_tokens", v["num_rejected_tokens"][:b], 0, desc.num_speculative_tokens + 1)
+    flags = torch.stack([c for _, c in checks]).tolist()
+    return next((name for (name, _), bad in zip(checks, flags) if bad), None)
+
+
+def _view(ring: torch.Tensor, sl: wb.Slot) -> torch.Tensor:  # the slot's bytes as its dtype and shape
+    return ring[sl.offset:sl.offset + sl.nbytes].view(DTYPES[sl.dtype]).view(sl.shape)
+
+
+def _width(engine) -> int:
+    return engine.graphs.width if engine.graphs is not None else engine.config.num_speculative_tokens

@@ -1,0 +1,122 @@
+"""Bound sessions on the wire: the target's persistent buffers described once, then a step header.
+
+    control socket:  Bind(session, buffers, plane, transport) -> BindResponse(data endpoint, ring bytes)
+    data socket:     [StepHeader, ring prefix]  ->  [StepDone, drafts]      (once per decoding step)
+
+A target that keeps its per-step inputs in persistent buffers describes them once (name, dtype,
+capacity): both ends then lay them out identically in one contiguous slab, the ring
+(ring_layout).  The target's buffers ARE views into its slab, so a step ships the slab's used
+prefix as one frame, and the drafter receives that frame straight into its own ring, whose views
+its engine was bound to once (drafter.bound).  The hidden states lie last in the slab: the prefix
+holds every small buffer whole and the first num_tokens rows of the hidden states, nothing else
+the step does not need.
+
+Only the "host_ring" plane exists so far.  These records are ZMQ-only (msgspec): the proto schema
+has no Bind message, and gRPC clients keep the unbound Propose.  Neutral: imports neither the
+engine nor the service.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+BIND_METHOD = "Bind"
+HOST_RING = "host_ring"
+PLANES = (HOST_RING,)
+TRANSPORTS = ("tcp", "ipc")
+HIDDEN = "target_hidden_states"
+ALIGN = 64  # bytes: every buffer of the ring starts on a cache line
+MAX_BUFFERS = 64
+
+# the buffers a bound session may register, per KV group where named with [g]
+INT_BUFFERS = ("target_token_ids", "target_positions", "next_token_ids", "query_start_loc", "seq_lens",
+               "token_indices_to_sample", "num_rejected_tokens")
+REQUIRED = ("target_token_ids", "target_positions", HIDDEN, "next_token_ids", "query_start_loc", "seq_lens")
+
+
+class BufferSpec(msgspec.Struct, forbid_unknown_fields=True):
+    """One persistent buffer: its field name ("block_tables[0]"), wire dtype and full shape."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class BindRequest(msgspec.Struct, forbid_unknown_fields=True):
+    session_id: str = ""
+    epoch: int = 0
+    plane: str = HOST_RING
+    transport: str = "tcp"  # the data socket: "tcp" (on the control socket's host) or "ipc" (same host)
+    buffers: list[BufferSpec] = []
+    max_batch: int = 0  # rows of the drafts output (the drafter keeps it; its rows come back in StepDone's frame)
+
+
+class BindResponse(msgspec.Struct, forbid_unknown_fields=True):
+    bind_id: str = ""
+    endpoint: str = ""  # the session's data socket
+    ring_bytes: int = 0
+    drafts_width: int = 0
+
+
+class StepHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One decoding step: its sizes and the ring prefix's length (what follows in the next frame)."""
+
+    step: int
+    num_tokens: int
+    batch: int
+    batch_padded: int = 0  # 0: the drafter picks
+    tokens_padded: int = 0
+    nbytes: int = 0
+
+
+class StepDone(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The step's reply: code 0 and the drafts in the next frame, or an error naming the field."""
+
+    step: int
+    code: int = 0
+    field: str = ""
+    message: str = ""
+
+
+class Slot(msgspec.Struct, frozen=True):
+    """Where one buffer lies in the ring."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    row_bytes: int  # bytes of one leading-dimension row
+
+
+def ring_layout(buffers: list[BufferSpec], itemsize) -> tuple[list[Slot], int]:
+    """Both ends' identical layout of the buffers in one slab: the given order, the hidden states
+    last, each aligned to ALIGN bytes; (slots, total bytes).  itemsize(dtype name) -> bytes."""
+    order = [b for b in buffers if b.name != HIDDEN] + [b for b in buffers if b.name == HIDDEN]
+    slots, offset = [], 0
+    for b in order:
+        row = itemsize(b.dtype)
+        for d in b.shape[1:]:
+            row *= d
+        nbytes = row * (b.shape[0] if b.shape else 0)
+        slots.append(Slot(b.name, b.dtype, tuple(b.shape), offset, nbytes, row))
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return slots, offset
+
+
+def step_bytes(slots: list[Slot], num_tokens: int) -> int:
+    """Bytes of the ring a step of num_tokens tokens ships: every small buffer whole, then the
+    hidden states' first num_tokens rows."""
+    hidden = next(s for s in slots if s.name == HIDDEN)
+    return hidden.offset + num_tokens * hidden.row_bytes
+
+
+_ENC = msgspec.msgpack.Encoder()
+STEP_DECODER = msgspec.msgpack.Decoder(StepHeader)
+DONE_DECODER = msgspec.msgpack.Decoder(StepDone)
+BIND_DECODER = msgspec.msgpack.Decoder(BindRequest)
+BIND_RESPONSE_DECODER = msgspec.msgpack.Decoder(BindResponse)
+
+
+def encode(record) -> bytes:
+    return _ENC.encode(record)
