@@ -40,11 +40,12 @@ from drafter.service.core import ServiceCore
 from drafter.wire.errors import Code, DrafterError, invalid
 from drafter.wire.ipc import DEFAULT_MODE, bind_ipc, unlink_ipc
 from drafter.wire.tensors import request_from_frames, result_to_frames
-from drafter.wire.zmqio import NOBLOCK, recv_frames, send_frames
+from drafter.wire.zmqio import NOBLOCK, recv_frames_capped, send_frames
 
 log = logging.getLogger("drafter.service.zmq")
 
 MAX_FRAMES = 256
+ENVELOPE_SLACK = 64 * 1024  # bytes beyond max_message_bytes a message may carry (delimiter, envelope)
 READ_BURST = 64  # messages read per wake-up before the loop gets a turn for others
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _DECODERS = {m: msgspec.msgpack.Decoder(req) for m, (req, _) in schema.METHODS.items()}
@@ -65,6 +66,8 @@ def decode_struct(decoder, buf, what: str):
         return decoder.decode(buf)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise invalid(field_of(exc, what), f"{what}: {exc}") from None
+    except UnicodeDecodeError as exc:  # a str field holding bytes that are not UTF-8 (no path in the error)
+        raise invalid(schema.utf8_field(buf, what), f"{what}: a string that is not UTF-8 ({exc.reason})") from None
 
 
 def _check_frames(rest: list, max_message_bytes: int) -> None:
@@ -261,13 +264,15 @@ class ZmqServer:
                 with ep.lock:
                     if ep.closed:
                         return
-                    frames = recv_frames(ep.sock, NOBLOCK)
+                    # capped while receiving: an oversized message is dropped frame by frame, not held
+                    frames, over = recv_frames_capped(ep.sock, NOBLOCK, MAX_FRAMES + 1,
+                                                      self.max_message_bytes + ENVELOPE_SLACK)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:  # closed under us
                 log.debug("zmq recv failed: %s", exc)
                 return
-            self._on_message(ep, frames)
+            self._on_message(ep, frames, over)
         self._kick(ep)  # more may be waiting: continue after the loop's other work
 
     def _pause(self) -> None:
@@ -304,7 +309,7 @@ class ZmqServer:
                                                                 error=err)), b""])
 
     # ------------------------------------------------------------------ messages
-    def _on_message(self, ep: _Endpoint, frames: list) -> None:
+    def _on_message(self, ep: _Endpoint, frames: list, over: str = "") -> None:
         probe = probes.start(ep.label)
         identity = frames[0].bytes
         rest = frames[1:]
@@ -318,6 +323,9 @@ class ZmqServer:
             if not rest:
                 raise invalid("envelope", "missing envelope frame")
             env = decode_struct(_ENVELOPE, rest[0].buffer, "envelope")
+            if over:  # the rest of it was dropped while receiving
+                raise invalid("frames", f"message refused and dropped: {over} "
+                                        f"(max_message_bytes {self.max_message_bytes}, at most {MAX_FRAMES} frames)")
             if env.method == "Propose":
                 self._propose(ep, head, env, rest[1:], probe)
                 return

@@ -208,3 +208,24 @@ MESSAGES = {cls.__name__: cls for cls in (
     Error, Tensor, CudaIpcTensor, CudaIpcSupport, KVGroup, TreePath, AttachRequest, AttachResponse, Limits,
     ProposeRequest, ProposeResponse,
     DetachRequest, DetachResponse, InfoRequest, InfoResponse)}
+
+
+_RAW_MAP = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+
+
+def utf8_field(buf, default: str) -> str:
+    """The top-level field of a msgpack map whose value holds bytes that are not UTF-8 where a string
+    belongs (msgspec's UnicodeDecodeError names no field); `default` when the map keys themselves are
+    not UTF-8 or the buffer is not a map.  Runs only on a message already refused."""
+    try:
+        fields = _RAW_MAP.decode(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+        return default
+    for name, raw in fields.items():
+        try:
+            msgspec.msgpack.decode(raw)
+        except UnicodeDecodeError:
+            return name
+        except msgspec.DecodeError:
+            continue
+    return default

@@ -30,3 +30,29 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list:
     while _GET(sock, RCVMORE):
         parts.append(_RECV(sock, flags, False, False))
     return parts
+
+
+def recv_frames_capped(sock: zmq.Socket, flags: int, max_frames: int, max_bytes: int) -> tuple[list, str]:
+    """The next message's frames, keeping at most `max_frames` frames and `max_bytes` bytes (after the
+    first frame, the ROUTER identity).  Frames are taken one at a time; once a cap is crossed, the first
+    three frames (identity, delimiter or envelope, envelope) are kept for the reply, the rest of the
+    message is received and released frame by frame, and the second value says which cap was crossed
+    ("" when none).  libzmq delivers a multipart message only once all of it has arrived, so its own
+    buffer still holds the message until these reads release it; the per-frame size limit is the
+    socket's MAXMSGSIZE."""
+    parts = [_RECV(sock, flags, False, False)]
+    total, over = 0, ""
+    while _GET(sock, RCVMORE):
+        frame = _RECV(sock, flags, False, False)
+        if over:
+            continue  # dropped: the frame is released as soon as the next one replaces it
+        total += len(frame)
+        if len(parts) >= max_frames:
+            over = f"more than {max_frames} frames"
+        elif total > max_bytes:
+            over = f"more than {max_bytes} bytes"
+        else:
+            parts.append(frame)
+            continue
+        del parts[3:]
+    return parts, over
