@@ -29,7 +29,10 @@ import torch
 from drafter.bench_host import call_shape_args, per_call_us, report
 from drafter.bench_transport import BLOCK_SIZE, decode_call, null_engine
 from drafter.wire import schema
-from drafter.service.batcher import EngineRunner, HostStager, Pending, _check_finite, _engine_validate
+from drafter.service.batching.checks import check_finite, engine_validate
+from drafter.service.batching.queue import Pending
+from drafter.service.batching.runner import EngineRunner
+from drafter.service.batching.stage import HostStager
 from drafter.service.core import describe_engine
 from drafter.service.sessions import PROTOCOL_VERSION, SessionTable, check_call, offset_inputs
 from drafter.wire.records import ProposeInputs, ProposeRequest
@@ -74,7 +77,7 @@ def measure(batch: int = 16, k: int = 3, ctx: int = 1024, calls: int = 2000) -> 
     shifted = [offset_inputs(session, c.inputs) for c in calls_]
     staged = [runner.stager.stage(_prepare(runner, session, calls_[0]))]  # the buffer is reused
     for inp in staged:
-        _engine_validate(engine, inp)  # the calls are valid: every part below runs its whole path
+        engine_validate(engine, inp)  # the calls are valid: every part below runs its whole path
 
     def cycled(fn, items):
         it = itertools.cycle(items)
@@ -84,7 +87,7 @@ def measure(batch: int = 16, k: int = 3, ctx: int = 1024, calls: int = 2000) -> 
         body, _, frames = message
         call = request_from_frames(decoder.decode(body), frames)
         check_call(session, call, desc)
-        _engine_validate(engine, _prepare(runner, session, call))
+        engine_validate(engine, _prepare(runner, session, call))
 
     return {
         "header_decode_us": cycled(lambda m: decoder.decode(m[0]), decoded),
@@ -92,9 +95,9 @@ def measure(batch: int = 16, k: int = 3, ctx: int = 1024, calls: int = 2000) -> 
         "check_us": cycled(lambda c: check_call(session, c, desc), calls_),
         "prepare_us": cycled(lambda c: _prepare(runner, session, c), calls_),
         "offsets_us": cycled(lambda c: offset_inputs(session, c.inputs), calls_),
-        "finite_us": cycled(_check_finite, shifted),
+        "finite_us": cycled(check_finite, shifted),
         "stage_us": cycled(runner.stager.stage, shifted),
-        "validate_us": cycled(lambda inp: _engine_validate(engine, inp), staged),
+        "validate_us": cycled(lambda inp: engine_validate(engine, inp), staged),
         "total_us": cycled(total, decoded),
     }
 

@@ -5,7 +5,8 @@
 
 Files, one concept each (what both ends speak is drafter.wire):
     sessions.py     the session table: layout checks, a contiguous KV block range per session
-    batcher.py      the engine thread: fusing requests of several sessions into one engine call, jobs
+    batching/       the engine thread: queue.py (EngineThread, Batcher), checks.py, stage.py (HostStager),
+                    fuse.py, runner.py (EngineRunner: one engine call for several sessions), deliver.py
     core.py         attach / propose / detach / info, epochs, loading / serving / draining
     grpc_server.py  grpc.aio server, grpc.health.v1, reflection, limits, keepalive, mTLS
     zmq_server.py   ROUTER sockets (tcp://, ipc://), zero-copy tensor frames, CURVE, replies from the

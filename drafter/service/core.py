@@ -20,7 +20,8 @@ import torch
 
 from drafter.service import cuda_support
 from drafter.wire import schema
-from drafter.service.batcher import Batcher, EngineRunner, EngineThread
+from drafter.service.batching.queue import Batcher, EngineThread
+from drafter.service.batching.runner import EngineRunner
 from drafter.wire.cuda_ref import FIELD as IPC_FIELD
 from drafter.wire.errors import Code, DrafterError, from_exception, invalid
 from drafter.service.logs import RefusalLog

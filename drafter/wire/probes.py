@@ -1,6 +1,8 @@
 """Opt-in per-stage timing of the remote propose path (server and clients), for the transport benches.
 
-Off by default: every probe point is `if probe is not None: probe.mark(...)`, one attribute test.
+Off by default: a transport's probe point is `if probe is not None: probe.mark(...)`, one attribute
+test; a step of the engine thread is a method decorated with `@staged(...)`, which while probes are
+off leaves the plain method in its class (no test at all) and on enable() swaps in one that marks.
 On (`enable()`, or DRAFTER_PROBES=1 in the environment before this module is imported), each
 propose call carries a Probe: a list of (stage, perf_counter_ns) marks appended as the call
 passes each stage, in whichever thread it is.  A stage's duration is the time since the
@@ -11,11 +13,13 @@ id, so a bench can subtract it from the same call's round trip.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import threading
 import time
 from collections import defaultdict
+from typing import Callable, Iterable
 
 now_ns = time.perf_counter_ns
 MAX_CALLS = 200_000  # per label: a long-running server with probes on must not grow without bound
@@ -99,12 +103,57 @@ def enable() -> Recorder:
     global RECORDER
     if RECORDER is None:
         RECORDER = Recorder()
+        _swap(marking=True)
     return RECORDER
 
 
 def disable() -> None:
     global RECORDER
     RECORDER = None
+    _swap(marking=False)
+
+
+# (class, method name, plain method, marking method) of every @staged method
+_STAGED: list[tuple[type, str, Callable, Callable]] = []
+
+
+def _swap(marking: bool) -> None:
+    for owner, name, plain, marked in _STAGED:
+        setattr(owner, name, marked if marking else plain)
+
+
+class staged:  # noqa: N801 - used as a decorator
+    """Method decorator for one step of the propose path: `stage` is marked on the probe of every
+    request the step handled, before the step runs (before=True) or once it returned.
+    calls(*args) names those requests (objects with a `probe`) from the method's arguments."""
+
+    def __init__(self, stage: str, calls: Callable[..., Iterable], before: bool = False):
+        self.stage, self.calls, self.before = stage, calls, before
+
+    def __call__(self, fn: Callable) -> "staged":
+        self.fn = fn
+        return self
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        fn, stage, calls, before = self.fn, self.stage, self.calls, self.before
+
+        @functools.wraps(fn)
+        def marked(*args, **kwargs):
+            if before:
+                _mark_all(calls(*args, **kwargs), stage)
+            out = fn(*args, **kwargs)
+            if not before:
+                _mark_all(calls(*args, **kwargs), stage)
+            return out
+
+        _STAGED.append((owner, name, fn, marked))
+        setattr(owner, name, marked if RECORDER is not None else fn)
+
+
+def _mark_all(calls: Iterable, stage: str) -> None:
+    for call in calls:
+        if call.probe is not None:
+            call.probe.mark(stage)
 
 
 def start(label: str, t0: int | None = None) -> Probe | None:

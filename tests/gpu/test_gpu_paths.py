@@ -279,7 +279,7 @@ def test_skinny_gemm_matches_cublas_on_8b_shapes(shape, m, variant):
 
 def test_host_stager_hands_out_pinned_views():
     """What the service stages must count as pinned, or the engine would copy it synchronously."""
-    from drafter.service.batcher import HostStager
+    from drafter.service.batching.stage import HostStager
     from drafter.wire.records import INPUT_FIELDS, ProposeInputs
 
     stager = HostStager(1 << 20, pin=True)

@@ -14,7 +14,8 @@ import torch
 from drafter.service import core as core_mod
 from drafter.service import cuda_ipc, cuda_support
 from drafter.wire import schema
-from drafter.service.batcher import EngineRunner, Pending
+from drafter.service.batching.queue import Pending
+from drafter.service.batching.runner import EngineRunner
 from drafter.service.core import describe_engine
 from drafter.service.cuda_ipc import CudaIpcOpener
 from drafter.wire.cuda_ref import FIELD

@@ -22,7 +22,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from drafter._proto.drafter.v1 import drafter_pb2 as pb
 from drafter.wire import schema
-from drafter.service.batcher import Batcher, EngineRunner, EngineThread, HostStager, Pending, all_finite
+from drafter.service.batching.checks import all_finite
+from drafter.service.batching.queue import Batcher, EngineThread, Pending
+from drafter.service.batching.runner import EngineRunner
+from drafter.service.batching.stage import HostStager
 from drafter.wire.errors import Code, DrafterError
 from drafter.wire.ipc import (SUN_PATH_MAX, IpcPathError, bind_ipc, check_client_path, check_server_path,
                                  unlink_ipc)

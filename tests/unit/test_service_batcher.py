@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from drafter.wire import schema
-from drafter.service.batcher import Batcher, EngineRunner, Pending
+from drafter.service.batching.queue import Batcher, Pending
+from drafter.service.batching.runner import EngineRunner
 from drafter.service.core import describe_engine
 from drafter.wire.errors import Code, DrafterError
 from drafter.service.sessions import SessionTable
@@ -108,7 +109,7 @@ def test_a_bad_request_is_refused_alone(setup):
 
 
 def test_a_lone_bad_request_is_refused_by_the_engine(setup):
-    """Alone in its engine call a request skips the batcher's own check (batcher._engine_validate):
+    """Alone in its engine call a request skips the batcher's own check (batching.checks.engine_validate):
     engine.propose must still validate it (the service never takes the trusted validate=False
     path), so a slot mapping that disagrees with its block table is refused, not written."""
     _, pool = setup

@@ -1,0 +1,228 @@
+"""The engine's one thread and the queue in front of it: requests wait here for a batch window,
+plain jobs (loading, wiping a detached session's blocks) keep their place in arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from drafter.service.batching.deliver import deliver_from_thread
+from drafter.service.sessions import Session
+from drafter.wire.errors import Code, DrafterError, from_exception
+from drafter.wire.records import ProposeRequest, ProposeResult
+
+if TYPE_CHECKING:
+    from drafter.service.batching.runner import EngineRunner
+
+log = logging.getLogger("drafter.service.batching")
+
+
+@dataclass
+class Pending:
+    session: Session
+    call: ProposeRequest
+    future: asyncio.Future | concurrent.futures.Future | None  # None: on_done is called instead
+    enqueued: float = field(default_factory=time.monotonic)
+    on_done: Callable | None = None  # called in the event loop with the ProposeResult or the DrafterError
+    loop: asyncio.AbstractEventLoop | None = None  # where the result goes
+    reply: Callable | None = None  # called in the ENGINE thread with a ProposeResult, before on_done: a
+    # transport that can answer from there (ZMQ) does so at once, with no hop through the event loop
+
+
+_STOP = object()
+
+
+@dataclass
+class _Job:
+    future: concurrent.futures.Future
+    fn: Callable
+    args: tuple
+    kwargs: dict
+
+
+class EngineThread(concurrent.futures.Executor):
+    """The engine's one thread: plain jobs (submit) and propose requests (post), in arrival order.
+
+    A concurrent.futures.Executor, so `loop.run_in_executor(engine_thread, fn)` works for the
+    jobs; requests are batched by the Batcher attached to it (Batcher.start)."""
+
+    def __init__(self, name: str = "engine"):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._shutdown = False
+        self.batcher: Batcher | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        if self._shutdown:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        self._q.put(_Job(f, fn, args, kwargs))
+        return f
+
+    def post(self, item: Pending) -> None:
+        self._q.put(item)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if not self._shutdown:
+            self._shutdown = True
+            if cancel_futures:
+                self._drain_queue()
+            self._q.put(_STOP)
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _drain_queue(self) -> None:
+        left = []
+        while True:
+            try:
+                left.append(self._q.get_nowait())
+            except queue.Empty:
+                break
+        _abandon(left)
+
+    def _main(self) -> None:
+        carry = None
+        while True:
+            item = carry if carry is not None else self._q.get()
+            carry = None
+            if item is _STOP:
+                self._drain_queue()
+                return
+            if isinstance(item, _Job):
+                if item.future.set_running_or_notify_cancel():
+                    try:
+                        item.future.set_result(item.fn(*item.args, **item.kwargs))
+                    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                        item.future.set_exception(exc)
+                continue
+            batcher = self.batcher
+            if batcher is None:  # stopped: nobody runs requests any more
+                _abandon([item])
+                continue
+            items, carry = batcher.collect(item, self._q)
+            batcher.answer_batch(items)
+
+
+def _abandon(items: list) -> None:
+    pendings = []
+    for it in items:
+        if isinstance(it, _Job):
+            it.future.cancel()
+        elif isinstance(it, Pending):
+            pendings.append(it)
+    if pendings:
+        deliver_from_thread(pendings, [DrafterError(Code.UNAVAILABLE, "", "the drafter is shutting down")]
+                            * len(pendings))
+
+
+class Batcher:
+    """Collect requests for up to `window_s` after the first one, then run them as one batch.
+
+    executor: the engine's thread.  An EngineThread multiplexes these requests with its plain
+    jobs; any other executor must be a single thread dedicated to the engine, which the
+    collecting loop then occupies until stop()."""
+
+    def __init__(self, runner: EngineRunner, executor: concurrent.futures.Executor, window_s: float):
+        self.runner = runner
+        self.executor = executor
+        self.window_s = window_s
+        self._post: Callable | None = None
+        self._own_queue: queue.SimpleQueue | None = None
+        self._job: concurrent.futures.Future | None = None
+
+    def start(self) -> None:
+        self.runner.defer_records = True  # metrics after the replies (answer_batch flushes them)
+        if isinstance(self.executor, EngineThread):
+            self.executor.batcher = self
+            self._post = self.executor.post
+        else:
+            self._own_queue = queue.SimpleQueue()
+            self._post = self._own_queue.put
+            self._job = self.executor.submit(self._serve, self._own_queue)
+
+    async def stop(self) -> None:
+        if isinstance(self.executor, EngineThread):
+            if self.executor.batcher is self:
+                self.executor.batcher = None
+        elif self._job is not None:
+            self._own_queue.put(_STOP)
+            await asyncio.wrap_future(self._job)
+        self._post = None
+
+    def _serve(self, q: queue.SimpleQueue) -> None:  # the engine thread, for a plain executor
+        carry = None
+        while True:
+            item = carry if carry is not None else q.get()
+            carry = None
+            if item is _STOP:
+                left = []
+                while True:
+                    try:
+                        left.append(q.get_nowait())
+                    except queue.Empty:
+                        break
+                _abandon(left)
+                return
+            items, carry = self.collect(item, q)
+            self.answer_batch(items)
+
+    def _submit(self, item: Pending) -> None:
+        if self._post is None:
+            raise DrafterError(Code.UNAVAILABLE, "", "the drafter is shutting down")
+        self._post(item)
+
+    async def submit(self, session: Session, call: ProposeRequest) -> ProposeResult:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._submit(Pending(session, call, fut, loop=loop))
+        return await fut
+
+    def submit_nowait(self, session: Session, call: ProposeRequest, on_done: Callable, reply: Callable | None = None
+                      ) -> None:
+        """From the event loop: on_done(result or DrafterError) runs in this loop once the engine is done;
+        reply(result), if given, runs in the engine thread before that, for successful results only."""
+        self._submit(Pending(session, call, None, on_done=on_done, loop=asyncio.get_running_loop(), reply=reply))
+
+    # ------------------------------------------------------------------ the engine thread
+    def collect(self, first: Pending, q: queue.SimpleQueue) -> tuple[list[Pending], object]:
+        """The batch that starts with `first`, and what to process next (a request that did not
+        fit, a job, or None).  Takes everything already queued; waits only within the window."""
+        items = [first]
+        b, n = first.call.batch_size, first.call.num_tokens
+        deadline = time.monotonic() + self.window_s
+        while b < self.runner.max_batch:  # full: waiting longer cannot add anything
+            remaining = deadline - time.monotonic()
+            try:
+                it = q.get_nowait() if remaining <= 0 else q.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if not isinstance(it, Pending):
+                return items, it  # a job (or stop) keeps its place: after this batch
+            cb, cn = it.call.batch_size, it.call.num_tokens
+            if b + cb > self.runner.max_batch or n + cn > self.runner.max_tokens:
+                return items, it  # first in line for the next engine call
+            items.append(it)
+            b, n = b + cb, n + cn
+        return items, None
+
+    def answer_batch(self, items: list[Pending]) -> None:
+        """Run one collected batch and answer every request of it (replies first, then bookkeeping)."""
+        try:
+            results = self.runner.run_batch(items)
+        except Exception as exc:  # noqa: BLE001 - the worker itself failed; answer everyone
+            results = [from_exception(exc)] * len(items)
+        for it, r in zip(items, results):
+            if it.reply is not None and not isinstance(r, BaseException):
+                try:
+                    it.reply(r)
+                except Exception:  # noqa: BLE001 - on_done still runs and answers what was not sent
+                    log.exception("reply from the engine thread failed")
+        deliver_from_thread(items, results)
+        self.runner.flush_records()
