@@ -32,6 +32,12 @@ _REPEATED = {_FIELDS[n].number for n in LIST_FIELDS}
 _T = pb.Tensor.DESCRIPTOR.fields_by_name
 _DTYPE, _SHAPE, _DATA = _T["dtype"].number, _T["shape"].number, _T["data"].number
 LEN = 2  # wire type: length-delimited
+# A well-formed request has at most 19 top-level fields plus one per KV group in each list field, and a
+# Tensor three fields plus one per dimension (shape packed or not).  The walk stops at these counts, so
+# the Python work per request is bounded whatever its size (a request of millions of tiny unknown
+# fields used to keep the event loop walking for seconds).
+MAX_TOP_FIELDS = 128
+MAX_TENSOR_FIELDS = 64
 
 
 class _Bail(Exception):
@@ -126,7 +132,11 @@ def _tensor(raw: bytes, view: memoryview, pos: int, end: int) -> tuple[bytes, me
     skeleton = []
     data = None
     seen_dtype = False
+    count = 0
     while pos < end:
+        count += 1
+        if count > MAX_TENSOR_FIELDS:
+            raise _Bail  # protobuf's C parser takes it (linear in bytes, no Python per field)
         start = pos
         key, pos = _varint(raw, pos, end)
         num, wire = key >> 3, key & 7
@@ -154,7 +164,13 @@ def _split(raw: bytes) -> tuple[bytes, dict]:
     payloads: dict = {}
     counts: dict = {}
     pos = 0
+    walked = 0
     while pos < end:
+        walked += 1
+        if walked > MAX_TOP_FIELDS:
+            raise DrafterError(Code.INVALID_ARGUMENT, "request",
+                               f"more than {MAX_TOP_FIELDS} top-level fields: not a drafter.v1.ProposeRequest "
+                               "this server sent or accepts")
         start = pos
         key, pos = _varint(raw, pos, end)
         num, wire = key >> 3, key & 7
@@ -194,6 +210,8 @@ def request_from_raw(raw: bytes) -> ProposeRequest:
     try:
         skeleton, payloads = _split(raw)
         req = pb.ProposeRequest.FromString(skeleton)
+    except DrafterError:
+        raise  # refused before any more work is spent on it
     except Exception:  # noqa: BLE001 - _Bail or a protobuf error: the authoritative path answers
         return request_from_proto(parse_request(raw))
 
