@@ -19,13 +19,13 @@ GPU = "#f4d6d6"
 # (x, y, text, colour): x, y are the box centre in axis units (0-10 wide, 0-12 tall)
 BOXES = {
     "step": (2.45, 11.2, "target step\nvLLM (drafter_vllm/) or coordinator/target/", TARGET),
-    "proposer": (2.45, 9.7, "client record: RemoteProposer.propose\ncoordinator/client/remote_proposer.py", TARGET),
+    "proposer": (2.45, 9.7, "client record: ProposeRequest, request_drafts\ncoordinator/client/remote_proposer.py", TARGET),
     "encode": (2.45, 8.2, "wire encode\nclient/transport/zmq_client.py | grpc_client.py\n"
                          "drafter/wire/tensors.py | pbwire.py", WIRE),
     "decode": (8.45, 8.2, "server decode\ndrafter/service/zmq_server.py | grpc_server.py", WIRE),
-    "session": (8.45, 6.8, "session check\ndrafter/service/core.py, sessions.py", SERVER),
-    "batch": (8.45, 5.4, "batching: queue, fuse, stage\ndrafter/service/batching/", SERVER),
-    "engine": (8.45, 4.0, "engine thread: DraftEngine.propose\ndrafter/engine/engine.py, inputs.py", SERVER),
+    "session": (8.45, 6.8, "session check: serve_propose\ndrafter/service/core.py, sessions.py", SERVER),
+    "batch": (8.45, 5.4, "batching: queue, checks, fuse, stage, runner\ndrafter/service/batching/", SERVER),
+    "engine": (8.45, 4.0, "engine: DraftEngine.draft(inputs)\ndrafter/engine/engine.py, inputs.py", SERVER),
     "graphs": (8.45, 2.6, "header write + graph replay\ndrafter/engine/graphs.py", GPU),
     "kernels": (8.45, 1.2, "Triton kernels\ndrafter/kernels/", GPU),
     "back": (2.45, 2.6, "client decode: drafts [batch, k]\nthe target verifies them next step", TARGET),
