@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -28,6 +29,20 @@ log = logging.getLogger("drafter.service.grpc")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Drafter"].full_name  # drafter.v1.Drafter
 LIVENESS = "liveness"  # SERVING as long as the engine makes progress (the kubelet's livenessProbe)
+# A refused call's exception, its traceback and their frames form reference cycles, and the frames hold
+# the request's bytes until the cyclic collector runs, which a few large requests do not trigger (it
+# counts objects, not bytes): five refused 64 MiB requests held 1 GB.  So when a large request fails,
+# the finished frames of its exception chain drop their locals at once (traceback.clear_frames).
+LARGE_REQUEST_BYTES = 1024 * 1024
+
+
+def release_frames(exc: BaseException | None) -> None:
+    """Clear the locals of the finished frames in `exc`'s traceback and in those of its causes."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def _parse(cls, raw: bytes):
@@ -113,7 +128,14 @@ class DrafterGrpcService:
 
     async def propose(self, raw: bytes, context):
         probe = probes.start("grpc-unary")
-        return await self._unary("Propose", context, lambda: self._propose_one(raw, context, probe))
+        big = len(raw) >= LARGE_REQUEST_BYTES
+        try:
+            return await self._unary("Propose", context, lambda: self._propose_one(raw, context, probe))
+        except BaseException as exc:
+            if big:
+                del raw
+                release_frames(exc)
+            raise
 
     async def propose_stream(self, request_iterator, context):
         drained = asyncio.ensure_future(self.drain_event.wait())
