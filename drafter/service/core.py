@@ -24,7 +24,7 @@ from drafter.service.batching.queue import Batcher, EngineThread
 from drafter.service.batching.runner import EngineRunner
 from drafter.wire.cuda_ref import FIELD as IPC_FIELD
 from drafter.wire.errors import Code, DrafterError, from_exception, invalid
-from drafter.service.logs import RefusalLog
+from drafter.service.logs import RefusalLog, session_tag
 from drafter.service.metrics import Metrics, accepted_from_report
 from drafter.service.sessions import PROTOCOL_VERSION, EngineDescription, Session, SessionTable, check_call
 from drafter.wire.records import ProposeRequest, ProposeResult
@@ -253,7 +253,7 @@ class ServiceCore:
                                                   "client": req.client_name[:128], "reason": e.message})
             raise
         self._update_gauges()
-        log.info("session attached", extra={"event": "attach", "session": s.id, "client": s.client_name,
+        log.info("session attached", extra={"event": "attach", "session": session_tag(s.id), "client": s.client_name,
                                             "num_blocks": list(s.num_blocks), "bases": list(s.bases)})
         d = self.desc
         limits = self._limits()
@@ -315,7 +315,7 @@ class ServiceCore:
         finally:
             self.sessions.release(s)
             self._update_gauges()
-        log.info("session detached", extra={"event": "detach", "session": s.id, "client": s.client_name,
+        log.info("session detached", extra={"event": "detach", "session": session_tag(s.id), "client": s.client_name,
                                             "reason": reason, "calls": s.calls})
 
     async def _expire_idle(self) -> None:

@@ -29,6 +29,7 @@ import torch
 from drafter.wire import schema
 from drafter.wire.cuda_ref import FIELD, CudaIpcRef
 from drafter.wire.errors import invalid
+from drafter.service.logs import session_tag
 
 log = logging.getLogger("drafter.service.cuda_ipc")
 PER_SESSION = 8
@@ -163,7 +164,7 @@ class CudaIpcOpener:
             del storage  # released here, not wherever the exception's frames are collected
             raise problem
         self.opened += 1
-        log.info("cuda ipc reference opened", extra={"event": "cuda_ipc_open", "session": session_id,
+        log.info("cuda ipc reference opened", extra={"event": "cuda_ipc_open", "session": session_tag(session_id),
                                                      "bytes": ref.storage_size_bytes, "gpu": ref.device_uuid})
         return storage
 

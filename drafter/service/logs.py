@@ -80,3 +80,11 @@ class RefusalLog:
         self.logger.warning("call refused", extra={"event": "refused", "transport": transport, "rpc": rpc,
                                                    "code": err.code.name, "field": err.field[:64],
                                                    "reason": err.message[:300], "suppressed_since_last": suppressed})
+
+
+def session_tag(session_id: str) -> str:
+    """What logs show of a session: a session id is a bearer token (whoever knows it may drive or
+    detach the session), so log lines carry a short one-way tag that still ties them together."""
+    import hashlib
+
+    return hashlib.sha256(session_id.encode()).hexdigest()[:12]

@@ -88,13 +88,15 @@ class Target:
 
 def _opens(server, session_id: str) -> int:
     """How often the server opened a reference for the session (its log says so before replying)."""
+    from drafter.service.logs import session_tag
+
     count = 0
     for line in server.log_path.read_text().splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        count += rec.get("event") == "cuda_ipc_open" and rec.get("session") == session_id
+        count += rec.get("event") == "cuda_ipc_open" and rec.get("session") == session_tag(session_id)
     return count
 
 

@@ -66,3 +66,20 @@ def test_a_transport_can_be_turned_off(eagle3, pki, tmp_path, one_torch_thread):
         worker = ca.issue("target-worker", server=False)
         with GrpcDrafterClient(server.grpc_target, tls=TlsConfig(ca.cert_path, *worker), timeout_s=10) as c:
             assert c.info().method == "eagle3"
+
+
+def test_no_session_id_in_the_logs(eagle3, tmp_path, one_torch_thread):
+    """A session id is a bearer token: INFO logs carry a one-way tag of it, never the id."""
+    from drafter.service.logs import session_tag
+    from tests.support.servers import layout_for
+
+    log = tmp_path / "server.log"
+    with DrafterServer(eagle3, "eagle3", log_path=log, kv_blocks=64, block_sizes=16, **SERVER_SETTINGS) as server:
+        with ZmqDrafterClient(server.zmq_endpoint, timeout_s=10) as c:
+            c.attach(layout_for(c.info(), 4))
+            sid = c.session.session_id
+            c.detach()
+    text = log.read_text()
+    assert sid not in text
+    events = [json.loads(ln).get("event") for ln in text.splitlines() if session_tag(sid) in ln]
+    assert events == ["attach", "detach"]
