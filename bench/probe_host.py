@@ -85,7 +85,7 @@ def call_parts(engine, call: dict, calls: int, wait=torch.cuda.synchronize) -> d
     """Host microseconds of each step of the trusted graph-replayed propose, timed inside the same
     calls (GPU idle at each start), as quantiles over `calls`; beside them a one-kernel launch and
     a one-kernel graph's replay, the driver's smallest costs on this host."""
-    from drafter.graphs import on_device as inputs_on_device
+    from drafter.engine.graphs import on_device as inputs_on_device
 
     runner, device = engine.graphs, engine.device
     inp = as_inputs(call, device)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.bench import copy_bandwidth
-from drafter.cuda_timing import graph_time_us
+from drafter.engine.cuda_timing import graph_time_us
 from drafter.models.fused_kernels import silu_mul
 from drafter.models.skinny_gemm import GemmConfig, pick_config, skinny_gemm
 

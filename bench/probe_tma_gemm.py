@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from drafter.bench import copy_bandwidth
-from drafter.cuda_timing import graph_time_us
+from drafter.engine.cuda_timing import graph_time_us
 from drafter.models.skinny_gemm import GemmConfig, skinny_gemm
 from drafter.models.weight_gemm import CANDIDATES
 

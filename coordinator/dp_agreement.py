@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from drafter.config import pad_to_capture_size
+from drafter.engine.config import pad_to_capture_size
 
 
 class DPDesync(RuntimeError):

@@ -13,8 +13,8 @@ import itertools
 import uuid
 from pathlib import Path
 
-from drafter.config import EngineConfig
-from drafter.engine import DraftEngine
+from drafter.engine.config import EngineConfig
+from drafter.engine.engine import DraftEngine
 from drafter.wire.errors import InvalidInput
 from drafter.wire.records import DraftOutput, ProposeRequest
 from drafter.models.loader import load_head

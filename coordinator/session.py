@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from drafter.config import KVGroupSpec
+from drafter.engine.config import KVGroupSpec
 from drafter.wire.errors import Code, DrafterError  # noqa: F401 (re-exported for transports)
 from drafter.wire.records import DraftOutput, ProposeRequest
 

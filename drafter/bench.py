@@ -17,7 +17,7 @@ it times a steady-state propose call (every request verified k+1 tokens, all acc
   host_validate_us  the same with validate=True (the default; the service's path): host-side
                checks of GPU inputs, i.e. a device sync and a dozen small copies per call
   host_bound_us     host time of the same call bound (engine.bind once over buffers holding it,
-               then bound.propose(num_tokens, batch) per call: drafter.bound), the path for a
+               then bound.propose(num_tokens, batch) per call: drafter.engine.bound), the path for a
                caller with persistent input buffers
   host_python_us    a fixed piece of pure Python timed just before host_us (host_calibration):
                how fast this host ran Python at that moment, to tell a slow call from a slow host
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.config import EngineConfig, KVGroupSpec
+from drafter.engine.config import EngineConfig, KVGroupSpec
 from drafter.wire.records import ProposeInputs
 from drafter.models.heads import HEADS
 from drafter.models.layers import LayerShape
@@ -249,7 +249,7 @@ def as_inputs(call: dict, device=None) -> ProposeInputs:
 
 
 def bind_call(engine, call: dict):
-    """engine.bind over buffers holding exactly this call (drafter.bound), its block tables
+    """engine.bind over buffers holding exactly this call (drafter.engine.bound), its block tables
     widened to the engine's max_blocks_per_req as a target engine's persistent tables are."""
     tables = []
     for g, table in enumerate(call["block_tables"]):
@@ -261,7 +261,7 @@ def bind_call(engine, call: dict):
 
 # ---------------------------------------------------------------------- one engine
 def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, skinny_gemm: str = "auto"):
-    from drafter.engine import DraftEngine
+    from drafter.engine.engine import DraftEngine
 
     max_batch = max(batches)
     per_req = -(-(max_ctx + k + 1) // BLOCK_SIZE)
@@ -371,8 +371,8 @@ def host_breakdown(engine, call: dict, iters: int = 50) -> dict:
     import pstats
 
     from drafter.wire.records import DraftOutput
-    from drafter.graphs import on_device as inputs_on_device
-    from drafter.inputs import as_group_list
+    from drafter.engine.graphs import on_device as inputs_on_device
+    from drafter.engine.inputs import as_group_list
 
     runner = engine.graphs
     kw = on_device(call, engine.device)

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 
 from drafter.bench import bind_call, decode_call
-from drafter.config import EngineConfig, KVGroupSpec
-from drafter.engine import DraftEngine
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
 from drafter.wire.records import DraftOutput
-from drafter.inputs import as_group_list
+from drafter.engine.inputs import as_group_list
 from drafter.wire.records import ProposeInputs
 
 
@@ -43,7 +43,7 @@ def per_call_us(fn, calls: int = 20000, repeats: int = 7) -> float:
 def stub_engine(batch: int, k: int, root: Path) -> DraftEngine:
     """A tiny EAGLE-3 engine on the CPU whose graph runner replays no-ops for this batch's sizes
     (the chain decode call: batch requests of k + 1 tokens, one combined graph)."""
-    from drafter.graphs import GraphRunner
+    from drafter.engine.graphs import GraphRunner
     from drafter.models.tiny import write_tiny
 
     write_tiny("eagle3", root)
@@ -70,7 +70,7 @@ def measure(batch: int = 16, k: int = 3, ctx: int = 1024) -> dict[str, float]:
                         call["slot_mappings"], None, call["num_rejected_tokens"])
     b_pad, t_pad = engine._padded_sizes(inp, None, None)
     out = runner.new_output(batch)
-    from drafter.graphs import on_device
+    from drafter.engine.graphs import on_device
 
     header = runner.header
     us = {

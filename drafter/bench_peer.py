@@ -6,7 +6,7 @@ with torch.compile, as a user without this engine would run it (vLLM runs its ow
     graph = peer.capture(call); graph.replay()   # the whole step as one CUDA graph
 
 What it computes, for an EAGLE-3 or EAGLE-1 head of one layer (the bench's heads), is the
-engine's chain (drafter.proposer) for a padded-drafter-batch call: the first pass over every
+engine's chain (drafter.engine.proposer) for a padded-drafter-batch call: the first pass over every
 query row of every request (token t+1 beside hidden state t, next_token_ids at the sampled
 rows), greedy argmax (+ d2t) at the sampled rows, then k - 1 decode steps with positions,
 slots and sequence lengths derived from the block table as the engine's loop does (steps past
@@ -301,8 +301,8 @@ class CompiledPeer:
     @torch.inference_mode()
     def capture(self, call: dict) -> PeerGraph:
         """One CUDA graph of the compiled step over this call's tensors, read in place, on this
-        peer's own stream and pool (drafter.graphs.private_stream says why)."""
-        from drafter.graphs import private_stream
+        peer's own stream and pool (drafter.engine.graphs.private_stream says why)."""
+        from drafter.engine.graphs import private_stream
 
         args = call_args(call, self.max_blocks)
         if self.pool is None:

@@ -63,7 +63,7 @@ def server_args(model_dir: str, batch: int, k: int, ctx: int, kv_blocks: int, de
 
 def _build(engine_cfg, model_dir: str):
     """A DraftEngine with random weights for the head that model_dir/config.json describes."""
-    from drafter.engine import DraftEngine
+    from drafter.engine.engine import DraftEngine
     from drafter.models.spec import parse_head, read_config
 
     spec = parse_head(read_config(model_dir), "eagle3")

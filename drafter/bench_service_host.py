@@ -7,7 +7,7 @@ header_decode (msgpack body -> ProposeRequest), tensor_decode (frames -> tensors
 check (sessions.check_call, the core's check), prepare (what the engine thread does to a call
 alone in its engine call on a GPU host before engine.draft: offset_inputs, the finite check and
 HostStager.stage, the copy into the pinned buffer, unpinned here; EngineRunner._prepare and
-_run_group's stage, whichever of them stages) and validate (drafter.inputs.validate, which engine.draft(validate=True) runs on
+_run_group's stage, whichever of them stages) and validate (drafter.engine.inputs.validate, which engine.draft(validate=True) runs on
 the staged call).  offsets, finite and stage time prepare's pieces alone; `total` runs the whole
 path back to back.
 

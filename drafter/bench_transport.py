@@ -48,7 +48,7 @@ TRANSPORTS = ("zmq-tcp", "zmq-ipc", "grpc-stream", "grpc-unary")
 class NullEngine:
     """DraftEngine's service-facing surface without a model: config, spec, limits, propose().
 
-    propose() validates its inputs exactly as DraftEngine.propose does (drafter.inputs.validate)
+    propose() validates its inputs exactly as DraftEngine.propose does (drafter.engine.inputs.validate)
     and returns zero drafts, so the server's engine time is validation and nothing else."""
 
     graph_replays = None
@@ -56,7 +56,7 @@ class NullEngine:
     store = None
 
     def __init__(self, cfg, spec):
-        from drafter.inputs import Limits
+        from drafter.engine.inputs import Limits
 
         self.config, self.spec = cfg, spec
         self.device = torch.device(cfg.device)
@@ -70,7 +70,7 @@ class NullEngine:
     def propose(self, *, target_token_ids, target_positions, target_hidden_states, next_token_ids, query_start_loc,
                 seq_lens, block_tables, slot_mappings, token_indices_to_sample=None, num_rejected_tokens=None,
                 temperatures=None, return_probs=False, return_logits=False, batch_padded=None, tokens_padded=None):
-        from drafter.inputs import as_group_list
+        from drafter.engine.inputs import as_group_list
         from drafter.wire.records import ProposeInputs
 
         groups = len(self.config.kv_groups)
@@ -83,7 +83,7 @@ class NullEngine:
     def draft(self, inp, *, return_probs=False, return_logits=False, batch_padded=None, tokens_padded=None,
               validate=True):
         """DraftEngine.draft's contract: the inputs checked, zeros for drafts."""
-        from drafter.inputs import validate as check
+        from drafter.engine.inputs import validate as check
         from drafter.wire.records import DraftOutput
 
         if validate:
@@ -94,7 +94,7 @@ class NullEngine:
 
 
 def null_engine(batch: int, k: int, ctx: int, kv_blocks: int):
-    from drafter.config import EngineConfig, KVGroupSpec
+    from drafter.engine.config import EngineConfig, KVGroupSpec
     from drafter.models.spec import parse_head
 
     spec = parse_head(HEAD, "eagle3")

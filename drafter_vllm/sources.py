@@ -100,7 +100,7 @@ def make_source(settings: PluginSettings, facts: TargetFacts):
     from coordinator.remote_proposer import ProposerConfig, RemoteProposer
     from coordinator.routing import Router
     from coordinator.session import SessionSpec
-    from drafter.config import KVGroupSpec
+    from drafter.engine.config import KVGroupSpec
 
     _share_vllm_log_handlers()
     spec = SessionSpec(

@@ -21,7 +21,7 @@ import torch
 
 from coordinator.session import DraftResult, SessionSpec
 from coordinator.target.request import Request
-from drafter.config import KVGroupSpec
+from drafter.engine.config import KVGroupSpec
 
 
 @dataclass

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from drafter.attention import AttentionMetadata, ReferenceBackend
-from drafter.config import KVGroupSpec
-from drafter.kv_cache import PagedKVCache
+from drafter.engine.config import KVGroupSpec
+from drafter.engine.kv_cache import PagedKVCache
 from drafter.models.loader import load_target
 
 # which hidden states each drafter method consumes

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from drafter.cuda_timing import graph_time_us
+from drafter.engine.cuda_timing import graph_time_us
 from drafter.models import fused_kernels as K
 from drafter.models.skinny_gemm import MAX_ROWS, GemmConfig, NormedInput, block_m_for, pick_config, skinny_gemm
 

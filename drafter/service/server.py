@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 
-from drafter.config import EngineConfig, KVGroupSpec
+from drafter.engine.config import EngineConfig, KVGroupSpec
 from drafter.service import cuda_support
 from drafter.service.config import ServerConfig
 from drafter.service.core import ServiceCore
@@ -52,7 +52,7 @@ def engine_config(cfg: ServerConfig) -> EngineConfig:
 def load_engine(cfg: ServerConfig, engine_cfg: EngineConfig, hold: threading.Event | None = None):
     import torch
 
-    from drafter.engine import DraftEngine
+    from drafter.engine.engine import DraftEngine
 
     if hold is not None:
         hold.wait()

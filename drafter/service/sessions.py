@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from drafter.inputs import out_of_range
+from drafter.engine.inputs import out_of_range
 from drafter.wire import schema
 from drafter.wire.cuda_ref import FIELD as IPC_FIELD
 from drafter.wire.errors import Code, DrafterError, invalid
@@ -291,7 +291,7 @@ def _range(name: str, t: torch.Tensor, low: int, high: int) -> None:
 
 
 def check_call(s: Session, call: ProposeRequest, eng: EngineDescription) -> None:
-    """The session's own limits; the engine's full validation follows (drafter.inputs.validate)."""
+    """The session's own limits; the engine's full validation follows (drafter.engine.inputs.validate)."""
     inp = call.inputs
     b, n = call.batch_size, call.num_tokens
     if b == 0:

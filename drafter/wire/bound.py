@@ -7,7 +7,7 @@ A target that keeps its per-step inputs in persistent buffers describes them onc
 capacity): both ends then lay them out identically in one contiguous slab, the ring
 (ring_layout).  The target's buffers ARE views into its slab, so a step ships the slab's used
 prefix as one frame, and the drafter receives that frame straight into its own ring, whose views
-its engine was bound to once (drafter.bound).  The hidden states lie last in the slab: the prefix
+its engine was bound to once (drafter.engine.bound).  The hidden states lie last in the slab: the prefix
 holds every small buffer whole and the first num_tokens rows of the hidden states, nothing else
 the step does not need.
 

@@ -4,7 +4,7 @@ CUDA graph trees, which free every cuBLAS workspace before they warm up or recor
 optionally torch._dynamo.reset(), torch.cuda.empty_cache(), or a second engine captured, used
 and dropped.  The engine's next call must give the drafts of its first, with no illegal memory
 access (before the fix it wrote into a cuBLAS workspace another graph's pool had owned, handed
-back to the driver by the compiled function's recording: drafter.graphs explains).
+back to the driver by the compiled function's recording: drafter.engine.graphs explains).
 
 EAGLE-3 with Llama-3.1-8B shapes in bf16, the GEMM plan timed as `drafter bench` does: the graphs
 run cuBLAS GEMMs (the fc over the target's hidden states always, the others where the planner

@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be checked")
 
 from coordinator.transport.bound_client import HostRingClient  # noqa: E402
-from drafter.graphs import GraphRunner  # noqa: E402
+from drafter.engine.graphs import GraphRunner  # noqa: E402
 from drafter.service.core import ServiceCore  # noqa: E402
 from drafter.service.metrics import Metrics  # noqa: E402
 from drafter.service.zmq_server import ZmqServer  # noqa: E402

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.inputs import Limits, validate
+from drafter.engine.inputs import Limits, validate
 from drafter.loadtest import cli
 from drafter.loadtest.schedule import OpenLoop, open_loop_times
 from drafter.loadtest.stats import Samples, percentiles, summarize

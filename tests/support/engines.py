@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drafter.config import EngineConfig, KVGroupSpec
-from drafter.engine import DraftEngine
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
 from drafter.models.spec import parse_head, read_config
 from drafter.models.tiny import TinySizes, VARIANTS, write_tiny
 

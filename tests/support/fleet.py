@@ -7,8 +7,8 @@ from dataclasses import replace
 import torch
 
 from coordinator.target.engine import TargetConfig, TargetEngine
-from drafter.config import EngineConfig, KVGroupSpec
-from drafter.engine import DraftEngine
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
 
 
 def spread_name(endpoints, dp: int, prefix: str = "target") -> str:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from drafter.buffers import StaticBuffers
-from drafter.engine import drop_rejected_tokens
+from drafter.engine.buffers import StaticBuffers
+from drafter.engine.engine import drop_rejected_tokens
 from drafter.wire.records import ProposeInputs
 from drafter.models.deepseek_v3 import kv_cache_shape
-from drafter.proposer import Proposer
+from drafter.engine.proposer import Proposer
 
 MAX_MODEL_LEN = 96
 BLOCK_SIZE = 16

@@ -1,4 +1,4 @@
-"""Bound calls (drafter.bound): a trusted caller's persistent buffers described once, then each
+"""Bound calls (drafter.engine.bound): a trusted caller's persistent buffers described once, then each
 step only its sizes.  They must draft what propose() drafts from the same rows (the buffers are
 read in place, so a later step's values count), share the header with unbound calls, refuse
 buffers the loader cannot read in place and sizes outside the buffers (naming the field), and
@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be checked")
 
-from drafter.graphs import GraphRunner  # noqa: E402
+from drafter.engine.graphs import GraphRunner  # noqa: E402
 from drafter.wire.errors import InvalidInput  # noqa: E402
 from tests.support.engines import build_engine  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402

@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be checked")
 
-from drafter.config import EngineConfig  # noqa: E402
-from drafter.graphs import GraphRunner, decode_size_pairs  # noqa: E402
+from drafter.engine.config import EngineConfig  # noqa: E402
+from drafter.engine.graphs import GraphRunner, decode_size_pairs  # noqa: E402
 from tests.support.engines import build_engine  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402
 from tests.support.triton_bounds import allowing, allowing_outputs  # noqa: E402
@@ -222,18 +222,18 @@ def test_header_is_rewritten_only_after_the_last_replay_read_it(tiny_root):
 def test_trusted_call_skips_validation_and_drafts_the_same(tiny_root, monkeypatch):
     """propose(validate=False) never runs the host-side checks (no device sync for GPU inputs)
     and gives the validated call's drafts and KV (on the reference engine: the flag only
-    decides whether drafter.inputs.validate runs, before any path is chosen)."""
-    import drafter.engine
+    decides whether drafter.engine.inputs.validate runs, before any path is chosen)."""
+    import drafter.engine.engine
 
     checked, trusted = _engine(tiny_root, reference=True), _engine(tiny_root, reference=True)
     s_checked, s_trusted = _scenario(checked), _scenario(trusted)
-    real_check = drafter.engine.check_inputs
+    real_check = drafter.engine.engine.check_inputs
     for i, plan in enumerate(_decode(K)):
         temps = dict(temperatures=[0.0] * len(plan)) if i == 2 else {}
         expected = checked.propose(**s_checked.call(plan, **temps).kwargs).draft_token_ids
-        monkeypatch.setattr(drafter.engine, "check_inputs", _must_not_run)
+        monkeypatch.setattr(drafter.engine.engine, "check_inputs", _must_not_run)
         got = trusted.propose(**s_trusted.call(plan, **temps).kwargs, validate=False).draft_token_ids
-        monkeypatch.setattr(drafter.engine, "check_inputs", real_check)
+        monkeypatch.setattr(drafter.engine.engine, "check_inputs", real_check)
         assert torch.equal(got, expected), f"plan {plan}"
     for a, b in zip(checked.kv_snapshot(), trusted.kv_snapshot()):
         assert torch.equal(a, b)

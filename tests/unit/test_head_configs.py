@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafter.config import EngineConfig, KVGroupSpec
-from drafter.engine import DraftEngine
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
 from drafter.models.heads import HEADS
 from drafter.models.loader import load_head
 from drafter.models.spec import HeadConfigError, default_aux_layer_ids, parse_head, with_aux

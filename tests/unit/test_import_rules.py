@@ -28,9 +28,6 @@ LAYERS = {
     "drafter.tools": 5,
     "drafter.cli": 5,
     "drafter.__main__": 5,
-    # the engine's modules until they move into drafter/engine/ (issue 17, phase 2)
-    **{f"drafter.{m}": 3 for m in ("config", "inputs", "buffers", "proposer", "sampling", "kv_cache", "graphs",
-                                   "bound", "cuda_timing")},
     **{f"drafter.{m}": 5 for m in ("bench", "bench_host", "bench_peer", "bench_remote", "bench_service_host",
                                    "bench_transport", "loadtest")},
 }
@@ -40,8 +37,8 @@ TOOLS = ("drafter.tools",
          "drafter.bench", "drafter.bench_host", "drafter.bench_peer", "drafter.bench_remote",
          "drafter.bench_service_host", "drafter.bench_transport", "drafter.loadtest")
 # upward imports that phase 2 of issue 17 removes (kernels move to drafter/kernels/)
-PENDING = {("drafter.attention.kernels.batch_inputs", "drafter.inputs"),
-           ("drafter.models.weight_gemm", "drafter.cuda_timing")}
+PENDING = {("drafter.attention.kernels.batch_inputs", "drafter.engine.inputs"),
+           ("drafter.models.weight_gemm", "drafter.engine.cuda_timing")}
 PRODUCT = ("drafter.wire", "drafter.kernels", "drafter.attention", "drafter.models", "drafter.engine",
            "drafter.service")
 
@@ -140,7 +137,7 @@ def test_each_rule_catches_a_violation():
     """The checker itself: one offending import per rule, each reported."""
     cases = {
         ("drafter.wire.tensors", "from drafter.service import core"): "either end",
-        ("drafter.wire.errors", "from drafter.inputs import validate"): "either end",
+        ("drafter.wire.errors", "from drafter.engine.inputs import validate"): "either end",
         ("drafter.wire.schema", "import coordinator.session"): "either end",
         ("coordinator.transport.zmq_client", "from drafter.service.core import ServiceCore"): "never drafter.service",
         ("drafter_vllm.sources", "from drafter.service import sessions"): "never drafter.service",

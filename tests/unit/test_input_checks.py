@@ -1,4 +1,4 @@
-"""drafter.inputs.validate decides exactly as its straightforward formulation does: same calls
+"""drafter.engine.inputs.validate decides exactly as its straightforward formulation does: same calls
 accepted, same field and message for the ones refused, on valid calls with random corruptions
 (extreme values included, where int32 arithmetic would wrap), and its range helpers are exact."""
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from drafter.attention.metadata import PADDING_SLOT_ID
-from drafter.inputs import (FLOAT_DTYPES, INT_DTYPES, Limits, _length, _tensor,
+from drafter.engine.inputs import (FLOAT_DTYPES, INT_DTYPES, Limits, _length, _tensor,
                             as_group_list, out_of_range, validate)
 from drafter.wire.errors import InvalidInput
 from drafter.wire.records import ProposeInputs
@@ -37,7 +37,7 @@ def _first(mask: np.ndarray) -> int:
 
 
 def reference_validate(inp: ProposeInputs, limits: Limits) -> None:
-    """Every check of drafter.inputs.validate written plainly, in int64, in the same order."""
+    """Every check of drafter.engine.inputs.validate written plainly, in int64, in the same order."""
     ids_t = _tensor("target_token_ids", inp.target_token_ids, 1, INT_DTYPES)
     positions_t = _tensor("target_positions", inp.target_positions, 1, INT_DTYPES)
     hidden = _tensor("target_hidden_states", inp.target_hidden_states, 2, FLOAT_DTYPES)

@@ -11,8 +11,8 @@ from coordinator.inprocess import InProcessTransport
 from coordinator.remote_proposer import ProposerConfig, RemoteProposer
 from coordinator.routing import Endpoint, Router, StaticEndpoints
 from coordinator.session import DEADLINE_EXCEEDED, Code, DrafterError, SessionSpec
-from drafter.config import EngineConfig, KVGroupSpec
-from drafter.engine import DraftEngine
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
 from tests.support.engines import tiny_dirs
 from tests.support.scenario import Scenario
 

@@ -17,8 +17,8 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 from drafter.attention.metadata import AttentionMetadata  # noqa: E402
 from drafter.attention.reference import ReferenceBackend  # noqa: E402
 from drafter.attention.triton_backend import TritonBackend  # noqa: E402
-from drafter.config import EngineConfig, KVGroupSpec  # noqa: E402
-from drafter.engine import DraftEngine  # noqa: E402
+from drafter.engine.config import EngineConfig, KVGroupSpec  # noqa: E402
+from drafter.engine.engine import DraftEngine  # noqa: E402
 from drafter.models.rope import Rope, apply_rope  # noqa: E402
 from drafter.models.tiny import head_sizes, write_tiny  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from drafter.sampling import sample_drafts
+from drafter.engine.sampling import sample_drafts
 from tests.support.engines import build_engine
 from tests.support.scenario import Scenario
 

@@ -15,8 +15,8 @@ from coordinator.session import Code
 from coordinator.target.engine import TargetConfig, TargetEngine
 from coordinator.target.request import random_requests
 from coordinator.target.verify import ks_uniform
-from drafter.config import EngineConfig, KVGroupSpec
-from drafter.engine import DraftEngine
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
 from tests.support.pair import one_torch_thread, trained_pair  # noqa: F401 (fixture)
 
 K = 3

@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed: the Trit
 from drafter.attention.metadata import AttentionMetadata  # noqa: E402
 from drafter.attention.reference import ReferenceBackend  # noqa: E402
 from drafter.attention.triton_backend import AttentionLaunch, TritonBackend  # noqa: E402
-from drafter.graphs import GraphRunner  # noqa: E402
+from drafter.engine.graphs import GraphRunner  # noqa: E402
 from drafter.models import fused_kernels as K  # noqa: E402
 from drafter.models.layers import RMSNorm, apply_rope  # noqa: E402
 from tests.support.engines import build_engine  # noqa: E402
@@ -174,8 +174,8 @@ def test_greedy_ids_match_argmax_and_d2t(vocab):
 def test_step_inputs_match_the_torch_path():
     """TritonBackend.decode_step_inputs against the proposer's own torch code."""
     from drafter.attention.kernels.step_inputs import decode_step_inputs
-    from drafter.buffers import StaticBuffers
-    from drafter.proposer import Proposer
+    from drafter.engine.buffers import StaticBuffers
+    from drafter.engine.proposer import Proposer
 
     block_sizes = (4, 8)
     buf = StaticBuffers(16, 6, 8, (6, 3), block_sizes, "cpu", torch.float32)

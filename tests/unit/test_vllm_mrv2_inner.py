@@ -26,8 +26,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM is importable in the vLLM venv o
 
 import torch  # noqa: E402
 
-from drafter.config import EngineConfig, KVGroupSpec  # noqa: E402
-from drafter.engine import DraftEngine  # noqa: E402
+from drafter.engine.config import EngineConfig, KVGroupSpec  # noqa: E402
+from drafter.engine.engine import DraftEngine  # noqa: E402
 from drafter.models.tiny import write_tiny  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.routing import DnsEndpoints, Endpoint, StaticEndpoints
-from drafter.config import KVGroupSpec
+from drafter.engine.config import KVGroupSpec
 from drafter_vllm.settings import PluginSettings
 from drafter_vllm.sources import TargetFacts, check_transport, endpoint_source, make_source, serve_flags
 

@@ -25,8 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafter.config import EngineConfig, KVGroupSpec
-from drafter.engine import DraftEngine
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
 from drafter.models.layers import Attention
 from drafter.models.rope import Rope
 from drafter.models.spec import HeadConfigError, parse_head

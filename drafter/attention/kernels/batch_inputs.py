@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from drafter.attention.metadata import PADDING_SLOT_ID
-from drafter.inputs import InvalidInput, ProposeInputs
+from drafter.engine.inputs import InvalidInput, ProposeInputs
 
 PAD_SLOT = tl.constexpr(PADDING_SLOT_ID)  # globals a kernel reads must be constexpr
 
@@ -255,7 +255,7 @@ class InputHeader:
         """The header words for `inp` and `out` ([>= batch, width] int64, contiguous rows).  A tensor
         the kernels cannot index as it is is converted into `converted` (kept by the caller until
         the graphs have read it), or, with converted None, refused: InvalidInput naming it (a
-        bound caller's buffers are read in place, drafter.bound)."""
+        bound caller's buffers are read in place, drafter.engine.bound)."""
         hidden = inp.target_hidden_states
         kind, stride = HIDDEN_KINDS.get(hidden.dtype), hidden.stride()
         if kind is None or stride[1] != 1:

@@ -1,7 +1,7 @@
 """The index work of every chain step, in one launch per KV group for the whole chain.
 
 For every request row: position + 1; a position at or past max_model_len is fed as 0 with
-seq_len 1 and writes nothing (slot -1), as drafter.proposer describes; padded rows (seq_len
+seq_len 1 and writes nothing (slot -1), as drafter.engine.proposer describes; padded rows (seq_len
 0 in the static buffers) keep seq_len 0 and write nothing.  Done in torch this is a dozen
 tiny launches per step; inside the captured draft loop each would cost a kernel slot.  None of
 it depends on what the steps draft (step s sits at the first pass's position + s), so the

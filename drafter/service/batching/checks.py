@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from drafter.inputs import validate
+from drafter.engine.inputs import validate
 from drafter.wire.errors import invalid
 from drafter.wire.records import ProposeInputs
 

@@ -56,7 +56,7 @@ import torch
 from drafter.attention.kernels.batch_inputs import InputHeader, load_inputs
 from drafter.attention.kernels.draft_output import store_drafts
 from drafter.attention.metadata import PADDING_SLOT_ID
-from drafter.config import pad_to_capture_size
+from drafter.engine.config import pad_to_capture_size
 from drafter.wire.records import ProposeInputs
 
 
@@ -188,7 +188,7 @@ class GraphRunner:
 
     def replay(self, tokens_padded: int, batch_padded: int) -> None:
         """Replay the graphs (captured: capture() rewrites the header) of a call the header
-        already describes (run, or drafter.bound)."""
+        already describes (run, or drafter.engine.bound)."""
         combined = self.combined_graphs.get((tokens_padded, batch_padded))
         if combined is not None:
             combined()

@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from drafter.attention import ReferenceBackend
-from drafter.buffers import StaticBuffers
-from drafter.config import EngineConfig, pad_to_capture_size
-from drafter.inputs import Limits, as_group_list
-from drafter.inputs import validate as check_inputs
-from drafter.kv_cache import HiddenStateStore, PagedKVCache
+from drafter.engine.buffers import StaticBuffers
+from drafter.engine.config import EngineConfig, pad_to_capture_size
+from drafter.engine.inputs import Limits, as_group_list
+from drafter.engine.inputs import validate as check_inputs
+from drafter.engine.kv_cache import HiddenStateStore, PagedKVCache
 from drafter.models.loader import load_head
 from drafter.models.spec import ModelSpec, parse_head, read_config
-from drafter.proposer import Proposer
+from drafter.engine.proposer import Proposer
 from drafter.wire.errors import InvalidInput
 from drafter.wire.records import DraftOutput, ProposeInputs
 
 if TYPE_CHECKING:
-    from drafter.bound import BoundPropose
+    from drafter.engine.bound import BoundPropose
 
 
 def make_backend(name: str, device: torch.device):
@@ -64,7 +64,7 @@ class DraftEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
         if head is not None and self.backend.name == "triton":  # imported here: these need triton
-            from drafter.graphs import GraphRunner
+            from drafter.engine.graphs import GraphRunner
             from drafter.models.fusion import fuse_head
 
             # one q/k/v GEMM, rotary + KV write and norms in fused kernels; skinny GEMMs where faster
@@ -112,7 +112,7 @@ class DraftEngine:
         validate: bool = True,
     ) -> DraftOutput:
         """Draft for one batch.  validate=True (the default, and what the service does) checks every
-        tensor on the host first (drafter.inputs.validate), which for GPU-resident inputs means a
+        tensor on the host first (drafter.engine.inputs.validate), which for GPU-resident inputs means a
         device sync and a dozen small copies per call.  validate=False is for a trusted in-process
         caller: inputs already checked by the target engine (the shapes, dtypes and ranges that
         validate() accepts); a malformed call then reads or writes the KV pool out of range."""
@@ -156,10 +156,10 @@ class DraftEngine:
         drafts: torch.Tensor | None = None,  # [max_batch, k | nodes] int64; None: allocated here
     ) -> "BoundPropose":
         """A trusted caller's persistent input buffers, described once: each step the caller
-        fills their first rows and calls bound.propose(num_tokens, batch_size) (drafter.bound).
+        fills their first rows and calls bound.propose(num_tokens, batch_size) (drafter.engine.bound).
         The buffers are read in place, so they must be kernel-readable as they are (contiguous,
         int32 / int64, bf16 / fp16 / fp32 hidden states) on the engine's device or pinned."""
-        from drafter.bound import BoundPropose
+        from drafter.engine.bound import BoundPropose
 
         if num_rejected_tokens is not None and not self.config.padded_drafter_batch:
             raise InvalidInput("num_rejected_tokens", "bound calls use the padded drafter batch (the graphs' path)")

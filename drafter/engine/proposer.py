@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from drafter.attention.metadata import PADDING_SLOT_ID, AttentionMetadata
-from drafter.buffers import StaticBuffers
-from drafter.sampling import sample_drafts
+from drafter.engine.buffers import StaticBuffers
+from drafter.engine.sampling import sample_drafts
 
 
 @dataclass

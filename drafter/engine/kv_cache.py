@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from drafter.config import KVGroupSpec
+from drafter.engine.config import KVGroupSpec
 from drafter.models.layers import LayerShape
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from drafter.graphs import readable_in_place
-from drafter.inputs import FLOAT_DTYPES, INT_DTYPES
+from drafter.engine.graphs import readable_in_place
+from drafter.engine.inputs import FLOAT_DTYPES, INT_DTYPES
 from drafter.wire.records import ProposeInputs
 from drafter.wire.errors import InvalidInput
 

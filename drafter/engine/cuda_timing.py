@@ -20,8 +20,8 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     """One stream of this module's own per device for the timing graphs, so that the cuBLAS
     workspace their captures allocate (in a pool that dies with them) is never the one torch
     keeps for its shared default capture stream, which another caller's long-lived graphs would
-    then borrow (drafter.graphs explains the hazard)."""
-    from drafter.graphs import private_stream
+    then borrow (drafter.engine.graphs explains the hazard)."""
+    from drafter.engine.graphs import private_stream
 
     if device not in _capture_streams:
         _capture_streams[device] = private_stream(device)
