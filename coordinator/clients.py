@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from coordinator.routing import Endpoint
 from coordinator.session import PROTOCOL_VERSION, SessionInfo, SessionSpec
+from coordinator.transport.grpc_client import GrpcDrafterClient
+from coordinator.transport.zmq_client import ZmqDrafterClient
+from drafter.wire import schema
 from drafter.wire.records import DraftOutput, ProposeRequest
 
 
@@ -23,12 +26,8 @@ class ServiceTransport:
         self.name = endpoint.scheme
         self.endpoint = endpoint
         if endpoint.scheme == "grpc":
-            from coordinator.transport.grpc_client import GrpcDrafterClient
-
             self.client = GrpcDrafterClient(endpoint.address, timeout_s=timeout_s, share_cuda=share_cuda)
         elif endpoint.scheme == "zmq":
-            from coordinator.transport.zmq_client import ZmqDrafterClient
-
             self.client = ZmqDrafterClient(f"tcp://{endpoint.address}", timeout_s=timeout_s, share_cuda=share_cuda)
         else:
             raise ValueError(f"ServiceTransport speaks grpc or zmq, not {endpoint.scheme}")
@@ -36,8 +35,7 @@ class ServiceTransport:
         self._stream = None
 
     def attach(self, spec: SessionSpec, timeout: float) -> SessionInfo:
-        from drafter.wire import schema
-
+        """Attach, then warm up: the per-step stream is opened and connected here, not on the first step."""
         req = schema.AttachRequest(
             protocol_version=PROTOCOL_VERSION, method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
             hidden_dtype=spec.dtype, hidden_size=spec.hidden_size, num_aux_layers=spec.num_aux_layers,
@@ -46,6 +44,9 @@ class ServiceTransport:
             kv_groups=[schema.KVGroup(block_size=g.block_size, num_blocks=g.num_blocks) for g in spec.kv_groups],
             client_name=spec.client)
         resp = self.client.attach(req, timeout=timeout)
+        if self.use_stream and self._stream is None:
+            self._stream = self.client.stream()
+            self._stream.connect(timeout)
         limits = resp.limits
         return SessionInfo(resp.session_id, str(resp.epoch), tuple(resp.capture_sizes),
                            tuple(resp.token_capture_sizes),

@@ -210,6 +210,21 @@ class GrpcProposeStream:
         self._method = self._channel.stream_stream(SERVICE + "ProposeStream", lambda m: m.SerializeToString(),
                                                    pb.ProposeResponse.FromString)
 
+    def connect(self, timeout: float) -> bool:
+        """Connect the channel and open the stream's call now (a client does it at attach), so the first
+        step pays no TCP, TLS or HTTP/2 set-up and keeps within its deadline like the rest.  False when
+        the channel is not ready within `timeout`: the first step then connects, as it would have."""
+        try:
+            self._run(self._connect(), timeout)
+            return True
+        except Exception:  # noqa: BLE001 - best effort: the step's own errors are the ones that count
+            return False
+
+    async def _connect(self):
+        await self._channel.channel_ready()
+        if self._call is None:
+            self._call = self._method()
+
     async def _step(self, req):
         if self._call is None:
             self._call = self._method()
