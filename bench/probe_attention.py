@@ -19,7 +19,7 @@ import torch
 
 from drafter.attention.triton_backend import AttentionLaunch, TritonBackend
 from drafter.bench import BLOCK_SIZE, copy_bandwidth, decode_attention_case
-from drafter.engine.cuda_timing import graph_time_us
+from drafter.kernels.cuda_timing import graph_time_us
 
 
 def sweep(args, bw, log) -> list[dict]:

@@ -4,7 +4,7 @@ step, over the planner's candidates plus extra skinny-kernel configurations.
     python bench/probe_plan.py --out DIR
 
 Each time is one call as the layer runs it (epilogue, norm and argmax work included), device
-microseconds from graph replays over three weight copies (drafter.models.weight_gemm.plan_gemm).
+microseconds from graph replays over three weight copies (drafter.kernels.weight_gemm.plan_gemm).
 Writes DIR/probe_plan.json and prints, per weight and row bucket, cuBLAS, the best candidate and
 the floor (weight bytes / copy bandwidth).
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from drafter.bench import copy_bandwidth
-from drafter.models.skinny_gemm import GemmConfig
-from drafter.models.weight_gemm import CANDIDATES, plan_gemm
+from drafter.kernels.skinny_gemm import GemmConfig
+from drafter.kernels.weight_gemm import CANDIDATES, plan_gemm
 
 SHAPES = {  # name: (rows of the weight, K, plan_gemm's fused work)
     "qkv": (6144, 8192, {}), "o": (4096, 4096, {"residual": True}),

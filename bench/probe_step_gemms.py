@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from drafter.bench import copy_bandwidth
-from drafter.engine.cuda_timing import graph_time_us
-from drafter.models.fused_kernels import silu_mul
-from drafter.models.skinny_gemm import GemmConfig, pick_config, skinny_gemm
+from drafter.kernels.cuda_timing import graph_time_us
+from drafter.kernels.fused_kernels import silu_mul
+from drafter.kernels.skinny_gemm import GemmConfig, pick_config, skinny_gemm
 
 SHAPES = {"qkv": (6144, 8192, "none"), "o": (4096, 4096, "none"), "gate_up": (28672, 4096, "silu"),
           "down": (4096, 14336, "residual"), "lm_head": (32000, 4096, "none")}

@@ -28,9 +28,9 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from drafter.bench import copy_bandwidth
-from drafter.engine.cuda_timing import graph_time_us
-from drafter.models.skinny_gemm import GemmConfig, skinny_gemm
-from drafter.models.weight_gemm import CANDIDATES
+from drafter.kernels.cuda_timing import graph_time_us
+from drafter.kernels.skinny_gemm import GemmConfig, skinny_gemm
+from drafter.kernels.weight_gemm import CANDIDATES
 
 SHAPES = {"qkv": (6144, 8192), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (32000, 4096)}

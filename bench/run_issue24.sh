@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 24's device record, run from a clean export of a commit (git archive) whose sibling ../old
-# holds the same tree with drafter/engine/graphs.py and drafter/engine/cuda_timing.py from before the fix
+# holds the same tree with drafter/engine/graphs.py and drafter/kernels/cuda_timing.py from before the fix
 # (the engine's graphs captured on torch.cuda.graph's shared default capture stream):
 #   STAGE=tests  the neighbours test (tests/gpu/test_graph_neighbours.py) on the old code (expected to
 #                fail: illegal memory access) and on the new one, side by side; the old code again with

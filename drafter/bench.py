@@ -491,7 +491,7 @@ def gemm_sweep(device, bw: float, log) -> list[dict]:
 
 def gemm_plans(head) -> dict[str, dict[int, str]]:
     """Which kernel and block sizes each fused weight GEMM took per row bucket (the start-up timing's choice)."""
-    from drafter.models.weight_gemm import WeightGemm
+    from drafter.kernels.weight_gemm import WeightGemm
 
     def name(c) -> str:
         return c if isinstance(c, str) else c.label

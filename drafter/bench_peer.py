@@ -301,8 +301,8 @@ class CompiledPeer:
     @torch.inference_mode()
     def capture(self, call: dict) -> PeerGraph:
         """One CUDA graph of the compiled step over this call's tensors, read in place, on this
-        peer's own stream and pool (drafter.engine.graphs.private_stream says why)."""
-        from drafter.engine.graphs import private_stream
+        peer's own stream and pool (drafter.kernels.cuda_timing.private_stream says why)."""
+        from drafter.kernels.cuda_timing import private_stream
 
         args = call_args(call, self.max_blocks)
         if self.pool is None:

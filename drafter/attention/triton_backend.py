@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from drafter.attention.kernels.kv_write import rope_write_kernel, write_kv_kernel
-from drafter.attention.kernels.paged_attention import combine_splits_kernel, paged_attention_kernel
-from drafter.attention.kernels.step_inputs import decode_step_inputs
+from drafter.kernels.kv_write import rope_write_kernel, write_kv_kernel
+from drafter.kernels.paged_attention import combine_splits_kernel, paged_attention_kernel
+from drafter.kernels.step_inputs import decode_step_inputs
 from drafter.attention.metadata import AttentionMetadata
 from drafter.models.rope import RopeTables
 

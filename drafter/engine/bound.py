@@ -12,7 +12,7 @@ for the GPU (bench/results/2026-11-24-h100/host-probe: a one-element view 7-16 u
 in a loop), and that is where a decode step calls the drafter.  Bound, the buffers are described
 once; a call writes two sizes into the header the captured loader reads, replays the graphs and
 returns the bound output buffer: no torch or CUDA call but the replay (the previous call's
-graphs mark the header read in the header itself, drafter.attention.kernels.batch_inputs).
+graphs mark the header read in the header itself, drafter.kernels.batch_inputs).
 
 Trusted like propose(validate=False): the structure of the buffers is checked at bind time
 (dtypes, layouts, devices, capacities, InvalidInput naming the field) and the sizes of each call

@@ -48,15 +48,15 @@ calling it again: the same static-buffer data flow, checkable where no GPU exist
 
 from __future__ import annotations
 
-import ctypes
 from typing import Callable
 
 import torch
 
-from drafter.attention.kernels.batch_inputs import InputHeader, load_inputs
-from drafter.attention.kernels.draft_output import store_drafts
+from drafter.kernels.batch_inputs import InputHeader, load_inputs
+from drafter.kernels.draft_output import store_drafts
 from drafter.attention.metadata import PADDING_SLOT_ID
 from drafter.engine.config import pad_to_capture_size
+from drafter.kernels.cuda_timing import private_stream
 from drafter.wire.records import ProposeInputs
 
 
@@ -213,26 +213,6 @@ def decode_size_pairs(cfg, width: int, token_sizes: list[int], batch_sizes: list
         if pair[0] in token_sizes and pair[1] in batch_sizes:
             pairs.add(pair)
     return sorted(pairs, key=lambda p: (p[1], p[0]))
-
-
-_CU_STREAM_NON_BLOCKING = 1
-
-
-def private_stream(device: torch.device) -> torch.cuda.Stream:
-    """A CUDA stream created for the caller alone: not one of torch's pooled streams, which
-    torch.cuda.Stream() hands out round-robin to every caller in the process (torch.cuda.graph's
-    default capture stream is one of them).  Never destroyed: a later stream could get its
-    address, and with it the cuBLAS workspace torch keeps for that address, in this caller's
-    pool (a CUDA stream is a few hundred bytes of driver state)."""
-    device = torch.device(device)
-    driver = ctypes.CDLL("libcuda.so.1")
-    handle = ctypes.c_void_p()
-    with torch.cuda.device(device):
-        torch.cuda.synchronize()  # the runtime makes the device's primary context current on this thread
-        rc = driver.cuStreamCreate(ctypes.byref(handle), ctypes.c_uint(_CU_STREAM_NON_BLOCKING))
-        if rc != 0:
-            raise RuntimeError(f"cuStreamCreate failed with CUresult {rc}")
-        return torch.cuda.ExternalStream(handle.value, device=device)
 
 
 def on_device(inp: ProposeInputs, device: torch.device) -> ProposeInputs:

@@ -12,7 +12,7 @@ weight-streaming GEMMs plus a few fused launches:
 The math is the modules' own; only the launch structure and the rounding points of the
 GEMM accumulations differ (a fused GEMM sums in f32 before its one cast).
 
-Each weight GEMM goes through a `WeightGemm` (drafter.models.weight_gemm): for the few rows of a
+Each weight GEMM goes through a `WeightGemm` (drafter.kernels.weight_gemm): for the few rows of a
 draft step it runs drafter's skinny GEMM where that streams the weights faster than cuBLAS on
 this device, with the residual add, SiLU * up and the RMSNorms folded into the GEMMs (the GEMM
 that produces a norm's input also writes its sums of squares and input * norm weight, and the
@@ -29,11 +29,11 @@ import types
 import torch
 from torch import nn
 
-from drafter.models import fused_kernels as K
+from drafter.kernels import fused_kernels as K
 from drafter.models.heads import DraftHead, EagleHead, Eagle3Head, Eagle3Layer
 from drafter.models.layers import MLP, Attention, DecoderLayer, RMSNorm
-from drafter.models.skinny_gemm import NormedInput
-from drafter.models.weight_gemm import WeightGemm, plan_gemm
+from drafter.kernels.skinny_gemm import NormedInput
+from drafter.kernels.weight_gemm import WeightGemm, plan_gemm
 
 
 def _concat_weights(linears: list[nn.Linear], name: str = "weight") -> torch.Tensor | None:

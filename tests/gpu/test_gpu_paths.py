@@ -258,8 +258,8 @@ def test_skinny_gemm_matches_cublas_on_8b_shapes(shape, m, variant):
     epilogues, vs cuBLAS + torch."""
     import torch.nn.functional as F
 
-    from drafter.models.fused_kernels import silu_mul
-    from drafter.models.skinny_gemm import GemmConfig, skinny_gemm
+    from drafter.kernels.fused_kernels import silu_mul
+    from drafter.kernels.skinny_gemm import GemmConfig, skinny_gemm
 
     n, k, epilogue = {"qkv": (6144, 8192, None), "o": (4096, 4096, None), "gate_up": (28672, 4096, "silu"),
                       "down": (4096, 14336, "residual"), "lm_head": (32000, 4096, None)}[shape]
@@ -297,9 +297,9 @@ def test_the_planner_times_the_kernel_each_input_kind_will_run(monkeypatch):
     picked config runs in the mode it was picked for and gives the normed product."""
     import torch.nn.functional as F
 
-    from drafter.models import weight_gemm
-    from drafter.models.skinny_gemm import NormedInput
-    from drafter.models.weight_gemm import CANDIDATES, WeightGemm, plan_gemm
+    from drafter.kernels import weight_gemm
+    from drafter.kernels.skinny_gemm import NormedInput
+    from drafter.kernels.weight_gemm import CANDIDATES, WeightGemm, plan_gemm
 
     launched = []
 

@@ -97,8 +97,8 @@ def test_store_drafts_writes_only_the_real_rows():
     """The loop graph's last kernel: rows [0, batch) of the drafts into the header's output;
     the rest of a (deliberately larger) output keeps its sentinel.  Then it marks the header
     read (word DONE), also for the capture-time header, which stores nothing."""
-    from drafter.attention.kernels.batch_inputs import DONE, HEADER_WORDS, B, OUT
-    from drafter.attention.kernels.draft_output import store_drafts
+    from drafter.kernels.batch_inputs import DONE, HEADER_WORDS, B, OUT
+    from drafter.kernels.draft_output import store_drafts
 
     drafts = torch.arange(4 * 5, dtype=torch.int64, device=DEVICE).view(4, 5)  # [batch_padded 4, width 5]
     out = torch.full((4, 5), -7, dtype=torch.int64, device=DEVICE)
@@ -178,7 +178,7 @@ def test_header_is_rewritten_only_after_the_last_replay_read_it(tiny_root):
     it.  The next call rewrites the words at once when it is set, and when the caller queued
     that call before the previous one was done (DONE still 0), only after waiting, with the
     words the graphs read still in place."""
-    from drafter.attention.kernels.batch_inputs import DONE
+    from drafter.kernels.batch_inputs import DONE
 
     engine = _engine(tiny_root, max_num_seqs=2, max_num_batched_tokens=16, token_capture_sizes=(8,))
     runner = engine.graphs

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafter.models import fused_kernels as K
-from drafter.models.weight_gemm import ROW_BUCKETS, WeightGemm, plan_gemm
+from drafter.kernels import fused_kernels as K
+from drafter.kernels.weight_gemm import ROW_BUCKETS, WeightGemm, plan_gemm
 from drafter.models.layers import RMSNorm
-from drafter.models.skinny_gemm import GemmConfig, MAX_ROWS, NormedInput, skinny_gemm
+from drafter.kernels.skinny_gemm import GemmConfig, MAX_ROWS, NormedInput, skinny_gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -61,7 +61,7 @@ def test_skinny_gemm_residual_in_place_and_strided_rows():
 
 def test_tma_falls_back_where_a_descriptor_cannot_cover_the_tensor():
     """A row stride that is not 16-byte aligned (a 5-float slice) takes the per-thread loads."""
-    from drafter.models.skinny_gemm import tma_usable
+    from drafter.kernels.skinny_gemm import tma_usable
 
     g = torch.Generator().manual_seed(5)
     wide = torch.randn(6, 69, generator=g).to(DEVICE)

@@ -22,7 +22,7 @@ from drafter.attention.metadata import AttentionMetadata  # noqa: E402
 from drafter.attention.reference import ReferenceBackend  # noqa: E402
 from drafter.attention.triton_backend import AttentionLaunch, TritonBackend  # noqa: E402
 from drafter.engine.graphs import GraphRunner  # noqa: E402
-from drafter.models import fused_kernels as K  # noqa: E402
+from drafter.kernels import fused_kernels as K  # noqa: E402
 from drafter.models.layers import RMSNorm, apply_rope  # noqa: E402
 from tests.support.engines import build_engine  # noqa: E402
 from tests.support.scenario import Scenario  # noqa: E402
@@ -173,7 +173,7 @@ def test_greedy_ids_match_argmax_and_d2t(vocab):
 
 def test_step_inputs_match_the_torch_path():
     """TritonBackend.decode_step_inputs against the proposer's own torch code."""
-    from drafter.attention.kernels.step_inputs import decode_step_inputs
+    from drafter.kernels.step_inputs import decode_step_inputs
     from drafter.engine.buffers import StaticBuffers
     from drafter.engine.proposer import Proposer
 
@@ -209,7 +209,7 @@ def test_header_loader_matches_buffers_load(tiny_root, rejection, wide, strided)
     """The graph-side loader (header of addresses + loader kernels) leaves the buffers as
     StaticBuffers.load does, up to the padded sizes, for int32 and int64 inputs, and for
     strided views (which the header converts)."""
-    from drafter.attention.kernels.batch_inputs import InputHeader, load_inputs
+    from drafter.kernels.batch_inputs import InputHeader, load_inputs
     from drafter.wire.records import ProposeInputs
 
     engine = build_engine(tiny_root, "eagle-2groups", max_model_len=MAX_MODEL_LEN, max_num_seqs=6,

@@ -24,7 +24,7 @@ This kernel streams W once and fuses the step's elementwise work:
 
 Each program owns BLOCK_N output columns of BLOCK_M rows and walks the whole K: no split-K, no
 partial outputs, no second launch.  Block sizes are chosen per weight and row bucket by timing
-candidates at start-up (drafter.models.weight_gemm.plan_gemm).  Rows to norm without the
+candidates at start-up (drafter.kernels.weight_gemm.plan_gemm).  Rows to norm without the
 scaled copy (a NormedInput without .scaled) are normed by a launch of their own first: norming
 every x tile inside the K loop was measured slower at 32-64 rows (the lm_head at 64 rows: 108.5
 us vs 93.7, bench/results/2026-11-24-h100/tma-probe) and no longer pays for its code.
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from drafter.models.fused_kernels import ArgmaxParts, rms_norm
+from drafter.kernels.fused_kernels import ArgmaxParts, rms_norm
 
 EPILOGUE_NONE, EPILOGUE_RESIDUAL, EPILOGUE_SILU_MUL = 0, 1, 2
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}

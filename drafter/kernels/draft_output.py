@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from drafter.attention.kernels.batch_inputs import B, DONE, OUT
+from drafter.kernels.batch_inputs import B, DONE, OUT
 
 
 @triton.jit

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from drafter.attention.metadata import PADDING_SLOT_ID
-from drafter.engine.inputs import InvalidInput, ProposeInputs
+from drafter.wire.errors import InvalidInput
+from drafter.wire.records import ProposeInputs
 
 PAD_SLOT = tl.constexpr(PADDING_SLOT_ID)  # globals a kernel reads must be constexpr
 
@@ -187,7 +188,7 @@ def load_inputs(header: torch.Tensor, buf, num_tokens: int, num_reqs: int) -> No
 
 class InputHeader:
     """The per-call header the captured graphs read: the loader (inputs in) and the loop's
-    last kernel (drafts out, drafter.attention.kernels.draft_output).
+    last kernel (drafts out, drafter.kernels.draft_output).
 
     On a GPU the header lives in pinned host memory, which the device reads in place (pinned
     memory is mapped into the device's address space): no copy per call, and the kernels' few

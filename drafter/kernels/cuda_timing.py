@@ -8,6 +8,7 @@ and timing its replays measures the device alone.
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 from typing import Callable
 
@@ -16,13 +17,31 @@ import torch
 _capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
+_CU_STREAM_NON_BLOCKING = 1
+
+
+def private_stream(device: torch.device) -> torch.cuda.Stream:
+    """A CUDA stream created for the caller alone: not one of torch's pooled streams, which
+    torch.cuda.Stream() hands out round-robin to every caller in the process (torch.cuda.graph's
+    default capture stream is one of them).  Never destroyed: a later stream could get its
+    address, and with it the cuBLAS workspace torch keeps for that address, in this caller's
+    pool (a CUDA stream is a few hundred bytes of driver state)."""
+    device = torch.device(device)
+    driver = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()  # the runtime makes the device's primary context current on this thread
+        rc = driver.cuStreamCreate(ctypes.byref(handle), ctypes.c_uint(_CU_STREAM_NON_BLOCKING))
+        if rc != 0:
+            raise RuntimeError(f"cuStreamCreate failed with CUresult {rc}")
+        return torch.cuda.ExternalStream(handle.value, device=device)
+
+
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     """One stream of this module's own per device for the timing graphs, so that the cuBLAS
     workspace their captures allocate (in a pool that dies with them) is never the one torch
     keeps for its shared default capture stream, which another caller's long-lived graphs would
     then borrow (drafter.engine.graphs explains the hazard)."""
-    from drafter.engine.graphs import private_stream
-
     if device not in _capture_streams:
         _capture_streams[device] = private_stream(device)
     return _capture_streams[device]

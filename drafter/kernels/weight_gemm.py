@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from drafter.engine.cuda_timing import graph_time_us
-from drafter.models import fused_kernels as K
-from drafter.models.skinny_gemm import MAX_ROWS, GemmConfig, NormedInput, block_m_for, pick_config, skinny_gemm
+from drafter.kernels.cuda_timing import graph_time_us
+from drafter.kernels import fused_kernels as K
+from drafter.kernels.skinny_gemm import MAX_ROWS, GemmConfig, NormedInput, block_m_for, pick_config, skinny_gemm
 
 ROW_BUCKETS = (16, 32, 64)  # the skinny kernel's row-block sizes: one decision per bucket
 # (block_n, block_k, warps, stages[, swap, tma]): the fastest configurations of H100 sweeps over
