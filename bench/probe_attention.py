@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from drafter.attention.triton_backend import AttentionLaunch, TritonBackend
-from drafter.bench import BLOCK_SIZE, copy_bandwidth, decode_attention_case
+from drafter.tools.bench.grid import BLOCK_SIZE, copy_bandwidth, decode_attention_case
 from drafter.kernels.cuda_timing import graph_time_us
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.bench import (SPECS, as_inputs, build_engine, host_calibration, on_device, random_head,
+from drafter.tools.bench.grid import (SPECS, as_inputs, build_engine, host_calibration, on_device, random_head,
                            steady_state_call, time_host)
 
 TICK = 100  # clock ticks per second in /proc (USER_HZ)

@@ -72,7 +72,7 @@ def table(cases: dict, wait, label: str) -> None:
 
 
 def engine_process(device, cases: dict, wait) -> None:
-    from drafter.bench import SPECS, build_engine, on_device, random_head, steady_state_call
+    from drafter.tools.bench.grid import SPECS, build_engine, on_device, random_head, steady_state_call
 
     spec = SPECS["eagle3-8b"]
     head = random_head(spec, device, torch.bfloat16)

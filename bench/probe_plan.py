@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.bench import copy_bandwidth
+from drafter.tools.bench.grid import copy_bandwidth
 from drafter.kernels.skinny_gemm import GemmConfig
 from drafter.kernels.weight_gemm import CANDIDATES, plan_gemm
 

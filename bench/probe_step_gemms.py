@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from drafter.bench import copy_bandwidth
+from drafter.tools.bench.grid import copy_bandwidth
 from drafter.kernels.cuda_timing import graph_time_us
 from drafter.kernels.fused_kernels import silu_mul
 from drafter.kernels.skinny_gemm import GemmConfig, pick_config, skinny_gemm

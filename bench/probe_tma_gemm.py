@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from drafter.bench import copy_bandwidth
+from drafter.tools.bench.grid import copy_bandwidth
 from drafter.kernels.cuda_timing import graph_time_us
 from drafter.kernels.skinny_gemm import GemmConfig, skinny_gemm
 from drafter.kernels.weight_gemm import CANDIDATES

@@ -50,7 +50,7 @@ if [ "${STAGE:-tests}" = tests ]; then
     tests/unit/test_graph_runner.py tests/unit/test_bound.py
   wait
   echo "-- $((SECONDS - start)) s"
-  (cd "$NEW" && PYTHONPATH=$NEW timeout 150 python3 -m drafter.bench --out "$OUT/smoke" --heads eagle3-8b --ks 3 \
+  (cd "$NEW" && PYTHONPATH=$NEW timeout 150 python3 -m drafter.tools.bench.grid --out "$OUT/smoke" --heads eagle3-8b --ks 3 \
     --batches 1,16 --contexts 1024 --iters 5 --no-eager) > "$OUT/smoke_log.txt" 2>&1
   echo "== smoke bench: rc $?"
   grep -E "^eagle|peer|summary|Error|error" "$OUT/smoke_log.txt" | cut -c1-400 | tail -12
@@ -58,7 +58,7 @@ if [ "${STAGE:-tests}" = tests ]; then
   echo "-- $((SECONDS - start)) s"
 fi
 if [ "${STAGE:-tests}" = bench ]; then
-  (cd "$NEW" && PYTHONPATH=$NEW timeout "${BENCH_TIMEOUT:-540}" python3 -m drafter.bench --out "$OUT" \
+  (cd "$NEW" && PYTHONPATH=$NEW timeout "${BENCH_TIMEOUT:-540}" python3 -m drafter.tools.bench.grid --out "$OUT" \
     --heads eagle3-8b --ks 3 --batches 1,2,4,8,16,32,64 --contexts 1024,8192 "$@") > "$OUT/bench_log.txt" 2>&1
   echo "== bench: rc $?"
   rm -f "$OUT/bench.log"

@@ -9,7 +9,7 @@
 # Knobs: SKIP_TESTS, SKIP_BENCH, SKIP_REMOTE, TEST_TIMEOUT, BENCH_TIMEOUT, REMOTE_TIMEOUT, REMOTE_ARGS.
 # On a fresh machine (cold Triton cache) the GPU tests alone take ~5-6 minutes: within one
 # 10-minute device call, run SKIP_BENCH=1 SKIP_REMOTE=1 first, then SKIP_TESTS=1 on the warm machine.
-# The bench's compiled peer (drafter/bench_peer.py) compiles once per (head, k, batch), ~7 s each on a
+# The bench's compiled peer (drafter/tools/bench/peer.py) compiles once per (head, k, batch), ~7 s each on a
 # cold machine: the default grid's 54 shapes alone take ~6 minutes, so pass a narrower grid (issue 24's:
 # --heads eagle3-8b --ks 3 --batches 1,2,4,8,16,32,64, as bench/run_issue24.sh does) or --no-peer.
 set -uo pipefail
@@ -31,12 +31,12 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -8
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-420}" python3 -m drafter.bench --out "$OUT" "$@" > "$OUT/bench_log.txt" 2>&1
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m drafter.tools.bench.grid --out "$OUT" "$@" > "$OUT/bench_log.txt" 2>&1
   grep -E "summary|^  (eagle|host)|k=. ctx=|^NVIDIA|TFLOP" "$OUT/bench_log.txt" | cut -c1-300 | tail -45
   rm -f "$OUT/bench.log"  # the same lines as bench_log.txt
 fi
 if [ -z "${SKIP_REMOTE:-}" ]; then
-  timeout "${REMOTE_TIMEOUT:-300}" python3 -m drafter.bench_remote --out "$OUT" ${REMOTE_ARGS:-} > "$OUT/remote_log.txt" 2>&1
+  timeout "${REMOTE_TIMEOUT:-300}" python3 -m drafter.tools.bench.remote --out "$OUT" ${REMOTE_ARGS:-} > "$OUT/remote_log.txt" 2>&1
   tail -20 "$OUT/remote_log.txt"
 fi
 ls -la "$OUT"

@@ -16,7 +16,7 @@ fi
 BENCH_ARGS=${BENCH_ARGS:---heads eagle3-8b --batches 1,4,16,64 --ks 3,5 --contexts 1024,8192 --no-eager}
 for variant in ${VARIANTS:-"off:--skinny-gemm off" "auto:--skinny-gemm auto --profile"}; do
   name=${variant%%:*}
-  timeout "${BENCH_TIMEOUT:-240}" python3 -m drafter.bench --out "$OUT/bench-$name" $BENCH_ARGS ${variant#*:} \
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m drafter.tools.bench.grid --out "$OUT/bench-$name" $BENCH_ARGS ${variant#*:} \
     > "$OUT/bench-$name.txt" 2>&1
   echo "== $name"; grep -E "ratio|summary|loop/floor|Error|error" "$OUT/bench-$name.txt" | cut -c1-250 | tail -22
   rm -f "$OUT/bench-$name/bench.log" "$OUT/bench-$name/bench.png"

@@ -43,8 +43,8 @@ SUBCOMMANDS = [
     "drafter.service.serve_cli",  # serve
     _register_make_tiny,  # make-tiny
     "coordinator.demo.cli",  # demo
-    "drafter.loadtest.cli",  # loadtest
-    "drafter.bench",  # bench
+    "drafter.tools.loadtest.cli",  # loadtest
+    "drafter.tools.bench.grid",  # bench
 ]
 
 

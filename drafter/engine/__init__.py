@@ -8,6 +8,5 @@
     kv_cache.py     paged KV pools per group, the hidden-state store
     graphs.py       CUDA graphs: capture and replay of the whole draft step
     bound.py        bound buffers: a trusted caller's persistent inputs read in place
-    cuda_timing.py  graph-replay timing of kernels (tile choice)
 The tensors of one call are drafter.wire.records.ProposeInputs; the kernels are drafter.kernels.
 """

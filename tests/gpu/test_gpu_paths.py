@@ -214,7 +214,7 @@ def test_graph_engine_reads_pinned_host_inputs_in_place(tiny_root):
 def test_graph_replay_equals_eager_on_8b_shapes():
     """EAGLE-3 with Llama-3.1-8B shapes in bf16: the graphs give the eager path's drafts, and the
     eager Triton path's logits stay within bf16 noise of the reference backend's."""
-    from drafter.bench import SPECS, as_inputs, build_engine, on_device, random_head, steady_state_call
+    from drafter.tools.bench.grid import SPECS, as_inputs, build_engine, on_device, random_head, steady_state_call
     from drafter.models.fusion import unfuse_head
 
     spec = SPECS["eagle3-8b"]

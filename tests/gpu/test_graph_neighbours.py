@@ -33,13 +33,13 @@ CONTEXT = 1000
 @pytest.fixture(scope="module")
 def head():
     """One random 8B-shaped EAGLE-3 head for every engine here (fused and planned once)."""
-    from drafter.bench import SPECS, random_head
+    from drafter.tools.bench.grid import SPECS, random_head
 
     return random_head(SPECS["eagle3-8b"], CUDA, torch.bfloat16)
 
 
 def _engine(head):
-    from drafter.bench import SPECS, build_engine
+    from drafter.tools.bench.grid import SPECS, build_engine
 
     engine = build_engine(head, SPECS["eagle3-8b"], 3, list(BATCHES), 1024, CUDA)
     engine.graphs.capture()
@@ -53,7 +53,7 @@ def _drafts(engine, calls) -> dict[int, torch.Tensor]:
 
 
 def _calls(engine) -> dict[int, dict]:
-    from drafter.bench import on_device, steady_state_call
+    from drafter.tools.bench.grid import on_device, steady_state_call
 
     return {b: on_device(steady_state_call(engine, b, CONTEXT, seed=b), CUDA) for b in BATCHES}
 

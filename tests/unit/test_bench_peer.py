@@ -1,4 +1,4 @@
-"""`drafter bench`'s compiled peer (drafter.bench_peer) computes the engine's drafts: the same
+"""`drafter bench`'s compiled peer (drafter.tools.bench.peer) computes the engine's drafts: the same
 greedy chain over the same paged calls (mixed query and context lengths, rejected tokens,
 requests over several calls), for EAGLE-3 and EAGLE-1 heads; and it traces as one graph
 (torch.compile fullgraph), custom attention op included.  CPU, tiny fp32 heads, the reference
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.bench_peer import CompiledPeer
+from drafter.tools.bench.peer import CompiledPeer
 from tests.support.engines import build_engine
 from tests.support.scenario import Scenario
 

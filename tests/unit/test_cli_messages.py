@@ -20,7 +20,7 @@ def test_demo_header_shows_each_drafter_as_started_and_its_restart():
 
 
 def test_every_bench_option_has_help():
-    from drafter import bench
+    from drafter.tools.bench import grid as bench
 
     p = argparse.ArgumentParser()
     bench._arguments(p)
@@ -31,7 +31,7 @@ def test_every_bench_option_has_help():
 def test_bench_without_a_gpu_points_at_recorded_results(monkeypatch):
     import torch
 
-    from drafter import bench
+    from drafter.tools.bench import grid as bench
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
@@ -40,7 +40,7 @@ def test_bench_without_a_gpu_points_at_recorded_results(monkeypatch):
 
 
 def test_replot_says_what_it_wrote(tmp_path, capsys, monkeypatch):
-    from drafter import bench
+    from drafter.tools.bench import grid as bench
 
     drawn = []
     monkeypatch.setattr(bench, "plot", lambda rows, meta, path: drawn.append(path))

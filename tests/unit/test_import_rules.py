@@ -29,14 +29,9 @@ LAYERS = {
     "drafter.tools": 5,
     "drafter.cli": 5,
     "drafter.__main__": 5,
-    **{f"drafter.{m}": 5 for m in ("bench", "bench_host", "bench_peer", "bench_remote", "bench_service_host",
-                                   "bench_transport", "loadtest")},
 }
 CLIENT_EXCLUDED = ("coordinator.target", "coordinator.demo")
-TOOLS = ("drafter.tools",
-         # until they move into drafter/tools/ (issue 17, phase 2)
-         "drafter.bench", "drafter.bench_host", "drafter.bench_peer", "drafter.bench_remote",
-         "drafter.bench_service_host", "drafter.bench_transport", "drafter.loadtest")
+TOOLS = ("drafter.tools",)
 PRODUCT = ("drafter.wire", "drafter.kernels", "drafter.attention", "drafter.models", "drafter.engine",
            "drafter.service")
 

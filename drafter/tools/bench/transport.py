@@ -1,6 +1,6 @@
 """The remote path's own cost on a CPU host: round trip minus engine time, per transport, per stage.
 
-    python -m drafter.bench_transport [--iters 300] [--batch 16] [--k 3] [--out FILE.json] [--profile DIR]
+    python -m drafter.tools.bench.transport [--iters 300] [--batch 16] [--k 3] [--out FILE.json] [--profile DIR]
 
 A real server (ServiceCore + the ZMQ and gRPC transports, exactly as `drafter serve` wires them)
 runs in a subprocess on loopback with a NullEngine: the real EngineConfig, limits and input
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-# EAGLE-3 for Llama-3.1-8B (as drafter.bench_remote.HEAD_CONFIG), without importing the GPU bench
+# EAGLE-3 for Llama-3.1-8B (as drafter.tools.bench.remote.HEAD_CONFIG), without importing the GPU bench
 HEAD = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
         "intermediate_size": 14336, "vocab_size": 128256, "draft_vocab_size": 32000, "num_hidden_layers": 1,
         "eagle_aux_hidden_state_layer_ids": [2, 16, 29], "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
@@ -106,7 +106,7 @@ def null_engine(batch: int, k: int, ctx: int, kv_blocks: int):
 
 
 def decode_call(batch: int, k: int, ctx: int, num_blocks: int, vocab: int, width: int, seed: int = 7) -> dict:
-    """A decode step (as drafter.bench.decode_call): k + 1 verified tokens per request ending at ctx - 1."""
+    """A decode step (as drafter.tools.bench.grid.decode_call): k + 1 verified tokens per request ending at ctx - 1."""
     q = k + 1
     g = torch.Generator().manual_seed(seed)
     per_req = -(-(ctx + k + 1) // BLOCK_SIZE)
@@ -217,7 +217,7 @@ async def _serve(args) -> int:
 
 class ServerProc:
     def __init__(self, args, ipc_path: str):
-        cmd = [sys.executable, "-m", "drafter.bench_transport", "serve", "--batch", str(args.batch), "--k",
+        cmd = [sys.executable, "-m", "drafter.tools.bench.transport", "serve", "--batch", str(args.batch), "--k",
                str(args.k), "--ctx", str(args.ctx), "--kv-blocks", str(args.kv_blocks)]
         if ipc_path:
             cmd += ["--zmq-ipc", ipc_path]
@@ -325,7 +325,7 @@ class EchoLane:
 
 class EchoProc:
     def __init__(self, ipc: str, use_asyncio: bool):
-        cmd = [sys.executable, "-m", "drafter.bench_transport", "echo", "--endpoint", "tcp://127.0.0.1:0",
+        cmd = [sys.executable, "-m", "drafter.tools.bench.transport", "echo", "--endpoint", "tcp://127.0.0.1:0",
                "--endpoint", ipc] + (["--asyncio"] if use_asyncio else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         self.port = json.loads(self.proc.stdout.readline())["port"]
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(argv[1:])
     if argv[:1] == ["echo"]:
         return echo_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m drafter.bench_transport", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m drafter.tools.bench.transport", description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--ctx", type=int, default=1024)
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                        "host": platform.node(), "cpus": os.cpu_count(), "batch": args.batch, "k": args.k,
                        "payload_bytes": nbytes, "iters": args.iters, "rounds": args.rounds,
-                       "command": "python -m drafter.bench_transport " + " ".join(argv)}}
+                       "command": "python -m drafter.tools.bench.transport " + " ".join(argv)}}
     procs, lanes = [], []
     transports = [t for t in args.transports.split(",") if t]
     server = ServerProc(args, f"{ipc_dir}/drafter.sock" if "zmq-ipc" in transports else "")

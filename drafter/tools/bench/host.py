@@ -1,6 +1,6 @@
 """Host (Python) time of a graph-replayed propose call, piece by piece, on the CPU alone.
 
-    python -m drafter.bench_host [--batch 16 --k 3 --ctx 1024 --json OUT]
+    python -m drafter.tools.bench.host [--batch 16 --k 3 --ctx 1024 --json OUT]
 
 On a GPU host `drafter bench` reports host_us (the whole call) and host_breakdown; this one
 needs no GPU: a tiny EAGLE-3 engine on the CPU with the graph runner's replays replaced by
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.bench import bind_call, decode_call
+from drafter.tools.bench.grid import bind_call, decode_call
 from drafter.engine.config import EngineConfig, KVGroupSpec
 from drafter.engine.engine import DraftEngine
 from drafter.wire.records import DraftOutput
@@ -115,7 +115,7 @@ def report(us: dict[str, float], args: argparse.Namespace) -> None:
 
 
 def main(argv=None) -> int:
-    args = call_shape_args("python -m drafter.bench_host", __doc__.split("\n")[0]).parse_args(argv)
+    args = call_shape_args("python -m drafter.tools.bench.host", __doc__.split("\n")[0]).parse_args(argv)
     torch.set_num_threads(1)  # host overhead, not OpenMP: one thread keeps the numbers steady
     report(measure(args.batch, args.k, args.ctx), args)
     return 0

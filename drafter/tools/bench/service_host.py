@@ -1,6 +1,6 @@
 """Host time of the drafter service's own per-call Python, part by part, on the CPU alone.
 
-    python -m drafter.bench_service_host [--batch 16 --k 3 --ctx 1024 --json OUT]
+    python -m drafter.tools.bench.service_host [--batch 16 --k 3 --ctx 1024 --json OUT]
 
 What a ZMQ propose call costs the server besides the engine's drafting, in the order it runs:
 header_decode (msgpack body -> ProposeRequest), tensor_decode (frames -> tensors, drafter.wire.tensors),
@@ -16,7 +16,7 @@ k + 1 tokens, hidden states [tokens, 3 x 4096] bf16, one KV group of block size 
 second session attached (its blocks start past the first's, so offset_inputs really shifts).
 The parts cycle through distinct calls totalling more than a server CPU's last-level cache, so
 a call's hidden states come from memory as a fresh network message's do.  Each number is
-microseconds per call, best of several repeats of many calls (drafter.bench_host.per_call_us).
+microseconds per call, best of several repeats of many calls (drafter.tools.bench.host.per_call_us).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import itertools
 import msgspec
 import torch
 
-from drafter.bench_host import call_shape_args, per_call_us, report
-from drafter.bench_transport import BLOCK_SIZE, decode_call, null_engine
+from drafter.tools.bench.host import call_shape_args, per_call_us, report
+from drafter.tools.bench.transport import BLOCK_SIZE, decode_call, null_engine
 from drafter.wire import schema
 from drafter.service.batching.checks import check_finite, engine_validate
 from drafter.service.batching.queue import Pending
@@ -108,7 +108,7 @@ def _prepare(runner: EngineRunner, session, call) -> ProposeInputs:
 
 
 def main(argv=None) -> int:
-    p = call_shape_args("python -m drafter.bench_service_host", __doc__.split("\n")[0])
+    p = call_shape_args("python -m drafter.tools.bench.service_host", __doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=2000, help="calls per repeat")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # host overhead, not OpenMP: one thread keeps the numbers steady

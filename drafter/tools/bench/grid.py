@@ -1,6 +1,6 @@
 """`drafter bench`: the engine's draft step on a GPU against the memory floor, eager vs graphs.
 
-    python -m drafter.bench --out bench/results/run1        # or: drafter bench --out ...
+    python -m drafter.tools.bench.grid --out bench/results/run1        # or: drafter bench --out ...
 
 Heads with the shapes of an EAGLE-3 for Llama-3.1-8B and of an 8B EAGLE-1, random bf16 weights
 built on the GPU (no checkpoint is written).  For each head, k, context length and batch size
@@ -280,7 +280,7 @@ def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, s
 
 def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts, bw: float, peak: float,
                  iters: int, eager: bool, log, peer=None) -> list[dict]:
-    """peer: a drafter.bench_peer.CompiledPeer of this engine, timed on every row, or None."""
+    """peer: a drafter.tools.bench.peer.CompiledPeer of this engine, timed on every row, or None."""
     rows = []
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -316,7 +316,7 @@ def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts
                     finally:
                         engine.graphs = graphs
                 if peer is not None:
-                    from drafter.bench_peer import peer_row
+                    from drafter.tools.bench.peer import peer_row
 
                     row.update(peer_row(peer, call, graph_call().draft_token_ids, iters))
             f = floors(wbytes, spec, b, ctx, k, bw)
@@ -694,7 +694,7 @@ def run(args) -> dict:
                     + " | ".join(f"{b}: {plan['picked'].get(b, 'cublas')}; "
                                  + ", ".join(f"{c} {us:.1f}" for c, us in t.items())
                                  for b, t in plan["timings_us"].items()))
-            from drafter.bench_peer import make_peer
+            from drafter.tools.bench.peer import make_peer
 
             peer = None if args.no_peer else make_peer(head, spec, engine, log)
             rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, peak,

@@ -1,6 +1,6 @@
 """Remote vs in-process drafting on one GPU host: `drafter serve` against DraftEngine.propose.
 
-    python -m drafter.bench_remote --out DIR [--batch 16 --k 3 --ctx 1024 --iters 200]
+    python -m drafter.tools.bench.remote --out DIR [--batch 16 --k 3 --ctx 1024 --iters 200]
 
 The head has EAGLE-3 / Llama-3.1-8B shapes with random weights: only its config.json is written
 (the server process builds the weights on the GPU itself, as `drafter bench` does).  First the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.bench import BLOCK_SIZE, decode_call, random_head
+from drafter.tools.bench.grid import BLOCK_SIZE, decode_call, random_head
 
 HEAD_CONFIG = {  # EAGLE-3 for Llama-3.1-8B (SafeAILab-style config.json keys)
     "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -149,7 +149,7 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
 
     run_dir = tempfile.mkdtemp(prefix="drafter-ipc-")  # 0700: only this user may reach the socket
     probes_out = Path(run_dir) / "server-probes.json"
-    cmd = [sys.executable, "-m", "drafter.bench_remote", "serve",
+    cmd = [sys.executable, "-m", "drafter.tools.bench.remote", "serve",
            *server_args(model_dir, args.batch, args.k, args.ctx, args.kv_blocks, args.device),
            "--zmq-ipc", f"{run_dir}/drafter.sock"]
     env = {**os.environ, "DRAFTER_PROBES": "1", "DRAFTER_PROBES_OUT": str(probes_out),
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         return serve_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m drafter.bench_remote", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m drafter.tools.bench.remote", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="bench/results/latest")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--k", type=int, default=3)
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"meta": {"device": device_name, "date": datetime.datetime.now(
                   datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "batch": args.batch, "k": args.k,
                   "ctx": args.ctx, "payload_bytes": payload, "batch_window_us": 0,
-                  "command": "python -m drafter.bench_remote " + " ".join(argv)},
+                  "command": "python -m drafter.tools.bench.remote " + " ".join(argv)},
               "in_process": local, "remote": rem, "ratios": ratios}
     (out / "remote.json").write_text(json.dumps(result, indent=1))
     (out / "remote.log").write_text("\n".join(lines) + "\n")

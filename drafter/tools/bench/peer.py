@@ -239,7 +239,7 @@ CALL_KEYS = ("target_token_ids", "target_positions", "target_hidden_states", "ne
 
 
 def call_args(call: dict, max_blocks: int) -> tuple[torch.Tensor, ...]:
-    """A bench call (drafter.bench.decode_call keywords, one KV group) as propose_step's tensors,
+    """A bench call (drafter.tools.bench.grid.decode_call keywords, one KV group) as propose_step's tensors,
     the block table widened to max_blocks (one compiled shape for every context length)."""
     table = call["block_tables"][0]
     width = min(table.shape[1], max_blocks)
@@ -347,7 +347,7 @@ def peer_row(peer: CompiledPeer, call: dict, engine_drafts: torch.Tensor, iters:
     import statistics
     import time
 
-    from drafter.bench import time_events
+    from drafter.tools.bench.grid import time_events
 
     t0 = time.perf_counter()
     graph = peer.capture(call)
