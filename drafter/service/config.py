@@ -78,6 +78,8 @@ class ServerConfig:
     keepalive_timeout_s: float = _opt(float, 10.0, "drop a peer whose ping is not answered within this")
     # ---- service behaviour
     max_sessions: int = _opt(int, 16, "most attached sessions")
+    max_sessions_per_client: int = _opt(int, 0, "most sessions one authenticated client (mTLS certificate CN or "
+                                                "CURVE key) may hold (0 = no limit; unauthenticated: max_sessions)")
     batch_window_us: int = _opt(int, 100, "how long to collect requests of several sessions for one engine call")
     session_idle_timeout_s: float = _opt(float, 900.0, "detach a session unused this long (0 = never)")
     drain_timeout_s: float = _opt(float, 20.0, "on SIGTERM, how long in-flight calls may take before exit")

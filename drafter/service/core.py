@@ -73,13 +73,15 @@ class CallRecord:
 
 class ServiceCore:
     def __init__(self, *, metrics: Metrics, max_sessions: int, batch_window_s: float, max_message_bytes: int,
-                 session_idle_timeout_s: float = 0.0, allow_cuda_ipc: tuple[bool, str] = (False, "not enabled")):
+                 session_idle_timeout_s: float = 0.0, allow_cuda_ipc: tuple[bool, str] = (False, "not enabled"),
+                 max_sessions_per_client: int = 0):
         """allow_cuda_ipc: (allowed, why not) from drafter.service.cuda_support.allowed; the engine's
         device decides the rest."""
         self.metrics = metrics
         self.allow_cuda_ipc = allow_cuda_ipc
         self.cuda_ipc = schema.CudaIpcSupport(enabled=False, reason="loading")
         self.max_sessions = max_sessions
+        self.max_sessions_per_client = max_sessions_per_client
         self.batch_window_s = batch_window_s
         self.max_message_bytes = max_message_bytes
         self.session_idle_timeout_s = session_idle_timeout_s
@@ -107,7 +109,7 @@ class ServiceCore:
     def set_engine(self, engine) -> None:
         self.engine = engine
         self.desc = describe_engine(engine, self.max_message_bytes)
-        self.sessions = SessionTable(self.desc, self.max_sessions)
+        self.sessions = SessionTable(self.desc, self.max_sessions, self.max_sessions_per_client)
         self.cuda_ipc = cuda_support.advertise(getattr(engine, "device", "cpu"), *self.allow_cuda_ipc)
         self.runner = EngineRunner(engine, self._on_engine_call, self._cuda_ipc_opener(engine))
         self.batcher = Batcher(self.runner, self.executor, self.batch_window_s)
@@ -245,9 +247,10 @@ class ServiceCore:
     def _tree(self) -> list[schema.TreePath]:
         return [schema.TreePath(ranks=list(p)) for p in (self.desc.speculative_token_tree or ())]
 
-    async def attach(self, req: schema.AttachRequest) -> schema.AttachResponse:
+    async def attach(self, req: schema.AttachRequest, peer: str = "") -> schema.AttachResponse:
+        """peer: the authenticated identity of the caller (mTLS certificate CN, CURVE public key), or ""."""
         try:
-            s = self.sessions.attach(req)
+            s = self.sessions.attach(req, peer)
         except DrafterError as e:
             log.warning("attach refused", extra={"event": "attach_refused", "code": e.code.name, "field": e.field,
                                                   "client": req.client_name[:128], "reason": e.message})
@@ -301,9 +304,10 @@ class ServiceCore:
         if report is not None:
             self.metrics.record_acceptance(report, self.desc.num_speculative_tokens)
 
-    async def detach(self, req: schema.DetachRequest, reason: str = "client") -> schema.DetachResponse:
+    async def detach(self, req: schema.DetachRequest, reason: str = "client",
+                     peer: str = "") -> schema.DetachResponse:
         self._check_epoch(req.epoch)
-        s = self.sessions.detach(req.session_id)
+        s = self.sessions.detach(req.session_id, peer)
         await self._release(s, reason)
         return schema.DetachResponse(blocks_released=sum(s.num_blocks))
 
@@ -324,7 +328,7 @@ class ServiceCore:
             await asyncio.sleep(period)  # a periodic sweep, not synchronisation
             for s in self.sessions.idle(time.monotonic(), self.session_idle_timeout_s):
                 if s.alive and s.id in self.sessions.sessions:
-                    self.sessions.detach(s.id)
+                    self.sessions.detach(s.id, s.owner)
                     await self._release(s, "idle")
 
     def info(self, req: schema.InfoRequest | None = None) -> schema.InfoResponse:

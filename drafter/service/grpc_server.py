@@ -45,6 +45,15 @@ def release_frames(exc: BaseException | None) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
+def peer_identity(context) -> str:
+    """The authenticated client: its certificate's common name under mTLS, "" without client auth."""
+    try:
+        names = (context.auth_context() or {}).get("x509_common_name") or ()
+    except Exception:  # noqa: BLE001 - no auth context on a plaintext port
+        return ""
+    return "x509:" + names[0].decode(errors="replace") if names else ""
+
+
 def _parse(cls, raw: bytes):
     try:
         return cls.FromString(raw)
@@ -93,13 +102,13 @@ class DrafterGrpcService:
     async def attach(self, raw: bytes, context):
         async def work():
             req = struct_from_proto(_parse(pb.AttachRequest, raw), schema.AttachRequest)
-            return struct_to_proto(await self.core.attach(req), pb.AttachResponse())
+            return struct_to_proto(await self.core.attach(req, peer_identity(context)), pb.AttachResponse())
         return await self._unary("Attach", context, work)
 
     async def detach(self, raw: bytes, context):
         async def work():
             req = struct_from_proto(_parse(pb.DetachRequest, raw), schema.DetachRequest)
-            return struct_to_proto(await self.core.detach(req), pb.DetachResponse())
+            return struct_to_proto(await self.core.detach(req, peer=peer_identity(context)), pb.DetachResponse())
         return await self._unary("Detach", context, work)
 
     async def info(self, raw: bytes, context):

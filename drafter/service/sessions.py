@@ -69,6 +69,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     alive: bool = True
     calls: int = 0
+    owner: str = ""  # the authenticated peer that attached it (mTLS CN, CURVE key); "" = none
 
 
 class BlockAllocator:
@@ -227,19 +228,25 @@ def attach_requirements(cfg) -> str:
 
 
 class SessionTable:
-    def __init__(self, eng: EngineDescription, max_sessions: int):
+    def __init__(self, eng: EngineDescription, max_sessions: int, max_sessions_per_client: int = 0):
         self.eng = eng
         self.max_sessions = max_sessions
+        self.max_sessions_per_client = max_sessions_per_client  # per authenticated peer; 0 = no limit
         self.allocators = [BlockAllocator(n) for n in eng.pool_blocks]
         self.sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def attach(self, req: schema.AttachRequest) -> Session:
+    def attach(self, req: schema.AttachRequest, owner: str = "") -> Session:
+        """owner: the authenticated peer attaching ("" without auth); it alone may detach the session."""
         check_layout(req, self.eng)
         if len(self.sessions) >= self.max_sessions:
             raise DrafterError(Code.RESOURCE_EXHAUSTED, "session", f"{self.max_sessions} sessions already attached")
+        quota = self.max_sessions_per_client
+        if owner and quota and sum(s.owner == owner for s in self.sessions.values()) >= quota:
+            raise DrafterError(Code.RESOURCE_EXHAUSTED, "session",
+                               f"this client already holds {quota} sessions (--max-sessions-per-client)")
         bases: list[int] = []
         for g, group in enumerate(req.kv_groups):
             base = self.allocators[g].allocate(group.num_blocks)
@@ -255,7 +262,8 @@ class SessionTable:
             id=secrets.token_hex(16), client_name=req.client_name[:128], bases=tuple(bases),
             num_blocks=tuple(g.num_blocks for g in req.kv_groups), block_sizes=self.eng.block_sizes,
             max_model_len=req.max_model_len, max_num_seqs=req.max_num_seqs,
-            max_num_batched_tokens=req.max_num_batched_tokens, hidden_dtype=DTYPES[req.hidden_dtype])
+            max_num_batched_tokens=req.max_num_batched_tokens, hidden_dtype=DTYPES[req.hidden_dtype],
+            owner=owner)
         self.sessions[s.id] = s
         return s
 
@@ -265,9 +273,12 @@ class SessionTable:
             raise DrafterError(Code.NOT_FOUND, "session_id", "unknown session: attach first (or again)")
         return s
 
-    def detach(self, session_id: str) -> Session:
-        """Forget the session; its blocks stay reserved until release() (after they were zeroed)."""
+    def detach(self, session_id: str, owner: str = "") -> Session:
+        """Forget the session; its blocks stay reserved until release() (after they were zeroed).  A session
+        attached by an authenticated peer is detached only by that peer: to any other it does not exist."""
         s = self.get(session_id)
+        if s.owner and s.owner != owner:
+            raise DrafterError(Code.NOT_FOUND, "session_id", "unknown session: attach first (or again)")
         del self.sessions[session_id]
         s.alive = False
         return s

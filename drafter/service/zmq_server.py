@@ -70,6 +70,15 @@ def decode_struct(decoder, buf, what: str):
         raise invalid(schema.utf8_field(buf, what), f"{what}: a string that is not UTF-8 ({exc.reason})") from None
 
 
+def peer_identity(frame) -> str:
+    """The authenticated client: its CURVE public key (the ZAP User-Id), "" without CURVE."""
+    try:
+        user = frame.get("User-Id")
+    except zmq.ZMQError:
+        return ""
+    return "curve:" + user if user else ""
+
+
 def _check_frames(rest: list, max_message_bytes: int) -> None:
     if len(rest) + 2 > MAX_FRAMES:
         raise invalid("frames", f"{len(rest) + 2} frames; at most {MAX_FRAMES}")
@@ -387,9 +396,9 @@ class ZmqServer:
             if rest[1:]:
                 raise invalid("frames", f"{method} takes no tensor frames")
             if method == "Attach":
-                return await self.core.attach(req)
+                return await self.core.attach(req, peer_identity(rest[0]))
             if method == "Detach":
-                return await self.core.detach(req)
+                return await self.core.detach(req, peer=peer_identity(rest[0]))
             return self.core.info(req)
 
     # ------------------------------------------------------------------ shutdown

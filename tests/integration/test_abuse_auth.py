@@ -8,6 +8,7 @@ Now `drafter serve` refuses such a configuration in one line, serves it only und
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -83,3 +84,66 @@ def test_no_session_id_in_the_logs(eagle3, tmp_path, one_torch_thread):
     assert sid not in text
     events = [json.loads(ln).get("event") for ln in text.splitlines() if session_tag(sid) in ln]
     assert events == ["attach", "detach"]
+
+
+@pytest.fixture(scope="module")
+def both_auth(eagle3, tmp_path_factory, one_torch_thread):
+    """mTLS and CURVE, two sessions at most per authenticated client."""
+    d = tmp_path_factory.mktemp("pki2")
+    ca = CA(d, "drafter-ca")
+    cert, key = ca.issue("drafter", server=True)
+    keys = curve_certificates(d)
+    clients = d / "curve-clients"
+    clients.mkdir()
+    shutil.copy(keys["client"][0], clients)
+    with DrafterServer(eagle3, "eagle3", log_path=d / "server.log", kv_blocks=64, block_sizes=16, tls_cert=cert,
+                       tls_key=key, tls_client_ca=ca.cert_path, curve_server_cert=keys["server"][1],
+                       curve_clients_dir=clients, max_sessions_per_client=2, **SERVER_SETTINGS) as server:
+        yield server, ca, keys
+
+
+def _grpc_as(server, ca, name):
+    return GrpcDrafterClient(server.grpc_target, tls=TlsConfig(ca.cert_path, *ca.issue(name, server=False)),
+                             timeout_s=10)
+
+
+def test_a_session_is_detached_only_by_the_peer_that_attached_it(both_auth):
+    from coordinator.transport import CurveConfig
+    from drafter.wire.errors import Code, DrafterError
+    from tests.support.servers import layout_for
+
+    server, ca, keys = both_auth
+    with _grpc_as(server, ca, "owner") as owner, _grpc_as(server, ca, "other") as other, \
+            ZmqDrafterClient(server.zmq_endpoint, timeout_s=10, curve=CurveConfig(
+                server_public=keys["server"][0], client_secret=keys["client"][1])) as zmq_peer:
+        owner.attach(layout_for(owner.info(), 4))
+        sid, epoch = owner.session.session_id, owner.session.epoch
+        for thief in (other, zmq_peer):  # another certificate; an authorised CURVE key on the other transport
+            thief.session.session_id, thief.session.epoch = sid, epoch
+            with pytest.raises(DrafterError) as e:
+                thief.detach()
+            assert (e.value.code, e.value.field) == (Code.NOT_FOUND, "session_id")
+        owner.detach()
+
+
+def test_sessions_per_authenticated_client_are_capped(both_auth):
+    from drafter.wire.errors import Code, DrafterError
+    from tests.support.servers import layout_for
+
+    server, ca, _ = both_auth
+    clients = [_grpc_as(server, ca, "greedy") for _ in range(3)]
+    try:
+        layout = layout_for(clients[0].info(), 4)
+        clients[0].attach(layout)
+        clients[1].attach(layout)
+        with pytest.raises(DrafterError) as e:
+            clients[2].attach(layout)
+        assert (e.value.code, e.value.field) == (Code.RESOURCE_EXHAUSTED, "session")
+        with _grpc_as(server, ca, "modest") as modest:  # another client still gets one
+            modest.attach(layout)
+            modest.detach()
+        for c in clients[:2]:
+            c.detach()
+    finally:
+        for c in clients:
+            c.close()
