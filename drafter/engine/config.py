@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-METHODS = ("eagle", "eagle3", "mtp", "extract_hidden_states")
+METHODS = ("eagle", "eagle3", "mtp", "deepseek_mtp", "extract_hidden_states")
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,9 @@ class DraftEngine:
             from drafter.models.fusion import fuse_head
 
             # one q/k/v GEMM, rotary + KV write and norms in fused kernels; skinny GEMMs where faster
-            fuse_head(head, config.skinny_gemm)
+            # (deepseek_mtp's MLA / MoE layers run drafter.kernels' own, and are left as they are)
+            if spec.method != "deepseek_mtp":
+                fuse_head(head, config.skinny_gemm)
             if config.use_cuda_graphs and self.device.type == "cuda":
                 # the draft loop as CUDA graphs: the Triton path never reads device values on the host
                 self.graphs = GraphRunner(self)

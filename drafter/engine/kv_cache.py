@@ -13,6 +13,15 @@ from drafter.engine.config import KVGroupSpec
 from drafter.models.layers import LayerShape
 
 
+def _layer_cache_shape(shape, group: KVGroupSpec) -> tuple[int, ...]:
+    """[2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], or the layer's own layout where its
+    shape defines one (MLA's compressed [num_blocks, block_size, kv_lora_rank + rope])."""
+    own = getattr(shape, "kv_cache_shape", None)
+    if own is not None:
+        return own(group.num_blocks, group.block_size)
+    return 2, group.num_blocks, group.block_size, shape.num_kv_heads, shape.head_dim
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -28,9 +37,7 @@ class PagedKVCache:
         self.groups = groups
         self.kv_group_of_layer = kv_group_of_layer
         self.layers = [
-            # [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
-            torch.zeros(2, groups[g].num_blocks, groups[g].block_size, s.num_kv_heads, s.head_dim,
-                        device=device, dtype=dtype)
+            torch.zeros(_layer_cache_shape(s, groups[g]), device=device, dtype=dtype)
             for s, g in zip(layer_shapes, kv_group_of_layer)
         ]
 
@@ -52,7 +59,7 @@ class PagedKVCache:
         """Forget what a released session left behind in these blocks."""
         for t, g in zip(self.layers, self.kv_group_of_layer):
             if g == group:
-                t[:, block_ids.to(t.device).long()] = 0
+                t.index_fill_(1 if t.dim() == 5 else 0, block_ids.to(t.device).long(), 0)  # the blocks dim
 
 
 class HiddenStateStore:

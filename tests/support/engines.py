@@ -15,6 +15,7 @@ HEADS = {
     "eagle3": ("eagle3", None),
     "mtp": ("mtp", None),
     "mtp-multi": ("mtp-multi", None),
+    "deepseek_mtp": ("deepseek_mtp", None),
     # a two-layer EAGLE-1 head: a full-attention group and a sliding-window group
     "eagle-2groups": ("eagle", TinySizes(head_layer_types=("full_attention", "sliding_attention"))),
 }

@@ -20,6 +20,7 @@ from drafter.models.deepseek_v3 import kv_cache_shape
 from drafter.models.moe import route
 from drafter.models.tiny_deepseek import TinyDeepseekSizes, deepseek_config, write_tiny_deepseek
 from tests.support.dense_deepseek import DenseDeepseekMTP, DenseDeepseekReference
+from tests.support.engines import build_engine, tiny_dirs
 from tests.support.mtp_engine import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, EagerMTPEngine, plans
 from tests.support.scenario import Scenario
 
@@ -349,3 +350,26 @@ def test_refusals_name_the_file_key_and_value(tmp_path):
         load_head(tmp_path / "head", "deepseek_mtp")
     assert err.value.key == "rope_scaling.type" and err.value.value == "linear"
     assert str(tmp_path / "head" / "config.json") in str(err.value)
+
+
+# ------------------------------------------------------------------ the engine
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_engine_drafts_match_the_dense_reference(tiny_root, padded):
+    engine = build_engine(tiny_root, "deepseek_mtp", k=3, max_model_len=MAX_MODEL_LEN, padded_drafter_batch=padded)
+    out = tiny_dirs(tiny_root, "deepseek_mtp")[1]
+    dense = DenseDeepseekReference(out / "head", out / "target", 3, MAX_MODEL_LEN)
+    scn = Scenario(block_sizes=engine.limits.block_sizes, num_blocks=engine.limits.num_blocks, vocab_size=512,
+                   hidden_width=64, k=3, max_model_len=MAX_MODEL_LEN, seed=11, draft_span=engine.limits.draft_span)
+    for plan in plans(3):
+        call = scn.call(plan, padded=padded)
+        got = engine.propose(**call.kwargs, return_logits=True)
+        dense.last_logits = []
+        assert torch.equal(got.draft_token_ids, dense.propose(call, padded=padded)), f"plan {plan}"
+        for r, ref in enumerate(dense.last_logits):
+            assert torch.allclose(got.draft_logits[r], ref, atol=1e-3)
+    before = engine.kv.layers[0].clone()
+    block = int(call.kwargs["block_tables"][0][0, 0])
+    engine.kv.zero_blocks(0, torch.tensor([block]))
+    after = engine.kv.layers[0]
+    assert after.shape == (64, 16, 40) and after[block].abs().max() == 0 and before[block].abs().max() > 0
+    assert torch.equal(after[block + 1:], before[block + 1:])
