@@ -77,12 +77,12 @@ class _PauseGate:
     def __init__(self, core: ServiceCore):
         self.open = threading.Event()
         self.open.set()
-        run = core.runner.run
+        run_batch = core.runner.run_batch
 
         def gated(items):
             self.open.wait()
-            return run(items)
-        core.runner.run = gated
+            return run_batch(items)
+        core.runner.run_batch = gated
 
     def pause(self) -> None:
         self.open.clear()
