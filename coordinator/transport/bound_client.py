@@ -1,4 +1,4 @@
-"""A target's persistent buffers bound to a remote drafter over the host ring (ZMQ).
+"""A target's persistent buffers bound to a remote drafter over the host ring (ZMQ) or a gloo channel.
 
     client = HostRingClient("tcp://127.0.0.1:5555", layout, buffers, max_batch=8)
     bufs = client.views                    # the target's persistent buffers: views into one slab
@@ -9,12 +9,16 @@ The buffers are described to the drafter once (drafter.wire.bound.BindRequest); 
 them out identically in one contiguous slab, so a step sends a StepHeader and the slab's used
 prefix as one zero-copy frame, which the drafter receives straight into its own ring.  No
 per-tensor work on either side.  On a GPU target the slab is pinned and filled by one
-device-to-host copy per step (not built here: the target's buffers are CPU views).
+device-to-host copy per step (not built here: the target's buffers are CPU views).  With
+plane="gloo_channel" the prefix goes by a point-to-point send on a two-rank gloo process group
+instead of the second frame (drafter.wire.bound).
 
 Fails closed as the other clients do: every step has a deadline and raises DrafterError on a
 refusal, a timeout or a lost drafter; it never returns drafts it did not receive.  After a
 drafter restart (a data socket that no longer connects, a timeout, an unknown session or a stale
-epoch) the binding is dropped and the next step attaches and binds again by itself.
+epoch) the binding is dropped and the client attaches and binds again by itself; the step that
+binds again is refused with FAILED_PRECONDITION (the new binding's KV is empty: resend the
+context), the next one drafts.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ _REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)  # the drafter forgot the s
 
 class HostRingClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
-                 max_batch: int, transport: str = "tcp", timeout_s: float = 5.0):
-        self.endpoint, self.layout, self.buffers = endpoint, layout, list(buffers)
+                 max_batch: int, transport: str = "tcp", plane: str = wb.HOST_RING, timeout_s: float = 5.0):
+        self.endpoint, self.layout, self.buffers, self.plane = endpoint, layout, list(buffers), plane
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
         self.slots, total = wb.ring_layout(self.buffers, lambda d: DTYPES[d].itemsize)
         self.slab = torch.zeros(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
@@ -49,6 +53,7 @@ class HostRingClient:
         self.ctx = zmq.Context()
         self.control = self._socket(endpoint, immediate=False)
         self.data: zmq.Socket | None = None
+        self.channel = None  # gloo_channel: the two-rank process group (this side rank 0)
         self.session: schema.AttachResponse | None = None
         self.width = 0
         self.binds = 0  # how many times this client bound (a restart shows as one more)
@@ -86,7 +91,7 @@ class HostRingClient:
         deadline = time.monotonic() + self.timeout_s
         self.session = self._call("Attach", self.layout, _ATTACH, deadline)
         resp = self._call(wb.BIND_METHOD, wb.BindRequest(
-            session_id=self.session.session_id, epoch=self.session.epoch, transport=self.transport,
+            session_id=self.session.session_id, epoch=self.session.epoch, transport=self.transport, plane=self.plane,
             buffers=self.buffers, max_batch=self.max_batch), wb.BIND_RESPONSE_DECODER, deadline)
         self.width = resp.drafts_width
         self.data = self._socket(resp.endpoint, immediate=True)
@@ -94,6 +99,8 @@ class HostRingClient:
         if left <= 0 or not self.data.poll(int(left * 1000) + 1, zmq.POLLOUT):  # connected (IMMEDIATE)
             self.unbind()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
+        if self.plane == wb.GLOO_CHANNEL:
+            self.channel = _join_channel(resp, self.timeout_s)  # also each step's send timeout
         self.binds += 1
         return resp
 
@@ -101,9 +108,13 @@ class HostRingClient:
         """Forget the binding (the drafter's side ends with its session)."""
         if self.data is not None:
             self.data.close(linger=0)
-        self.data, self.session = None, None
+        self.data, self.session, self.channel = None, None, None
 
     def close(self) -> None:
+        """Close the sockets and the context (call it: a context left to the garbage collector
+        can block in term() inside whatever code the collector interrupts)."""
+        if self.control.closed:
+            return
         self.unbind()
         self.control.close(linger=0)
         self.ctx.term()
@@ -113,24 +124,42 @@ class HostRingClient:
         """Draft for the rows the target wrote into the views' first num_tokens / batch rows;
         [batch, width] int64 (a new tensor: the slab may be refilled at once)."""
         if self.data is None:
-            self.bind()
+            self._bind_in_step()
         nbytes = wb.step_bytes(self.slots, num_tokens)
         if not 0 <= nbytes <= len(self._bytes):
             raise DrafterError(Code.INVALID_ARGUMENT, "num_tokens", f"{num_tokens} tokens exceed the bound buffers")
         step = next(self._steps)
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
                              tokens_padded=tokens_padded, nbytes=nbytes)
-        frames = [wb.encode(head), self._bytes[:nbytes]]
         try:
-            self.data.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # no live connection: the drafter went away (a restart): bind again, once
-            self.bind()
-            try:
-                self.data.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                self.unbind()
-                raise DrafterError(Code.UNAVAILABLE, "", "the bound drafter is not reachable") from None
+            self._send(head)
+        except zmq.Again:  # no live connection: the drafter went away (a restart): bind again
+            self.unbind()
+            self._bind_in_step()
         return self._reply(step, batch)
+
+    def _bind_in_step(self) -> None:
+        """Bind; after the first binding, a new one means the drafter's KV for this target is
+        empty (a restart, a forgotten session): the step is refused (FAILED_PRECONDITION), as
+        RemoteProposer returns no drafts for a step during which its session changed, so the
+        target resends the context before it drafts again under the new binding."""
+        first = self.binds == 0
+        self.bind()
+        if not first:
+            raise DrafterError(Code.FAILED_PRECONDITION, "session",
+                               "bound again (the drafter restarted or forgot the session): resend the context")
+
+    def _send(self, head: wb.StepHeader) -> None:
+        """The header, and the ring's prefix as its second frame or down the gloo channel."""
+        if self.channel is None:
+            self.data.send_multipart([wb.encode(head), self._bytes[:head.nbytes]], flags=zmq.NOBLOCK, copy=False)
+            return
+        self.data.send(wb.encode(head), flags=zmq.NOBLOCK)
+        try:
+            self.channel.send([self.slab[:head.nbytes]], 1, 0).wait()
+        except RuntimeError as exc:  # the peer went away or timed out: the channel is gone
+            self.unbind()
+            raise DrafterError(Code.UNAVAILABLE, "", f"the gloo channel failed: {exc}") from None
 
     def _reply(self, step: int, batch: int) -> torch.Tensor:
         deadline = time.monotonic() + self.timeout_s
@@ -150,3 +179,18 @@ class HostRingClient:
                 raise DrafterError(code, done.field, done.message)
             drafts = torch.frombuffer(bytearray(frames[1].buffer), dtype=torch.int64)
             return drafts.view(batch, self.width)
+
+
+def _join_channel(resp: wb.BindResponse, timeout_s: float):
+    """This side (rank 0) of the binding's two-rank gloo group, on the drafter's TCPStore."""
+    import datetime
+
+    import torch.distributed as dist
+
+    host, port = resp.store.rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(host.strip("[]"), int(port), 2, False, timeout=timeout)
+        return dist.ProcessGroupGloo(dist.PrefixStore(resp.channel, store), 0, 2, timeout)
+    except RuntimeError as exc:
+        raise DrafterError(Code.UNAVAILABLE, "store", f"joining the gloo channel at {resp.store}: {exc}") from None

@@ -11,6 +11,11 @@
         place, bound.propose(num_tokens, batch)
         [identity, StepDone, drafts]
 
+On the gloo_channel plane the data socket carries only [identity, StepHeader]; the prefix comes
+by a point-to-point recv on the binding's two-rank gloo group (rank 1 here), straight into the
+ring, from a TCPStore this drafter hosts for the binding.  Its bytes cannot be told apart from
+the next step's, so a header that cannot be read ends the binding (FAILED_PRECONDITION: bind again).
+
 No per-tensor Python work per step: no decode, no staging, no per-field range pass.  A step whose
 flag word is set is refused with INVALID_ARGUMENT naming the first bad field and never reaches
 the engine, so it writes no KV at all (on a GPU the same checks would live inside the graphs and
@@ -23,12 +28,14 @@ terminate while one is still closing.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import secrets
 import threading
 import time
 
 import torch
+import torch.distributed as dist
 import zmq
 
 from drafter.wire import bound as wb
@@ -37,7 +44,8 @@ from drafter.wire.tensors import DTYPES
 
 log = logging.getLogger("drafter.service.bound")
 
-POLL_MS = 100  # how often an idle data thread looks whether its session or the server is gone
+POLL_MS = 100
+_CHANNEL_TIMEOUT = datetime.timedelta(seconds=30)  # gloo_channel: joining, and each step's payload  # how often an idle data thread looks whether its session or the server is gone
 
 
 def itemsize(dtype: str) -> int:
@@ -94,7 +102,7 @@ class BoundPlane:
         log.info("session bound", extra={"event": "bind", "session": s.id, "ring_bytes": total,
                                          "endpoint": b.endpoint})
         return wb.BindResponse(bind_id=b.bind_id, endpoint=b.endpoint, ring_bytes=total,
-                               drafts_width=b.drafts.shape[1])
+                               drafts_width=b.drafts.shape[1], store=b.store_endpoint, channel=b.bind_id)
 
     def close(self) -> None:
         """Stop every data thread and wait for it (its socket closes as it ends)."""
@@ -176,8 +184,12 @@ class BoundSession:
                 num_rejected_tokens=v.get("num_rejected_tokens"), drafts=self.drafts)
         except InvalidInput as exc:
             raise invalid(exc.field, str(exc)) from None
+        self.plane_name = req.plane
         self.sock: zmq.Socket | None = None
         self.endpoint = ""
+        self.store = None  # gloo_channel: the TCPStore this drafter hosts for the binding
+        self.store_endpoint = ""
+        self.channel = None  # gloo_channel: the two-rank process group, built by the data thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -194,6 +206,10 @@ class BoundSession:
             sock.bind(endpoint)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
+        if self.plane_name == wb.GLOO_CHANNEL:
+            host = self.plane.server.host
+            self.store = dist.TCPStore(host, 0, 2, True, timeout=_CHANNEL_TIMEOUT, wait_for_workers=False)
+            self.store_endpoint = f"{host}:{self.store.port}"
         self._thread = threading.Thread(target=self._serve, name=f"bound-{self.bind_id[:8]}", daemon=True)
         self._thread.start()
 
@@ -211,6 +227,9 @@ class BoundSession:
         """The data thread: receive each step into the ring, run it on the engine thread, reply."""
         sock, ring = self.sock, memoryview(self.ring.numpy())
         try:
+            if self.store is not None:  # waits for the target to join (rank 0), at most the timeout
+                self.channel = dist.ProcessGroupGloo(dist.PrefixStore(self.bind_id, self.store), 1, 2,
+                                                     _CHANNEL_TIMEOUT)
             while self._alive():
                 if not sock.poll(POLL_MS):
                     continue
@@ -219,7 +238,11 @@ class BoundSession:
                 sock.send_multipart([identity, wb.encode(done), payload], copy=True)
         except zmq.ZMQError as exc:
             log.debug("bound data socket ended: %s", exc)
+        except RuntimeError as exc:  # the gloo channel failed (its peer went away, a timeout)
+            log.warning("bound channel ended: %s", exc, extra={"event": "bound_channel_failed"})
         finally:
+            self._stop.set()
+            self.channel = self.store = None
             sock.close(linger=0)
             if self.endpoint.startswith("ipc://"):
                 from drafter.wire.ipc import unlink_ipc
@@ -228,7 +251,8 @@ class BoundSession:
 
     def _receive_and_run(self, sock: zmq.Socket, ring: memoryview) -> tuple[wb.StepDone, bytes]:
         header_frame = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
-        nbytes = sock.recv_into(ring) if sock.getsockopt(zmq.RCVMORE) else -1
+        ring_frame = self.channel is None
+        nbytes = sock.recv_into(ring) if ring_frame and sock.getsockopt(zmq.RCVMORE) else -1
         extra = 0
         while sock.getsockopt(zmq.RCVMORE):  # a malformed message: drain it, answer once
             sock.recv()
@@ -236,9 +260,21 @@ class BoundSession:
         try:
             head = wb.STEP_DECODER.decode(header_frame)
         except Exception as exc:  # noqa: BLE001
+            if not ring_frame:  # the channel's bytes cannot be told apart from the next step's: end it
+                self._stop.set()
+                return wb.StepDone(step=0, code=int(Code.FAILED_PRECONDITION), field="header",
+                                   message=f"{exc}; the channel is closed, bind again"), b""
             return wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header", message=str(exc)), b""
+        if not ring_frame and not extra:
+            if not 0 <= head.nbytes <= len(ring):
+                self._stop.set()
+                return self._refused(head, DrafterError(Code.FAILED_PRECONDITION, "nbytes", (
+                    f"{head.nbytes} bytes do not fit the ring of {len(ring)}; the channel is closed, bind again"))), b""
+            self.channel.recv([self.ring[:head.nbytes]], 0, 0).wait()
+            nbytes = head.nbytes
         if nbytes < 0 or extra:
-            return self._refused(head, invalid("frames", "a step is [StepHeader, ring prefix]")), b""
+            return self._refused(head, invalid("frames", "a step is [StepHeader, ring prefix] "
+                                                         "([StepHeader] on a gloo channel)")), b""
         try:
             fut = self.core.executor.submit(self.step, head, nbytes)
             drafts = fut.result()

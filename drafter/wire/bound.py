@@ -11,7 +11,13 @@ its engine was bound to once (drafter.engine.bound).  The hidden states lie last
 holds every small buffer whole and the first num_tokens rows of the hidden states, nothing else
 the step does not need.
 
-Only the "host_ring" plane exists so far.  These records are ZMQ-only (msgspec): the proto schema
+Two planes carry the ring's bytes, the same protocol above them: "host_ring" sends them as the
+step's second ZMQ frame; "gloo_channel" sends them by a point-to-point send on a two-rank
+torch.distributed process group (gloo) that the two sides build from a TCPStore the drafter
+hosts (BindResponse.store) under a key prefix of this binding (BindResponse.channel): the target
+is rank 0, the drafter rank 1; the step header and the reply still go over the data socket.
+With NCCL in place of gloo the same channel would carry GPU tensors between GPUs (not built).
+These records are ZMQ-only (msgspec): the proto schema
 has no Bind message, and gRPC clients keep the unbound Propose.  Neutral: imports neither the
 engine nor the service.
 """
@@ -22,7 +28,8 @@ import msgspec
 
 BIND_METHOD = "Bind"
 HOST_RING = "host_ring"
-PLANES = (HOST_RING,)
+GLOO_CHANNEL = "gloo_channel"
+PLANES = (HOST_RING, GLOO_CHANNEL)
 TRANSPORTS = ("tcp", "ipc")
 HIDDEN = "target_hidden_states"
 ALIGN = 64  # bytes: every buffer of the ring starts on a cache line
@@ -56,6 +63,8 @@ class BindResponse(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: str = ""  # the session's data socket
     ring_bytes: int = 0
     drafts_width: int = 0
+    store: str = ""  # gloo_channel: the drafter's TCPStore, "host:port"
+    channel: str = ""  # gloo_channel: the store key prefix of this binding's process group
 
 
 class StepHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
