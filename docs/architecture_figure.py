@@ -19,8 +19,8 @@ GPU = "#f4d6d6"
 # (x, y, text, colour): x, y are the box centre in axis units (0-10 wide, 0-12 tall)
 BOXES = {
     "step": (2.45, 11.2, "target step\nvLLM (drafter_vllm/) or coordinator/target/", TARGET),
-    "proposer": (2.45, 9.7, "client record: ProposeRequest, request_drafts\ncoordinator/client/remote_proposer.py", TARGET),
-    "encode": (2.45, 8.2, "wire encode\nclient/transport/zmq_client.py | grpc_client.py\n"
+    "proposer": (2.45, 9.7, "client record: ProposeRequest, request_drafts\ncoordinator/remote_proposer.py", TARGET),
+    "encode": (2.45, 8.2, "wire encode\ncoordinator/transport/zmq_client.py | grpc_client.py\n"
                          "drafter/wire/tensors.py | pbwire.py", WIRE),
     "decode": (8.45, 8.2, "server decode\ndrafter/service/zmq_server.py | grpc_server.py", WIRE),
     "session": (8.45, 6.8, "session check: serve_propose\ndrafter/service/core.py, sessions.py", SERVER),
