@@ -49,7 +49,7 @@ class AttentionLaunch:
 
 
 # Measured on an H100 (bench/probe_attention.py, 2026-11-24; decode attention alone, graph-timed;
-# bench/results/2026-11-24-h100/attention-launch/): a launch of few (request, KV head) programs
+# bench/results/2026-11-24-h100-attention-launch/): a launch of few (request, KV head) programs
 # is latency-bound and fastest with long tiles and a deep pipeline (batch 1, 1k context: 8.3 us vs
 # 9.5 with 64-key tiles); a mid-size grid (batch 8-32: 64-256 programs before splitting) streams
 # fastest as 8-warp programs over 128-key tiles, two per SM (batch 16 at 1k: 32.5 us vs 36.9 with

@@ -8,7 +8,7 @@ A target engine that replays its own CUDA graphs keeps its inputs in persistent 
 runner does) and hands the proposer slices of them each step.  `engine.propose` then reads the
 address, dtype and layout of ~12 tensors on every call and allocates an output: a few
 microseconds on a quiet host, but each torch call costs 5-15x more right after the host waited
-for the GPU (bench/results/2026-11-24-h100/host-probe: a one-element view 7-16 us there, ~1 us
+for the GPU (bench/results/2026-11-24-h100-host-probe: a one-element view 7-16 us there, ~1 us
 in a loop), and that is where a decode step calls the drafter.  Bound, the buffers are described
 once; a call writes two sizes into the header the captured loader reads, replays the graphs and
 returns the bound output buffer: no torch or CUDA call but the replay (the previous call's

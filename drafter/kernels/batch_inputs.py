@@ -198,7 +198,7 @@ class InputHeader:
     no CUDA call) before rewriting; in steady state the caller has consumed the previous drafts
     and the word is long set.  A CUDA event would say the same for two CUDA calls per propose
     (record, then query or wait), each 3-7 us on the GPU host inside a call
-    (bench/results/2026-11-24-h100/host-probe), more than the rest of a bound call.  Elsewhere
+    (bench/results/2026-11-24-h100-host-probe), more than the rest of a bound call.  Elsewhere
     (the CPU emulation in tests) `device` is a separate tensor, `store` copies, and nothing waits.
 
     `describe` runs on every propose call, so it reads each tensor's dtype, contiguity, stride

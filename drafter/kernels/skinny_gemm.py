@@ -27,7 +27,7 @@ partial outputs, no second launch.  Block sizes are chosen per weight and row bu
 candidates at start-up (drafter.kernels.weight_gemm.plan_gemm).  Rows to norm without the
 scaled copy (a NormedInput without .scaled) are normed by a launch of their own first: norming
 every x tile inside the K loop was measured slower at 32-64 rows (the lm_head at 64 rows: 108.5
-us vs 93.7, bench/results/2026-11-24-h100/tma-probe) and no longer pays for its code.
+us vs 93.7, bench/results/2026-11-24-h100-tma-probe) and no longer pays for its code.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ class SessionRefs:
 class Mapping:
     """An opened storage and the last view taken of it: a target sends the same static buffer,
     usually with the same geometry, step after step, and two torch calls fewer per step count
-    on a GPU host (bench/results/2026-11-24-h100/host-probe).  The view holds the storage, so
+    on a GPU host (bench/results/2026-11-24-h100-host-probe).  The view holds the storage, so
     it goes when the mapping does."""
 
     def __init__(self, storage: torch.UntypedStorage):

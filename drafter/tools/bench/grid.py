@@ -622,12 +622,12 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skinny-gemm", default="auto", choices=("auto", "on", "off"),
                    help="the step GEMMs: drafter's skinny kernel where faster (auto), always, or cuBLAS only")
     p.add_argument("--replot", metavar="JSON", help="only redraw bench.png beside JSON from a bench.json (no GPU "
-                                                    "needed), e.g. bench/results/2026-11-22-h100/bench.json")
+                                                    "needed), e.g. bench/results/2026-11-22-h100-skinny-gemm/bench.json")
 
 
 NO_GPU = ("drafter bench times the engine on a CUDA GPU and this torch sees none ({torch}). Recorded runs are in "
           "bench/results/ (README.md there has the tables); `drafter bench --replot "
-          "bench/results/2026-11-22-h100/bench.json` redraws a plot from one without a GPU.")
+          "bench/results/2026-11-22-h100-skinny-gemm/bench.json` redraws a plot from one without a GPU.")
 
 
 def _replot(src: Path) -> dict:
