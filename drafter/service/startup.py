@@ -16,9 +16,8 @@ import errno
 import re
 from pathlib import Path
 
+from drafter.engine.config import METHODS
 from drafter.service.config import ServerConfig
-
-METHODS = ("eagle", "eagle3", "mtp", "extract_hidden_states")
 
 
 class StartupError(Exception):
@@ -50,7 +49,7 @@ def check_device(device: str) -> None:
 
 
 def check_checkpoint(cfg: ServerConfig) -> None:
-    from drafter.models.spec import parse_head, read_config
+    from drafter.models.spec import HeadConfigError, parse_head, read_config
 
     _config_json(cfg.model, "model", "the draft head's checkpoint directory")
     if cfg.target_model:
@@ -64,6 +63,10 @@ def check_checkpoint(cfg: ServerConfig) -> None:
         named = head.get("speculators_model_type")
         if named in METHODS and named != cfg.method:
             guess = [named]
+        if not guess and isinstance(exc, HeadConfigError):
+            # no method reads it: a key the engine refuses, not a wrong --method
+            raise StartupError("model", cfg.model, str(exc),
+                               "docs/head-configs.md lists what the drafter honours") from None
         fix = (f"it reads as an {guess[0]} head: pass --method {guess[0]}" if guess
                else "pass the --method the checkpoint was trained as, or the right --model")
         raise StartupError("method", cfg.method, f"does not fit the head in --model {cfg.model} ({what})",

@@ -65,6 +65,20 @@ def test_eagle_method_on_an_eagle3_checkpoint(eagle3):
     _one_line(_serve(eagle3, method="eagle"), "--method eagle", str(eagle3 / "head"), "pass --method eagle3")
 
 
+def test_a_refused_head_config_key_names_the_file_and_key(eagle3, tmp_path):
+    """A key the engine refuses (an unknown rope type) is a --model problem, not a wrong --method."""
+    import json
+    import shutil
+
+    shutil.copytree(eagle3, tmp_path / "m")
+    cfg_path = tmp_path / "m" / "head" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["transformer_layer_config"]["rope_scaling"] = {"rope_type": "made_up", "factor": 2.0}
+    cfg_path.write_text(json.dumps(cfg))
+    line = _one_line(_serve(tmp_path / "m"), f"--model {tmp_path / 'm' / 'head'}", "made_up", "rope")
+    assert "--method" not in line
+
+
 def test_cuda_device_without_a_gpu(eagle3):
     import torch
 
