@@ -112,7 +112,9 @@ def _llama_config(s: TinySizes, num_layers: int, layer_types=None) -> dict:
     return cfg
 
 
-class _Init:
+class RandomInit:
+    """Seeded random tensors for tiny checkpoints (one generator: a seed fixes every weight)."""
+
     def __init__(self, seed: int):
         self.g = torch.Generator().manual_seed(seed)
 
@@ -125,8 +127,11 @@ class _Init:
     def embedding(self, v: int, h: int) -> torch.Tensor:
         return torch.randn(v, h, generator=self.g)
 
+    def small(self, n: int, scale: float) -> torch.Tensor:
+        return scale * torch.randn(n, generator=self.g)
 
-def _biases(init: _Init, s: TinySizes, prefix: str) -> dict:
+
+def _biases(init: RandomInit, s: TinySizes, prefix: str) -> dict:
     """The bias vectors a head layer with attention_bias / mlp_bias carries."""
     hd, w = s.head_dim, {}
     if s.attention_bias:
@@ -140,7 +145,7 @@ def _biases(init: _Init, s: TinySizes, prefix: str) -> dict:
     return w
 
 
-def _layer(init: _Init, s: TinySizes, prefix: str, attn_in: int, input_norm: bool = True,
+def _layer(init: RandomInit, s: TinySizes, prefix: str, attn_in: int, input_norm: bool = True,
            biases: bool = False) -> dict:
     hd = s.head_dim
     w = {
@@ -168,7 +173,7 @@ def _save(out: Path, config: dict, weights: dict) -> None:
 
 
 def write_target(out: Path, s: TinySizes, seed: int) -> None:
-    init = _Init(seed)
+    init = RandomInit(seed)
     w = {"model.embed_tokens.weight": init.embedding(s.vocab_size, s.hidden_size)}
     for i in range(s.num_layers):
         w.update(_layer(init, s, f"model.layers.{i}.", s.hidden_size))
@@ -179,7 +184,7 @@ def write_target(out: Path, s: TinySizes, seed: int) -> None:
 
 def write_eagle(out: Path, s: TinySizes, seed: int) -> None:
     """SafeAILab / vLLM EAGLE-1: fc over [embed; hidden], layer 0 without input_layernorm."""
-    init = _Init(seed)
+    init = RandomInit(seed)
     n = len(s.head_layer_types)
     w = {"fc.weight": init.linear(s.hidden_size, 2 * s.hidden_size)}
     for i in range(n):
@@ -189,7 +194,7 @@ def write_eagle(out: Path, s: TinySizes, seed: int) -> None:
 
 def write_eagle3(out: Path, s: TinySizes, seed: int) -> None:
     """vLLM speculators EAGLE-3: fc over the aux states, 2H-wide attention, own norm + lm_head, d2t."""
-    init = _Init(seed)
+    init = RandomInit(seed)
     h, dv = s.hidden_size, s.draft_vocab_size
     w = {"fc.weight": init.linear(h, len(s.aux_layer_ids) * h)}
     w.update(_layer(init, s, "layers.0.", 2 * h, biases=True))
@@ -233,7 +238,7 @@ def write_eagle3(out: Path, s: TinySizes, seed: int) -> None:
 def write_mtp(out: Path, s: TinySizes, seed: int) -> None:
     """DeepSeek-V3 naming: MTP layer i is model.layers.{num_hidden_layers + i}, each with its own
     shared_head (as Step3.5); the embedding is shared from the target."""
-    init = _Init(seed)
+    init = RandomInit(seed)
     h = s.hidden_size
     w = {}
     for i in range(s.num_mtp_layers):

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from drafter.models.fp8 import quantize
-from drafter.models.tiny import TinySizes, write_target
+from drafter.models.tiny import RandomInit, TinySizes, write_target
 
 
 @dataclass(frozen=True)
@@ -76,24 +76,10 @@ def deepseek_config(s: TinyDeepseekSizes) -> dict:
     return cfg
 
 
-class _Init:
-    def __init__(self, seed: int):
-        self.g = torch.Generator().manual_seed(seed)
-
-    def linear(self, out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=self.g) * (gain / in_f ** 0.5)
-
-    def norm(self, n: int) -> torch.Tensor:
-        return 1.0 + 0.1 * torch.randn(n, generator=self.g)
-
-    def small(self, n: int, scale: float) -> torch.Tensor:
-        return scale * torch.randn(n, generator=self.g)
-
-
 class _Writer:
     """Collects one MTP layer's tensors; quantisable linears go through FP8 block quantisation."""
 
-    def __init__(self, init: _Init, s: TinyDeepseekSizes, prefix: str):
+    def __init__(self, init: RandomInit, s: TinyDeepseekSizes, prefix: str):
         self.init, self.s, self.prefix, self.w = init, s, prefix, {}
 
     def linear(self, name: str, out_f: int, in_f: int, gain: float = 1.0, quantised: bool = True) -> None:
@@ -129,7 +115,7 @@ def _attention(wr: _Writer, s: TinyDeepseekSizes) -> None:
     wr.linear("self_attn.o_proj", h, s.num_heads * s.v_head_dim)
 
 
-def _mtp_layer(init: _Init, s: TinyDeepseekSizes, index: int, embed, lm_head) -> dict:
+def _mtp_layer(init: RandomInit, s: TinyDeepseekSizes, index: int, embed, lm_head) -> dict:
     h = s.hidden_size
     wr = _Writer(init, s, f"model.layers.{s.num_hidden_layers + index}.")
     wr.w[f"{wr.prefix}embed_tokens.weight"] = embed.clone()
@@ -176,7 +162,7 @@ def write_tiny_deepseek(out_dir: str | Path, seed: int = 0, sizes: TinyDeepseekS
 
     target = load_file(str(out / "target" / "model.safetensors"))
     embed, lm_head = target["model.embed_tokens.weight"], target["lm_head.weight"]
-    init = _Init(seed + 1)
+    init = RandomInit(seed + 1)
     layers = {}
     for i in range(s.num_mtp_layers):
         layers.update(_mtp_layer(init, s, i, embed, lm_head))
