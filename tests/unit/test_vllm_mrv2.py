@@ -14,24 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.vllm_venv import vllm_python
+
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
 INNER = "tests/unit/test_vllm_mrv2_inner.py"
 
 
-def _vllm_python() -> str:
-    if not os.environ.get("DRAFTER_VLLM_RECORDINGS"):
-        pytest.skip("the vLLM stage did not run: scripts/test.sh builds .venv-vllm and sets "
-                    "DRAFTER_VLLM_RECORDINGS (or set it yourself, with DRAFTER_VLLM_PYTHON)")
-    py = os.environ.get("DRAFTER_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-    if not Path(py).exists():
-        pytest.fail(f"vLLM venv python {py} is missing although the vLLM stage ran")
-    return py
-
-
 def test_mrv2_stand_in_in_the_vllm_venv(tmp_path):
-    py = _vllm_python()
+    py = vllm_python()
     env = {k: v for k, v in os.environ.items() if not k.startswith("DRAFTER_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_HOST_IP="127.0.0.1")

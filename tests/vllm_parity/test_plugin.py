@@ -26,6 +26,7 @@ import pytest
 
 from drafter.models.tiny import write_tiny
 from tests.vllm_parity.align_weights import align
+from tests.support.vllm_venv import vllm_python
 
 pytestmark = pytest.mark.vllm
 
@@ -64,19 +65,9 @@ def plugin_runs(method: str) -> dict[str, dict]:
 SAME_DRAFTS = ("zmq", "grpc")  # runs whose drafts must equal vLLM's own, step for step
 
 
-def _vllm_python() -> str:
-    if not os.environ.get("DRAFTER_VLLM_RECORDINGS"):
-        pytest.skip("the vLLM stage did not run: scripts/test.sh builds .venv-vllm and sets "
-                    "DRAFTER_VLLM_RECORDINGS (or set it yourself, with DRAFTER_VLLM_PYTHON)")
-    py = os.environ.get("DRAFTER_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-    if not Path(py).exists():
-        pytest.fail(f"vLLM venv python {py} is missing although the vLLM stage ran")
-    return py
-
-
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
-    py = _vllm_python()
+    py = vllm_python()
     root = tmp_path_factory.mktemp("plugin_e2e")
     runs = []
     for method in METHODS:
