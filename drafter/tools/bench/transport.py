@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
-# EAGLE-3 for Llama-3.1-8B (as drafter.tools.bench.remote.HEAD_CONFIG), without importing the GPU bench
+from drafter.tools.bench import grid
+
+# EAGLE-3 for Llama-3.1-8B (as drafter.tools.bench.remote.HEAD_CONFIG)
 HEAD = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
         "intermediate_size": 14336, "vocab_size": 128256, "draft_vocab_size": 32000, "num_hidden_layers": 1,
         "eagle_aux_hidden_state_layer_ids": [2, 16, 29], "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
@@ -106,25 +108,8 @@ def null_engine(batch: int, k: int, ctx: int, kv_blocks: int):
 
 
 def decode_call(batch: int, k: int, ctx: int, num_blocks: int, vocab: int, width: int, seed: int = 7) -> dict:
-    """A decode step (as drafter.tools.bench.grid.decode_call): k + 1 verified tokens per request ending at ctx - 1."""
-    q = k + 1
-    g = torch.Generator().manual_seed(seed)
-    per_req = -(-(ctx + k + 1) // BLOCK_SIZE)
-    blocks = torch.randperm(num_blocks, generator=g)[: batch * per_req].view(batch, per_req)
-    positions = torch.arange(ctx - q, ctx).repeat(batch)
-    owner = torch.arange(batch).repeat_interleave(q)
-    slots = blocks[owner, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    return dict(
-        target_token_ids=torch.randint(0, vocab, (batch * q,), generator=g),
-        target_positions=positions,
-        target_hidden_states=torch.randn(batch * q, width, generator=g).to(torch.bfloat16),
-        next_token_ids=torch.randint(0, vocab, (batch,), generator=g),
-        query_start_loc=torch.arange(0, batch * q + 1, q, dtype=torch.int32),
-        seq_lens=torch.full((batch,), ctx, dtype=torch.int32),
-        block_tables=[blocks.to(torch.int32)],
-        slot_mappings=[slots],
-        num_rejected_tokens=torch.zeros(batch, dtype=torch.int32),
-    )
+    """grid.decode_call's decode step with bfloat16 hidden states (what the transports carry)."""
+    return grid.decode_call(batch, k, ctx, num_blocks, vocab, width, torch.bfloat16, seed)
 
 
 def payload_bytes(call: dict) -> int:
