@@ -43,7 +43,7 @@ SUBCOMMANDS = [
     "drafter.service.serve_cli",  # serve
     _register_make_tiny,  # make-tiny
     "coordinator.demo.cli",  # demo
-    "drafter.tools.loadtest.cli",  # loadtest
+    "coordinator.loadtest.cli",  # loadtest
     "drafter.tools.bench.grid",  # bench
 ]
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from drafter.engine.inputs import Limits, validate
-from drafter.tools.loadtest import cli
-from drafter.tools.loadtest.schedule import OpenLoop, open_loop_times
-from drafter.tools.loadtest.stats import Samples, percentiles, summarize
-from drafter.tools.loadtest.workload import Dist, SessionShape, SessionWorkload, WorkloadConfig, session_blocks
+from coordinator.loadtest import cli
+from coordinator.loadtest.schedule import OpenLoop, open_loop_times
+from coordinator.loadtest.stats import Samples, percentiles, summarize
+from coordinator.loadtest.workload import Dist, SessionShape, SessionWorkload, WorkloadConfig, session_blocks
 
 TRANSPORTS = ("zmq", "grpc", "grpc-unary")
 WARMUP = 0.5

@@ -2,7 +2,7 @@
 
 drafter/wire is what both ends speak, so it imports neither the server (drafter.service) nor the
 client (coordinator).  The client library target engines import (coordinator, less its
-reference target and demo) speaks drafter.wire and never drafter.service; the drafter never
+reference target, demo and load test) speaks drafter.wire and never drafter.service; the drafter never
 imports coordinator (its tools, which drive real clients, excepted); measurement code
 (drafter.tools) is imported by nothing in the product; and inside drafter no package imports one
 above it: wire < kernels < attention, models < engine < service < tools, cli.
@@ -30,7 +30,7 @@ LAYERS = {
     "drafter.cli": 5,
     "drafter.__main__": 5,
 }
-CLIENT_EXCLUDED = ("coordinator.target", "coordinator.demo")
+CLIENT_EXCLUDED = ("coordinator.target", "coordinator.demo", "coordinator.loadtest")
 TOOLS = ("drafter.tools",)
 PRODUCT = ("drafter.wire", "drafter.kernels", "drafter.attention", "drafter.models", "drafter.engine",
            "drafter.service")
@@ -98,7 +98,7 @@ def broken_rule(module: str, name: str) -> str:
         return "the drafter never imports coordinator"
     if (is_client_library(module) or within(module, "drafter_vllm")) and any(within(name, p)
                                                                              for p in CLIENT_EXCLUDED):
-        return "the client library never imports the reference target or the demo"
+        return "the client library never imports the reference target, the demo or the load test"
     if within(module, "coordinator.target") and within(name, "coordinator.demo"):
         return "the reference target never imports the demo"
     if any(within(module, p) for p in PRODUCT) and any(within(name, t) for t in TOOLS):
@@ -138,7 +138,8 @@ def test_each_rule_catches_a_violation():
         ("coordinator.tp", "from coordinator.target.drafting import CallBuilder"): "reference target",
         ("coordinator.remote_proposer", "from coordinator.demo import fleet"): "reference target",
         ("coordinator.target.engine", "from coordinator.demo.fleet import run_fleet"): "never imports the demo",
-        ("drafter.service.core", "from drafter.tools.loadtest import cli"): "nothing in the product",
+        ("drafter.service.core", "from drafter.tools.bench import grid"): "nothing in the product",
+        ("coordinator.session", "from coordinator.loadtest import cli"): "reference target",
         ("drafter.kernels.kv_write", "from drafter.engine.inputs import ProposeInputs"): "upward",
         ("drafter.engine.graphs", "from drafter.service import sessions"): "upward",
         ("drafter.attention.triton_backend", "from ..engine import config"): "upward",
@@ -150,7 +151,7 @@ def test_each_rule_catches_a_violation():
 
 def test_allowed_imports_pass():
     for module, line in [("coordinator.transport.base", "from drafter.wire import schema"),
-                         ("drafter.tools.loadtest.clients", "from coordinator.transport import ZmqDrafterClient"),
+                         ("coordinator.loadtest.clients", "from coordinator.transport import ZmqDrafterClient"),
                          ("coordinator.demo.fleet", "from coordinator.target.engine import TargetEngine"),
                          ("drafter.service.core", "from drafter.engine.engine import DraftEngine"),
                          ("drafter.engine.graphs", "from drafter.kernels import batch_inputs")]:

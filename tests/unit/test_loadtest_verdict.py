@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from drafter.tools.loadtest.verdict import find_knee, served, why_all_failed
+from coordinator.loadtest.verdict import find_knee, served, why_all_failed
 
 
 def _report(rate, timeout, codes, service_us=None, mode="open", dp=1, inflight=8):

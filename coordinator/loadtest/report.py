@@ -14,7 +14,7 @@ report.json
   samples                         every call, column-wise (stats.Samples.COLUMNS); the summary is
                                   computed from exactly these values (recompute_summary does it again)
 
-    python -m drafter.tools.loadtest.report REPORT.json [PNG]   # (re)draw the PNG from a report
+    python -m coordinator.loadtest.report REPORT.json [PNG]   # (re)draw the PNG from a report
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from drafter.tools.loadtest.stats import OK, PERCENTILE_METHOD, PERCENTILES, Samples, summarize
+from coordinator.loadtest.stats import OK, PERCENTILE_METHOD, PERCENTILES, Samples, summarize
 
 SCHEMA = "drafter-loadtest/1"
 
@@ -63,13 +63,13 @@ def host_info() -> dict:
 def build_report(result, *, config: dict, server: dict, command: list[str]) -> dict:
     import msgspec
 
-    from drafter.service.core import VERSION
+    from importlib.metadata import version
 
     summary = summarize(result.samples, warmup_s=config["warmup_s"], end_s=result.end_s)
     return {
         "schema": SCHEMA,
         "tool": "drafter loadtest",
-        "version": VERSION,
+        "version": version("specdec-drafter"),
         "command": command,
         "started_at": iso(result.started_at),
         "finished_at": iso(result.started_at + result.wall_s),
@@ -172,7 +172,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        print("usage: python -m drafter.tools.loadtest.report REPORT.json [OUT.png]", file=sys.stderr)
+        print("usage: python -m coordinator.loadtest.report REPORT.json [OUT.png]", file=sys.stderr)
         return 2
     src = Path(argv[0])
     dst = Path(argv[1]) if len(argv) > 1 else src.with_suffix(".png")

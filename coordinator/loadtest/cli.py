@@ -26,9 +26,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from drafter.tools.loadtest.clients import TRANSPORTS
-from drafter.tools.loadtest.schedule import ARRIVALS, ClosedLoop, OpenLoop
-from drafter.tools.loadtest.workload import Dist, SessionShape, WorkloadConfig, blocks_per_slot
+from coordinator.loadtest.clients import TRANSPORTS
+from coordinator.loadtest.schedule import ARRIVALS, ClosedLoop, OpenLoop
+from coordinator.loadtest.workload import Dist, SessionShape, WorkloadConfig, blocks_per_slot
 
 DEFAULT_PORTS = {"zmq": 5555, "grpc": 50051, "grpc-unary": 50051}
 NOTHING_ANSWERED = 3  # exit status: some transport got no successful call in any run
@@ -228,7 +228,7 @@ def _checkpoint(ns, tmp: Path) -> tuple[str, Path, Path | None]:
         method = write_tiny(ns.tiny, tmp / "tiny", seed=ns.seed)
         return method, tmp / "tiny" / "head", tmp / "tiny" / "target"
     if ns.shape:
-        from drafter.tools.loadtest.shapes import write_shaped
+        from coordinator.loadtest.shapes import write_shaped
 
         where = Path(ns.shape_dir) if ns.shape_dir else Path(tempfile.gettempdir()) / "drafter-shapes" / ns.shape
         t0 = time.monotonic()
@@ -240,7 +240,7 @@ def _checkpoint(ns, tmp: Path) -> tuple[str, Path, Path | None]:
 
 def _server(ns, out: Path, tmp: Path):
     """The drafter to spawn, not started yet (the caller holds it before it can fail to start)."""
-    from drafter.tools.loadtest.spawn import SpawnedServer
+    from coordinator.loadtest.spawn import SpawnedServer
 
     method, model, target = _checkpoint(ns, tmp)
     # The pool: every session gets one block range per request slot (workload.blocks_per_slot).
@@ -313,10 +313,10 @@ class _Session:
         self.interrupted = False
 
     def one(self, transport: str, sched, name: str) -> dict:
-        from drafter.tools.loadtest.progress import progress_bar
-        from drafter.tools.loadtest.report import build_report, plot, write_json
-        from drafter.tools.loadtest.runner import RunConfig, Runner
-        from drafter.tools.loadtest.verdict import answered, why_all_failed
+        from coordinator.loadtest.progress import progress_bar
+        from coordinator.loadtest.report import build_report, plot, write_json
+        from coordinator.loadtest.runner import RunConfig, Runner
+        from coordinator.loadtest.verdict import answered, why_all_failed
 
         ns = self.ns
         endpoint = _endpoint(ns, transport, self.server)
@@ -356,7 +356,7 @@ class _Session:
         return summ
 
     def all(self, plan) -> None:
-        from drafter.tools.loadtest.verdict import served
+        from coordinator.loadtest.verdict import served
 
         for transport, runs, sweep in plan:
             for sched, name in runs:
@@ -367,7 +367,7 @@ class _Session:
                     break  # the knee is found: higher rates would only fail more
 
     def knees(self) -> list:
-        from drafter.tools.loadtest.verdict import find_knee
+        from coordinator.loadtest.verdict import find_knee
 
         return [k for k in (find_knee(t, runs) for t, runs in self.open_runs.items()) if k is not None]
 

@@ -29,10 +29,10 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from drafter.tools.loadtest.clients import Connection
-from drafter.tools.loadtest.schedule import ClosedLoop, OpenLoop
-from drafter.tools.loadtest.stats import OK, Samples
-from drafter.tools.loadtest.workload import (SessionShape, SessionWorkload, WorkloadConfig, blocks_per_slot,
+from coordinator.loadtest.clients import Connection
+from coordinator.loadtest.schedule import ClosedLoop, OpenLoop
+from coordinator.loadtest.stats import OK, Samples
+from coordinator.loadtest.workload import (SessionShape, SessionWorkload, WorkloadConfig, blocks_per_slot,
                                       session_blocks)
 from drafter.wire import schema
 from drafter.wire.errors import DrafterError
@@ -124,7 +124,7 @@ def fit_pool(wl: WorkloadConfig, info: schema.InfoResponse, shape: SessionShape,
 
 def check_reachable(transport: str, endpoint: str, timeout_s: float) -> None:
     """A TCP connect first, so that a drafter that is not running is one clear line, at once."""
-    from drafter.tools.loadtest.clients import zmq_endpoint
+    from coordinator.loadtest.clients import zmq_endpoint
 
     address = zmq_endpoint(endpoint)
     if not address.startswith("tcp://"):

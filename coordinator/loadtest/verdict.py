@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafter.tools.loadtest.stats import OK
+from coordinator.loadtest.stats import OK
 
 GOOD_ERROR_SHARE = 0.01  # a rate is "served" when at most 1% of its measured calls failed
 
