@@ -17,6 +17,15 @@ torch.distributed process group (gloo) that the two sides build from a TCPStore 
 hosts (BindResponse.store) under a key prefix of this binding (BindResponse.channel): the target
 is rank 0, the drafter rank 1; the step header and the reply still go over the data socket.
 With NCCL in place of gloo the same channel would carry GPU tensors between GPUs (not built).
+"cuda_ipc" (same host, both sides on CUDA) carries no bytes at all: at Bind the target shares its
+slab, a CUDA allocation, once (BindRequest.slab, a CUDA IPC reference to it viewed as
+[ring_bytes / 64, 16] float32, with the handle of its "inputs ready" interprocess event) and the
+drafter shares back its output (BindResponse.output: the drafts, then one int64 error word) with
+its "drafts ready" event (BindResponse.drafts_event).  A step is the header alone; the drafter's
+stream waits on the target's event, the drafter checks and masks the step on the GPU
+(drafter.engine.step_guard: the error word is a bitmask over guard_fields), replays, records its
+event and replies StepDone at once; the target's stream waits on that event and reads the drafts
+and the error word back together.
 These records are ZMQ-only (msgspec): the proto schema
 has no Bind message, and gRPC clients keep the unbound Propose.  Neutral: imports neither the
 engine nor the service.
@@ -26,10 +35,13 @@ from __future__ import annotations
 
 import msgspec
 
+from drafter.wire.schema import CudaIpcTensor
+
 BIND_METHOD = "Bind"
 HOST_RING = "host_ring"
 GLOO_CHANNEL = "gloo_channel"
-PLANES = (HOST_RING, GLOO_CHANNEL)
+CUDA_IPC = "cuda_ipc"
+PLANES = (HOST_RING, GLOO_CHANNEL, CUDA_IPC)
 TRANSPORTS = ("tcp", "ipc")
 HIDDEN = "target_hidden_states"
 ALIGN = 64  # bytes: every buffer of the ring starts on a cache line
@@ -56,6 +68,8 @@ class BindRequest(msgspec.Struct, forbid_unknown_fields=True):
     transport: str = "tcp"  # the data socket: "tcp" (on the control socket's host) or "ipc" (same host)
     buffers: list[BufferSpec] = []
     max_batch: int = 0  # rows of the drafts output (the drafter keeps it; its rows come back in StepDone's frame)
+    slab: CudaIpcTensor | None = None  # cuda_ipc: the target's slab ([ring_bytes / 64, 16] float32) and its
+    # "inputs ready" event (step_event_handle)
 
 
 class BindResponse(msgspec.Struct, forbid_unknown_fields=True):
@@ -65,6 +79,9 @@ class BindResponse(msgspec.Struct, forbid_unknown_fields=True):
     drafts_width: int = 0
     store: str = ""  # gloo_channel: the drafter's TCPStore, "host:port"
     channel: str = ""  # gloo_channel: the store key prefix of this binding's process group
+    output: CudaIpcTensor | None = None  # cuda_ipc: the drafter's output ([max_batch * width + 1] int64 at the
+    # start of [rows, 16] float32): the drafts row-major, then the step's error word
+    drafts_event: bytes = b""  # cuda_ipc: the drafter's "drafts ready" interprocess event
 
 
 class StepHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -118,6 +135,27 @@ def step_bytes(slots: list[Slot], num_tokens: int) -> int:
     hidden states' first num_tokens rows."""
     hidden = next(s for s in slots if s.name == HIDDEN)
     return hidden.offset + num_tokens * hidden.row_bytes
+
+
+SLAB_ROW = 16  # a shared slab or output travels as [bytes / 64, 16] float32 (one cache line a row)
+
+
+def guard_fields(groups: int) -> tuple[str, ...]:
+    """The fields a cuda_ipc step is checked for on the GPU, in bit order of the error word
+    (bit i set: guard_fields(groups)[i] was out of range for the session)."""
+    per_group = tuple(f"block_tables[{g}]" for g in range(groups)) + tuple(
+        f"slot_mappings[{g}]" for g in range(groups))
+    return ("target_token_ids", "target_positions", HIDDEN, "next_token_ids", "query_start_loc", "seq_lens",
+            *per_group, "token_indices_to_sample", "num_rejected_tokens")
+
+
+def first_bad_guard_field(word: int, groups: int) -> str | None:
+    """The first field an error word names (its lowest set bit); None for 0."""
+    if not word:
+        return None
+    fields = guard_fields(groups)
+    bit = (word & -word).bit_length() - 1
+    return fields[bit] if bit < len(fields) else f"error word {word:#x}"
 
 
 _ENC = msgspec.msgpack.Encoder()

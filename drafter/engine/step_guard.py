@@ -1,0 +1,164 @@
+"""A bound step checked and masked on the device, without a host pass: the cuda_ipc plane's guard.
+
+    guard = StepGuard(src, limits, error)     # src: the target's buffers (views of its shared slab)
+    guard.capture()                           # on a GPU: one CUDA graph, captured once per binding
+    guard.step(num_tokens, batch)             # per step: one fill (the sizes) and one replay
+
+The engine is bound to guard.out (the small buffers, the drafter's own) and to the target's hidden
+states in place.  Each step the guard copies every small buffer from the target's slab into its
+own, masking whatever lies outside the session's limits, and moves block ids and slots into the
+session's range of the engine's pool:
+
+  * token ids and next token ids outside [0, vocab), positions outside [0, max_model_len) -> 0;
+  * seq_lens outside [1, max_model_len] -> 1, token_indices_to_sample outside [0, num_tokens) and
+    num_rejected_tokens outside [0, k] -> 0;
+  * block ids outside [0, the session's blocks) -> the session's first block; slots outside
+    [-1, blocks * block size) -> the padding slot (-1), as are the slots of every token whose
+    hidden state is not finite;
+  * a query_start_loc that is not 0 first, num_tokens at the batch, strictly increasing between
+    -> one token per request (the last takes the rest);
+  * rows past the step's sizes -> the neutral values (slot -1, block the session's first, 0).
+
+So every KV write of the step lands in the session's own blocks (or nowhere), whatever the target
+wrote.  The fields found out of range set bits of one int64 error word (drafter.wire.bound.
+guard_fields order), written to `error`, which the target reads back with the drafts and turns
+into INVALID_ARGUMENT naming the first.  Every op has a static shape and the sizes come from a
+device word, so the same code runs eagerly on CPU tensors (the tests) and captured on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafter.wire.bound import HIDDEN, guard_fields
+
+PADDING_SLOT = -1
+_LOW32 = (1 << 32) - 1
+
+
+@dataclass(frozen=True)
+class GuardLimits:
+    """What one session may name: its vocabulary, length, KV range per group and draft length."""
+
+    vocab_size: int
+    max_model_len: int
+    num_speculative_tokens: int
+    num_blocks: tuple[int, ...]  # per KV group: the session's blocks
+    block_sizes: tuple[int, ...]
+    bases: tuple[int, ...]  # per KV group: the session's first block in the engine's pool
+
+    @property
+    def groups(self) -> int:
+        return len(self.num_blocks)
+
+
+class StepGuard:
+    def __init__(self, src: dict[str, torch.Tensor], limits: GuardLimits, error: torch.Tensor):
+        """src: the target's buffers by field name (1-D int, block_tables[g] 2-D int, the hidden
+        states [tokens, width] float), all on one device; error: [1] int64 on that device."""
+        self.src, self.limits, self.error = src, limits, error
+        self.device = src[HIDDEN].device
+        self.fields = guard_fields(limits.groups)
+        self.out = {name: torch.zeros_like(t) for name, t in src.items() if name != HIDDEN}
+        self.sizes = torch.zeros(1, dtype=torch.int64, device=self.device)  # [1]: num_tokens | batch << 32
+        self._rows: dict[int, torch.Tensor] = {}
+        self.graph = None
+
+    # ------------------------------------------------------------------ per step
+    def step(self, num_tokens: int, batch: int) -> None:
+        """Check and mask the step the target's buffers hold (sizes already checked on the host)."""
+        self.sizes.fill_(num_tokens | batch << 32)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.run()
+
+    def capture(self) -> None:
+        """On a GPU: capture run() once (warmed up on a side stream first)."""
+        if self.device.type != "cuda":
+            return
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.run()
+        self.graph = graph
+
+    # ------------------------------------------------------------------ the checks
+    def run(self) -> None:
+        """The whole guard in static-shape tensor ops (no host read)."""
+        word = self.sizes[0]
+        n, b = word & _LOW32, word >> 32
+        lim, src, out = self.limits, self.src, self.out
+        bad: dict[str, torch.Tensor] = {}
+
+        bad["target_token_ids"] = self._range("target_token_ids", n, 0, lim.vocab_size, 0, 0)
+        bad["target_positions"] = self._range("target_positions", n, 0, lim.max_model_len, 0, 0)
+        hidden = src[HIDDEN]  # [tokens, width]
+        nonfinite = ~torch.isfinite(hidden).all(dim=1) & (self._idx(hidden.shape[0]) < n)  # [tokens]
+        bad[HIDDEN] = nonfinite.any()
+        bad["next_token_ids"] = self._range("next_token_ids", b, 0, lim.vocab_size, 0, 0)
+        bad["query_start_loc"] = self._query_start_loc(n, b)
+        bad["seq_lens"] = self._range("seq_lens", b, 1, lim.max_model_len + 1, 1, 0)
+        for g in range(lim.groups):
+            bad[f"block_tables[{g}]"] = self._table(g, b)
+        for g in range(lim.groups):
+            bad[f"slot_mappings[{g}]"] = self._slots(g, n, nonfinite)
+        zero = torch.zeros((), dtype=torch.bool, device=self.device)
+        bad["token_indices_to_sample"] = self._range("token_indices_to_sample", b, 0, n, 0, 0) \
+            if "token_indices_to_sample" in src else zero
+        bad["num_rejected_tokens"] = self._range("num_rejected_tokens", b, 0, lim.num_speculative_tokens + 1, 0, 0) \
+            if "num_rejected_tokens" in src else zero
+        flags = torch.stack([bad[f] for f in self.fields]).to(torch.int64)  # [fields]
+        bits = torch.bitwise_left_shift(torch.ones_like(flags), self._idx(len(self.fields)))  # [fields]
+        self.error.copy_((flags * bits).sum().reshape(1))
+
+    def _idx(self, length: int) -> torch.Tensor:  # [length] int64: 0 .. length - 1
+        rows = self._rows.get(length)
+        if rows is None:
+            rows = self._rows[length] = torch.arange(length, dtype=torch.int64, device=self.device)
+        return rows
+
+    def _range(self, name: str, size, low, high, masked: int, padding: int) -> torch.Tensor:
+        """Rows [:size] of a 1-D buffer checked against [low, high): bad ones -> masked, rows past
+        size -> padding; whether any row was bad."""
+        t = self.src[name]  # [capacity]
+        live = self._idx(t.shape[0]) < size
+        wrong = live & ((t < low) | (t >= high))
+        self.out[name].copy_(torch.where(wrong, masked, torch.where(live, t, padding)))
+        return wrong.any()
+
+    def _query_start_loc(self, n, b) -> torch.Tensor:
+        t = self.src["query_start_loc"]  # [capacity + 1]
+        idx = self._idx(t.shape[0])
+        step = t[1:] - t[:-1]
+        wrong = (t[0] != 0) | ((idx == b) & (t != n)).any() | ((idx[1:] <= b) & (step < 1)).any()
+        fixed = torch.where(idx < b, idx, n).to(t.dtype)  # one token a request, the last takes the rest
+        self.out["query_start_loc"].copy_(torch.where(wrong, fixed, torch.where(idx <= b, t, n)))
+        return wrong
+
+    def _table(self, g: int, b) -> torch.Tensor:
+        name = f"block_tables[{g}]"
+        t = self.src[name]  # [capacity, columns]
+        live = (self._idx(t.shape[0]) < b)[:, None]
+        wrong = live & ((t < 0) | (t >= self.limits.num_blocks[g]))
+        self.out[name].copy_(torch.where(live & ~wrong, t, 0) + self.limits.bases[g])
+        return wrong.any()
+
+    def _slots(self, g: int, n, nonfinite: torch.Tensor) -> torch.Tensor:  # nonfinite: [hidden rows] bool
+        name = f"slot_mappings[{g}]"
+        t = self.src[name]  # [capacity]
+        live = self._idx(t.shape[0]) < n
+        wrong = live & ((t < PADDING_SLOT) | (t >= self.limits.num_blocks[g] * self.limits.block_sizes[g]))
+        keep = live & ~wrong & (t >= 0)
+        rows = min(t.shape[0], nonfinite.shape[0])
+        if rows:
+            keep[:rows] &= ~nonfinite[:rows]
+        shift = self.limits.bases[g] * self.limits.block_sizes[g]
+        self.out[name].copy_(torch.where(keep, t + shift, PADDING_SLOT))
+        return wrong.any()
