@@ -96,13 +96,17 @@ class BoundPlane:
         if old is not None:
             old.stop()
         loop = __import__("asyncio").get_running_loop()
-        b = await loop.run_in_executor(core.executor, BoundSession, self, s, req, slots, total)
+        cls = BoundSession
+        if req.plane == wb.CUDA_IPC:  # the slab shared once over CUDA IPC (drafter.service.bound_ipc)
+            from drafter.service.bound_ipc import IpcBoundSession as cls
+        b = await loop.run_in_executor(core.executor, cls, self, s, req, slots, total)
         b.open(self.ctx, self._endpoint(req.transport, b.bind_id))
         self.sessions[s.id] = b
         log.info("session bound", extra={"event": "bind", "session": s.id, "ring_bytes": total,
                                          "endpoint": b.endpoint})
         return wb.BindResponse(bind_id=b.bind_id, endpoint=b.endpoint, ring_bytes=total,
-                               drafts_width=b.drafts.shape[1], store=b.store_endpoint, channel=b.bind_id)
+                               drafts_width=b.drafts.shape[1], store=b.store_endpoint, channel=b.bind_id,
+                               output=getattr(b, "output_ref", None), drafts_event=getattr(b, "done_handle", b""))
 
     def close(self) -> None:
         """Stop every data thread and wait for it (its socket closes as it ends)."""

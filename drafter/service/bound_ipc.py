@@ -1,0 +1,154 @@
+"""Bound sessions on the cuda_ipc plane: the target's slab opened once, no bytes per step.
+
+    Bind (plane "cuda_ipc", drafter.service.bound_sessions dispatches here):
+        the slab's reference checked (drafter.wire.cuda_slab) and opened on the engine's GPU ONCE
+        the target's "inputs ready" event opened, this binding's "drafts ready" event created
+        the step guard (drafter.engine.step_guard) over views of the slab, captured once
+        the engine bound ONCE: the guard's outputs, the slab's hidden states in place, the drafts
+            at the start of this binding's output buffer, which is shared back with the event
+    each step ([identity, StepHeader] on the session's data socket), on the engine thread:
+        the sizes checked on the host
+        the stream waits for the target's event (no host sync)
+        guard.step: checks and masks every field on the GPU, the error word into the output
+        bound.propose: the replay, drafts into the output
+        the "drafts ready" event recorded; [identity, StepDone] at once (no host read)
+
+The target reads the drafts and the error word together after its stream waited on the event,
+and turns a set word into INVALID_ARGUMENT naming the first bad field (coordinator.transport.
+bound_ipc).  Whatever the slab holds, every KV write of the step stays inside the session's own
+blocks: the guard moved each block id and slot there or to the padding slot.
+
+The slabs' backend is TorchSlabs (CUDA IPC) on a drafter that serves CUDA IPC (--allow-cuda-ipc,
+the GPU the target names); the tests replace BACKEND with cuda_slab.LocalSlabs to run the same
+plane on CPU within one process.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import torch
+import zmq
+
+from drafter.engine.step_guard import GuardLimits, StepGuard
+from drafter.service.bound_sessions import BoundSession, _view, _width
+from drafter.wire import bound as wb
+from drafter.wire import cuda_slab
+from drafter.wire.errors import Code, DrafterError, InvalidInput, invalid
+
+BACKEND = None  # None: cuda_slab.TorchSlabs (the tests put a LocalSlabs here)
+SLAB = "slab"
+
+
+def _backend(core):
+    """The slabs' backend, refused (naming "slab.device_uuid") where this drafter does not serve CUDA IPC."""
+    if BACKEND is not None:
+        return BACKEND, None
+    if not core.cuda_ipc.enabled:
+        raise invalid(f"{SLAB}.device_uuid", f"this drafter does not open CUDA IPC buffers: {core.cuda_ipc.reason}")
+    return cuda_slab.TorchSlabs(), core.cuda_ipc
+
+
+class IpcBoundSession(BoundSession):
+    """One session bound over CUDA IPC: the target's slab, the guard, the engine binding, the events."""
+
+    def __init__(self, plane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
+        self.plane, self.session, self.slots = plane, s, slots
+        self.core = plane.core
+        engine = self.core.engine
+        self.bind_id = secrets.token_hex(16)
+        self.backend, support = _backend(self.core)
+        ref = cuda_slab.check_ref(req.slab, SLAB, total)
+        if support is not None and ref.device_uuid not in support.device_uuids:
+            raise invalid(f"{SLAB}.device_uuid", f"GPU {ref.device_uuid[:64]} is not one this drafter reads")
+        self.device = torch.device(engine.device)
+        self.slab = self.backend.open(ref, self.device, SLAB)  # [total] uint8, the target's memory
+        self.ring = torch.empty(0, dtype=torch.uint8)  # no bytes arrive on the data socket
+        self.views = {sl.name: _view(self.slab, sl) for sl in slots}
+        self.groups = len(s.num_blocks)
+        self.inputs_event = self.backend.open_event(ref.step_event_handle, self.device, SLAB)
+        self.done_event, self.done_handle = self.backend.new_event(self.device)
+        self._bind_engine(engine, s, req.max_batch)
+        self.plane_name = req.plane
+        self.sock: zmq.Socket | None = None
+        self.endpoint = ""
+        self.store, self.store_endpoint, self.channel = None, "", None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _bind_engine(self, engine, s, max_batch: int) -> None:
+        """The output (drafts, then the error word) shared back, the guard captured, the engine bound."""
+        width = _width(engine)
+        words = -(-(max_batch * width + 1) // 8) * 8  # whole 64-byte rows
+        self.output = torch.zeros(words, dtype=torch.int64, device=self.device)  # [drafts..., error, pad]
+        self.drafts = self.output[:max_batch * width].view(max_batch, width)
+        self.error = self.output[max_batch * width:max_batch * width + 1]
+        desc = self.core.desc
+        limits = GuardLimits(vocab_size=desc.vocab_size, max_model_len=s.max_model_len,
+                             num_speculative_tokens=desc.num_speculative_tokens, num_blocks=tuple(s.num_blocks),
+                             block_sizes=tuple(s.block_sizes), bases=tuple(s.bases))
+        self.guard = StepGuard(self.views, limits, self.error)
+        self.guard.capture()
+        o = self.guard.out
+        try:
+            self.bound = engine.bind(
+                target_token_ids=o["target_token_ids"], target_positions=o["target_positions"],
+                target_hidden_states=self.views[wb.HIDDEN], next_token_ids=o["next_token_ids"],
+                query_start_loc=o["query_start_loc"], seq_lens=o["seq_lens"],
+                block_tables=[o[f"block_tables[{g}]"] for g in range(self.groups)],
+                slot_mappings=[o[f"slot_mappings[{g}]"] for g in range(self.groups)],
+                token_indices_to_sample=o.get("token_indices_to_sample"),
+                num_rejected_tokens=o.get("num_rejected_tokens"), drafts=self.drafts)
+        except InvalidInput as exc:
+            raise invalid(exc.field, str(exc)) from None
+        self.output_ref = self.backend.share(self.output.view(torch.uint8), self.done_handle)
+
+    # ------------------------------------------------------------------ data socket
+    def _receive_and_run(self, sock: zmq.Socket, ring) -> tuple[wb.StepDone, bytes]:
+        """[StepHeader] only: anything more is refused."""
+        header_frame = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
+        extra = 0
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv()
+            extra += 1
+        try:
+            head = wb.STEP_DECODER.decode(header_frame)
+        except Exception as exc:  # noqa: BLE001 - msgspec's errors name the path
+            return wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header", message=str(exc)), b""
+        if extra:
+            return self._refused(head, invalid("frames", "a cuda_ipc step is [StepHeader] alone")), b""
+        try:
+            self.core.executor.submit(self.step, head, 0).result()
+        except DrafterError as exc:
+            return self._refused(head, exc), b""
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: the step still gets its answer
+            import logging
+
+            logging.getLogger("drafter.service.bound").exception("cuda_ipc bound step failed")
+            return wb.StepDone(step=head.step, code=int(Code.INTERNAL), message=repr(exc)), b""
+        return wb.StepDone(step=head.step), b""
+
+    # ------------------------------------------------------------------ one step (engine thread)
+    def step(self, head: wb.StepHeader, nbytes: int) -> bytes:
+        """Wait for the target's writes, guard, replay, mark the drafts ready: all queued, no host read."""
+        n, b = head.num_tokens, head.batch
+        s = self.session
+        if not 0 < b <= min(self.drafts.shape[0], s.max_num_seqs):
+            raise invalid("batch_size", f"{b} must lie in [1, {min(self.drafts.shape[0], s.max_num_seqs)}]")
+        if not b <= n <= min(s.max_num_batched_tokens, self.bound.max_tokens):
+            raise invalid("num_tokens", f"{n} must lie in [batch={b}, "
+                                        f"{min(s.max_num_batched_tokens, self.bound.max_tokens)}]")
+        if head.nbytes:
+            raise invalid("nbytes", "a cuda_ipc step ships no bytes")
+        self.backend.wait(self.inputs_event, self.device)
+        self.guard.step(n, b)
+        s.calls += 1
+        s.last_used = time.monotonic()
+        try:
+            self.bound.propose(n, b, head.batch_padded or None, head.tokens_padded or None)
+        except InvalidInput as exc:
+            raise invalid(exc.field, str(exc)) from None
+        self.backend.record(self.done_event, self.device)
+        return b""
