@@ -78,8 +78,13 @@ class ServerConfig:
     keepalive_timeout_s: float = _opt(float, 10.0, "drop a peer whose ping is not answered within this")
     # ---- service behaviour
     max_sessions: int = _opt(int, 16, "most attached sessions")
-    max_sessions_per_client: int = _opt(int, 0, "most sessions one authenticated client (mTLS certificate CN or "
-                                                "CURVE key) may hold (0 = no limit; unauthenticated: max_sessions)")
+    max_sessions_per_client: int = _opt(int, 0, "most sessions one client may hold (0 = no limit). A client is the "
+                                                "authenticated peer (mTLS certificate CN, CURVE key), else the "
+                                                "connection")
+    max_kv_blocks_per_client: str = _opt(str, "0", "most KV blocks one client's sessions may reserve, per group (one "
+                                                   "value, or one per group; 0 = no limit)")
+    max_inflight_per_client: int = _opt(int, 128, "most calls one client may have queued or running; past it a call "
+                                                  "is refused at once with RESOURCE_EXHAUSTED (0 = no limit)")
     batch_window_us: int = _opt(int, 100, "how long to collect requests of several sessions for one engine call")
     session_idle_timeout_s: float = _opt(float, 900.0, "detach a session unused this long (0 = never)")
     drain_timeout_s: float = _opt(float, 20.0, "on SIGTERM, how long in-flight calls may take before exit")
@@ -116,6 +121,26 @@ class ServerConfig:
 
     def block_sizes_per_group(self, groups: int) -> tuple[int, ...]:
         return _per_group("block_sizes", _ints(self.block_sizes), groups)
+
+    def client_quotas(self):
+        """The per-client limits, as the service core takes them (drafter.service.sessions.ClientQuotas)."""
+        from drafter.service.sessions import ClientQuotas
+
+        return ClientQuotas(max_sessions=self.max_sessions_per_client,
+                            max_kv_blocks=_ints(self.max_kv_blocks_per_client),
+                            max_inflight=self.max_inflight_per_client)
+
+    def check_quotas(self) -> None:
+        for name in ("max_sessions_per_client", "max_inflight_per_client"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 0 (0 = no limit)")
+        try:
+            blocks = _ints(self.max_kv_blocks_per_client)
+        except ValueError:
+            blocks = ()
+        if not blocks or min(blocks) < 0:
+            raise ValueError(f"--max-kv-blocks-per-client {self.max_kv_blocks_per_client!r}: one count >= 0, or one "
+                             f"per KV group (0 = no limit)")
 
     @property
     def ipc_mode(self) -> int:
@@ -189,6 +214,7 @@ class ServerConfig:
             raise ValueError("--curve-clients-dir needs --curve-server-cert")
         self.transport_set  # noqa: B018 - raises on an unknown name
         self.check_auth()
+        self.check_quotas()
         if self.zmq_ipc and not self.serves_zmq:
             raise ValueError("--zmq-ipc needs zmq in --transports")
         if self.zmq_ipc:

@@ -26,8 +26,9 @@ from drafter.wire.cuda_ref import FIELD as IPC_FIELD
 from drafter.wire.errors import Code, DrafterError, from_exception, invalid
 from drafter.service.logs import RefusalLog, session_tag
 from drafter.service.metrics import Metrics, accepted_from_report
-from drafter.service.sessions import PROTOCOL_VERSION, EngineDescription, Session, SessionTable, check_call
-from drafter.wire.records import ProposeRequest, ProposeResult
+from drafter.service.sessions import (PROTOCOL_VERSION, ClientQuotas, EngineDescription, Session, SessionTable,
+                                      check_call)
+from drafter.wire.records import Caller, ProposeRequest, ProposeResult
 
 log = logging.getLogger("drafter.service")
 VERSION = "0.1.0"
@@ -69,19 +70,46 @@ class CallRecord:
     transport: str
     rpc: str
     t0: float
+    client: str = ""  # Caller.client: whose in-flight count this call holds
+
+
+class InflightLimit:
+    """Calls queued or running per client (Caller.client), capped: past the cap a call is refused at
+    once (RESOURCE_EXHAUSTED), so no client can queue without bound or fill the transports' shared
+    in-flight room.  limit 0: no cap (calls are still counted)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.calls: dict[str, int] = {}
+
+    def enter(self, client: str) -> None:
+        n = self.calls.get(client, 0)
+        if self.limit and n >= self.limit:
+            raise DrafterError(Code.RESOURCE_EXHAUSTED, "",
+                               f"this client has {n} calls queued or running, the most allowed "
+                               f"(--max-inflight-per-client {self.limit}); wait for replies before sending more")
+        self.calls[client] = n + 1
+
+    def leave(self, client: str) -> None:
+        n = self.calls.get(client, 0) - 1
+        if n > 0:
+            self.calls[client] = n
+        else:
+            self.calls.pop(client, None)
 
 
 class ServiceCore:
     def __init__(self, *, metrics: Metrics, max_sessions: int, batch_window_s: float, max_message_bytes: int,
                  session_idle_timeout_s: float = 0.0, allow_cuda_ipc: tuple[bool, str] = (False, "not enabled"),
-                 max_sessions_per_client: int = 0):
+                 quotas: ClientQuotas = ClientQuotas()):
         """allow_cuda_ipc: (allowed, why not) from drafter.service.cuda_support.allowed; the engine's
-        device decides the rest."""
+        device decides the rest.  quotas: what one client (Caller.client) may hold and have in flight."""
         self.metrics = metrics
         self.allow_cuda_ipc = allow_cuda_ipc
         self.cuda_ipc = schema.CudaIpcSupport(enabled=False, reason="loading")
         self.max_sessions = max_sessions
-        self.max_sessions_per_client = max_sessions_per_client
+        self.quotas = quotas
+        self.client_calls = InflightLimit(quotas.max_inflight)
         self.batch_window_s = batch_window_s
         self.max_message_bytes = max_message_bytes
         self.session_idle_timeout_s = session_idle_timeout_s
@@ -109,7 +137,7 @@ class ServiceCore:
     def set_engine(self, engine) -> None:
         self.engine = engine
         self.desc = describe_engine(engine, self.max_message_bytes)
-        self.sessions = SessionTable(self.desc, self.max_sessions, self.max_sessions_per_client)
+        self.sessions = SessionTable(self.desc, self.max_sessions, self.quotas)
         self.cuda_ipc = cuda_support.advertise(getattr(engine, "device", "cpu"), *self.allow_cuda_ipc)
         self.runner = EngineRunner(engine, self._on_engine_call, self._cuda_ipc_opener(engine))
         self.batcher = Batcher(self.runner, self.executor, self.batch_window_s)
@@ -159,16 +187,24 @@ class ServiceCore:
         return since is not None and time.monotonic() - since > stall_s
 
     # ------------------------------------------------------------------ accounting
-    def begin(self, transport: str, rpc: str) -> "CallRecord":
-        """Start one call: refuse unless serving (UNAVAILABLE while loading or draining), count it
-        in flight.  Every begin() is closed by exactly one finish()."""
+    def begin(self, transport: str, rpc: str, caller: Caller | None = None) -> "CallRecord":
+        """Start one call: refuse unless serving (UNAVAILABLE while loading or draining) and while the
+        caller has its most calls in flight (RESOURCE_EXHAUSTED), count it in flight.  Every begin()
+        that returns is closed by exactly one finish()."""
         if self.state != SERVING:
             self._count(transport, rpc, Code.UNAVAILABLE)
             raise DrafterError(Code.UNAVAILABLE, "", f"the drafter is {self.state}")
+        client = caller.client if caller is not None else ""
+        try:
+            self.client_calls.enter(client)
+        except DrafterError as err:
+            self._count(transport, rpc, err.code)
+            self._refusals.log(transport, rpc, err)
+            raise
         self.inflight += 1
         self._idle.clear()
         self.metrics.inflight.labels(transport).inc()
-        return CallRecord(transport, rpc, time.perf_counter())
+        return CallRecord(transport, rpc, time.perf_counter(), client)
 
     def finish(self, rec: "CallRecord", exc: BaseException | None = None) -> DrafterError | None:
         """Close a call: record its outcome; returns the DrafterError its failure maps to (None: OK)."""
@@ -189,6 +225,7 @@ class ServiceCore:
                 elif err.code != Code.UNAVAILABLE:  # UNAVAILABLE: the state change was logged once
                     self._refusals.log(rec.transport, rec.rpc, err)
         finally:
+            self.client_calls.leave(rec.client)
             self.metrics.inflight.labels(rec.transport).dec()
             self.inflight -= 1
             if self.inflight == 0:
@@ -196,13 +233,14 @@ class ServiceCore:
         return err
 
     @asynccontextmanager
-    async def serving(self, transport: str, rpc: str):
+    async def serving(self, transport: str, rpc: str, caller: Caller | None = None):
         """Wrap one call: refuse unless serving, count it in flight, record its outcome.
 
-        Raises DrafterError (UNAVAILABLE while loading or draining); any other failure inside
-        comes out as a DrafterError too, so transports only ever see DrafterError.
+        Raises DrafterError (UNAVAILABLE while loading or draining, RESOURCE_EXHAUSTED past the
+        caller's in-flight cap); any other failure inside comes out as a DrafterError too, so
+        transports only ever see DrafterError.
         """
-        rec = self.begin(transport, rpc)
+        rec = self.begin(transport, rpc, caller)
         try:
             yield
         except BaseException as exc:
@@ -247,10 +285,17 @@ class ServiceCore:
     def _tree(self) -> list[schema.TreePath]:
         return [schema.TreePath(ranks=list(p)) for p in (self.desc.speculative_token_tree or ())]
 
-    async def attach(self, req: schema.AttachRequest, peer: str = "") -> schema.AttachResponse:
-        """peer: the authenticated identity of the caller (mTLS certificate CN, CURVE public key), or ""."""
+    async def attach(self, req: schema.AttachRequest, caller: Caller | None = None) -> schema.AttachResponse:
+        """caller: who attaches (its authenticated peer, if any, owns the session; its client identity
+        counts against the per-client quotas).  The caller's own session of the same client_name is
+        replaced: detached and its blocks freed before the new one is reserved."""
+        caller = caller or Caller()
         try:
-            s = self.sessions.attach(req, peer)
+            old = self.sessions.replaceable(req, caller)
+            if old is not None and old.id in self.sessions.sessions:
+                self.sessions.detach(old.id, old.owner)
+                await self._release(old, "replaced")
+            s = self.sessions.attach(req, caller)
         except DrafterError as e:
             log.warning("attach refused", extra={"event": "attach_refused", "code": e.code.name, "field": e.field,
                                                   "client": req.client_name[:128], "reason": e.message})
@@ -271,7 +316,7 @@ class ServiceCore:
     def check(self, call: ProposeRequest) -> Session:
         """Everything that can be decided in the event loop, cheaply, before queueing."""
         self._check_epoch(call.epoch)
-        s = self.sessions.get(call.session_id)
+        s = self.sessions.owned(call.session_id, call.caller.peer if call.caller is not None else "")
         if call.hidden_ipc is not None and not self.cuda_ipc.enabled:
             raise invalid(IPC_FIELD, f"this drafter does not open CUDA IPC references: {self.cuda_ipc.reason}; "
                                      f"send target_hidden_states")
@@ -305,9 +350,9 @@ class ServiceCore:
             self.metrics.record_acceptance(report, self.desc.num_speculative_tokens)
 
     async def detach(self, req: schema.DetachRequest, reason: str = "client",
-                     peer: str = "") -> schema.DetachResponse:
+                     caller: Caller | None = None) -> schema.DetachResponse:
         self._check_epoch(req.epoch)
-        s = self.sessions.detach(req.session_id, peer)
+        s = self.sessions.detach(req.session_id, caller.peer if caller is not None else "")
         await self._release(s, reason)
         return schema.DetachResponse(blocks_released=sum(s.num_blocks))
 

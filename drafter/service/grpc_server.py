@@ -23,6 +23,7 @@ from drafter.wire import probes, schema
 from drafter.service.core import ServiceCore
 from drafter.wire.errors import FIELD_METADATA_KEY, Code, DrafterError
 from drafter.wire.pbwire import request_from_raw
+from drafter.wire.records import Caller
 from drafter.wire.tensors import result_to_proto, struct_from_proto, struct_to_proto
 
 log = logging.getLogger("drafter.service.grpc")
@@ -52,6 +53,15 @@ def peer_identity(context) -> str:
     except Exception:  # noqa: BLE001 - no auth context on a plaintext port
         return ""
     return "x509:" + names[0].decode(errors="replace") if names else ""
+
+
+def caller_of(context) -> Caller:
+    """Who is calling: the authenticated peer (mTLS), and the connection (gRPC's peer address)."""
+    try:
+        connection = "grpc:" + context.peer()
+    except Exception:  # noqa: BLE001 - a context without a peer (a test double)
+        connection = ""
+    return Caller(peer=peer_identity(context), connection=connection)
 
 
 def _parse(cls, raw: bytes):
@@ -92,24 +102,28 @@ class DrafterGrpcService:
             "Info": grpc.unary_unary_rpc_method_handler(self.info, response_serializer=ser),
         })
 
-    async def _unary(self, rpc: str, context, work):
+    async def _unary(self, rpc: str, context, work, caller: Caller | None = None):
         try:
-            async with self.core.serving("grpc", rpc):
+            async with self.core.serving("grpc", rpc, caller or caller_of(context)):
                 return await work()
         except DrafterError as e:
             await context.abort(e.code.grpc, e.message, trailing_metadata=((FIELD_METADATA_KEY, e.field),))
 
     async def attach(self, raw: bytes, context):
+        caller = caller_of(context)
+
         async def work():
             req = struct_from_proto(_parse(pb.AttachRequest, raw), schema.AttachRequest)
-            return struct_to_proto(await self.core.attach(req, peer_identity(context)), pb.AttachResponse())
-        return await self._unary("Attach", context, work)
+            return struct_to_proto(await self.core.attach(req, caller), pb.AttachResponse())
+        return await self._unary("Attach", context, work, caller)
 
     async def detach(self, raw: bytes, context):
+        caller = caller_of(context)
+
         async def work():
             req = struct_from_proto(_parse(pb.DetachRequest, raw), schema.DetachRequest)
-            return struct_to_proto(await self.core.detach(req, peer=peer_identity(context)), pb.DetachResponse())
-        return await self._unary("Detach", context, work)
+            return struct_to_proto(await self.core.detach(req, caller=caller), pb.DetachResponse())
+        return await self._unary("Detach", context, work, caller)
 
     async def info(self, raw: bytes, context):
         async def work():
@@ -117,8 +131,9 @@ class DrafterGrpcService:
             return struct_to_proto(self.core.info(req), pb.InfoResponse())
         return await self._unary("Info", context, work)
 
-    async def _propose_one(self, raw: bytes, context, probe=None):
+    async def _propose_one(self, raw: bytes, context, caller: Caller, probe=None):
         call = request_from_raw(raw)  # tensors view `raw`: protobuf never copies the payloads
+        call.caller = caller  # the session's owner check and the batcher's fair queueing read it
         call.probe = probes.labelled(probe, call)
         if probe is not None:
             probe.request_id = call.request_id
@@ -138,8 +153,10 @@ class DrafterGrpcService:
     async def propose(self, raw: bytes, context):
         probe = probes.start("grpc-unary")
         big = len(raw) >= LARGE_REQUEST_BYTES
+        caller = caller_of(context)
         try:
-            return await self._unary("Propose", context, lambda: self._propose_one(raw, context, probe))
+            return await self._unary("Propose", context, lambda: self._propose_one(raw, context, caller, probe),
+                                     caller)
         except BaseException as exc:
             if big:
                 del raw
@@ -148,6 +165,7 @@ class DrafterGrpcService:
 
     async def propose_stream(self, request_iterator, context):
         drained = asyncio.ensure_future(self.drain_event.wait())
+        caller = caller_of(context)  # one connection and peer for the whole stream
         try:
             while True:
                 read = asyncio.ensure_future(context.read())
@@ -161,8 +179,8 @@ class DrafterGrpcService:
                     return
                 probe = probes.start("grpc-stream")
                 try:
-                    async with self.core.serving("grpc", "ProposeStream"):
-                        resp = await self._propose_one(raw, context, probe)
+                    async with self.core.serving("grpc", "ProposeStream", caller):
+                        resp = await self._propose_one(raw, context, caller, probe)
                 except DrafterError as e:
                     if e.code == Code.UNAVAILABLE:
                         await context.abort(e.code.grpc, e.message, trailing_metadata=((FIELD_METADATA_KEY, e.field),))

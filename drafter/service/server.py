@@ -167,7 +167,7 @@ async def serve(cfg: ServerConfig) -> int:
     core = ServiceCore(metrics=metrics, max_sessions=cfg.max_sessions, batch_window_s=cfg.batch_window_us / 1e6,
                        max_message_bytes=cfg.max_message_bytes, session_idle_timeout_s=cfg.session_idle_timeout_s,
                        allow_cuda_ipc=cuda_support.allowed(cfg.allow_cuda_ipc, cfg.host),
-                       max_sessions_per_client=cfg.max_sessions_per_client)
+                       quotas=cfg.client_quotas())
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)

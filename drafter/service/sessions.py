@@ -20,7 +20,7 @@ from drafter.engine.inputs import out_of_range
 from drafter.wire import schema
 from drafter.wire.cuda_ref import FIELD as IPC_FIELD
 from drafter.wire.errors import Code, DrafterError, invalid
-from drafter.wire.records import ProposeInputs, ProposeRequest
+from drafter.wire.records import Caller, ProposeInputs, ProposeRequest
 from drafter.wire.tensors import DTYPES
 
 PROTOCOL_VERSION = 1
@@ -70,6 +70,27 @@ class Session:
     alive: bool = True
     calls: int = 0
     owner: str = ""  # the authenticated peer that attached it (mTLS CN, CURVE key); "" = none
+    client: str = ""  # whose quota it counts against: Caller.client of the attach (the owner, else the connection)
+
+
+@dataclass(frozen=True)
+class ClientQuotas:
+    """What one client (Caller.client: the authenticated peer, else the connection) may hold; 0 = no limit."""
+
+    max_sessions: int = 0  # attached sessions
+    max_kv_blocks: tuple[int, ...] = ()  # KV blocks over its sessions: one value for every group, or one per group
+    max_inflight: int = 0  # calls queued or running (ServiceCore.begin)
+
+    def kv_blocks_per_group(self, groups: int) -> tuple[int, ...]:
+        """The block quota of each KV group (0 = none)."""
+        if not self.max_kv_blocks:
+            return (0,) * groups
+        if len(self.max_kv_blocks) == 1:
+            return self.max_kv_blocks * groups
+        if len(self.max_kv_blocks) != groups:
+            raise ValueError(f"--max-kv-blocks-per-client: {len(self.max_kv_blocks)} values for a head with "
+                             f"{groups} KV groups")
+        return self.max_kv_blocks
 
 
 class BlockAllocator:
@@ -227,26 +248,40 @@ def attach_requirements(cfg) -> str:
     return "\n".join(lines)
 
 
+_UNKNOWN_SESSION = "unknown session: attach first (or again)"
+
+
 class SessionTable:
-    def __init__(self, eng: EngineDescription, max_sessions: int, max_sessions_per_client: int = 0):
+    def __init__(self, eng: EngineDescription, max_sessions: int, quotas: ClientQuotas = ClientQuotas()):
         self.eng = eng
         self.max_sessions = max_sessions
-        self.max_sessions_per_client = max_sessions_per_client  # per authenticated peer; 0 = no limit
+        self.quotas = quotas
+        self.block_quotas = quotas.kv_blocks_per_group(len(eng.pool_blocks))
         self.allocators = [BlockAllocator(n) for n in eng.pool_blocks]
         self.sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def attach(self, req: schema.AttachRequest, owner: str = "") -> Session:
-        """owner: the authenticated peer attaching ("" without auth); it alone may detach the session."""
+    def replaceable(self, req: schema.AttachRequest, caller: Caller) -> Session | None:
+        """The session this attach replaces: the caller's own (same client identity) of the same non-empty
+        client_name, when the request's layout is one this drafter serves (else it is refused and the old
+        session stays).  A target that restarts after dying without Detach so gets its blocks back at
+        once, instead of after the idle timeout."""
+        check_layout(req, self.eng)
+        name = req.client_name[:128]
+        if not name or not caller.client:
+            return None
+        return next((s for s in self.sessions.values() if s.client == caller.client and s.client_name == name), None)
+
+    def attach(self, req: schema.AttachRequest, caller: Caller | None = None) -> Session:
+        """caller: who attaches.  Its authenticated peer (if any) alone may drive or detach the session; its
+        client identity (Caller.client) is what the per-client quotas count."""
+        caller = caller or Caller()
         check_layout(req, self.eng)
         if len(self.sessions) >= self.max_sessions:
             raise DrafterError(Code.RESOURCE_EXHAUSTED, "session", f"{self.max_sessions} sessions already attached")
-        quota = self.max_sessions_per_client
-        if owner and quota and sum(s.owner == owner for s in self.sessions.values()) >= quota:
-            raise DrafterError(Code.RESOURCE_EXHAUSTED, "session",
-                               f"this client already holds {quota} sessions (--max-sessions-per-client)")
+        self._check_quotas(req, caller.client)
         bases: list[int] = []
         for g, group in enumerate(req.kv_groups):
             base = self.allocators[g].allocate(group.num_blocks)
@@ -263,22 +298,44 @@ class SessionTable:
             num_blocks=tuple(g.num_blocks for g in req.kv_groups), block_sizes=self.eng.block_sizes,
             max_model_len=req.max_model_len, max_num_seqs=req.max_num_seqs,
             max_num_batched_tokens=req.max_num_batched_tokens, hidden_dtype=DTYPES[req.hidden_dtype],
-            owner=owner)
+            owner=caller.peer, client=caller.client)
         self.sessions[s.id] = s
         return s
+
+    def _check_quotas(self, req: schema.AttachRequest, client: str) -> None:
+        """The client's session and KV-block quotas (RESOURCE_EXHAUSTED naming the flag)."""
+        if not client:
+            return
+        mine = [s for s in self.sessions.values() if s.client == client]
+        most = self.quotas.max_sessions
+        if most and len(mine) >= most:
+            raise DrafterError(Code.RESOURCE_EXHAUSTED, "session",
+                               f"this client already holds {len(mine)} sessions (--max-sessions-per-client {most})")
+        for g, (group, quota) in enumerate(zip(req.kv_groups, self.block_quotas)):
+            held = sum(s.num_blocks[g] for s in mine)
+            if quota and held + group.num_blocks > quota:
+                raise DrafterError(Code.RESOURCE_EXHAUSTED, f"kv_groups[{g}].num_blocks",
+                                   f"this client holds {held} blocks of KV group {g}; {group.num_blocks} more exceed "
+                                   f"--max-kv-blocks-per-client {quota}")
 
     def get(self, session_id: str) -> Session:
         s = self.sessions.get(session_id)
         if s is None:
-            raise DrafterError(Code.NOT_FOUND, "session_id", "unknown session: attach first (or again)")
+            raise DrafterError(Code.NOT_FOUND, "session_id", _UNKNOWN_SESSION)
+        return s
+
+    def owned(self, session_id: str, peer: str) -> Session:
+        """The session, for the peer that may drive or detach it.  A session attached by an authenticated
+        peer does not exist for any other (NOT_FOUND, as an unknown id: nothing tells whether an id is live)."""
+        s = self.get(session_id)
+        if s.owner and s.owner != peer:
+            raise DrafterError(Code.NOT_FOUND, "session_id", _UNKNOWN_SESSION)
         return s
 
     def detach(self, session_id: str, owner: str = "") -> Session:
         """Forget the session; its blocks stay reserved until release() (after they were zeroed).  A session
-        attached by an authenticated peer is detached only by that peer: to any other it does not exist."""
-        s = self.get(session_id)
-        if s.owner and s.owner != owner:
-            raise DrafterError(Code.NOT_FOUND, "session_id", "unknown session: attach first (or again)")
+        attached by an authenticated peer is detached only by that peer (owned())."""
+        s = self.owned(session_id, owner)
         del self.sessions[session_id]
         s.alive = False
         return s

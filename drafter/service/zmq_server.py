@@ -39,6 +39,7 @@ from drafter.wire import probes, schema
 from drafter.service.core import ServiceCore
 from drafter.wire.errors import Code, DrafterError, invalid
 from drafter.wire.ipc import DEFAULT_MODE, bind_ipc, unlink_ipc
+from drafter.wire.records import Caller
 from drafter.wire.tensors import request_from_frames, result_to_frames
 from drafter.wire.zmqio import NOBLOCK, recv_frames_capped, send_frames
 
@@ -335,14 +336,17 @@ class ZmqServer:
             if over:  # the rest of it was dropped while receiving
                 raise invalid("frames", f"message refused and dropped: {over} "
                                         f"(max_message_bytes {self.max_message_bytes}, at most {MAX_FRAMES} frames)")
+            # the connection: the peer's routing id on this socket; the peer: its CURVE key, when CURVE is on
+            caller = Caller(peer=peer_identity(rest[0]) if self.curve_server_cert else "",
+                            connection=f"{ep.label}:{identity.hex()}")
             if env.method == "Propose":
-                self._propose(ep, head, env, rest[1:], probe)
+                self._propose(ep, head, env, rest[1:], probe, caller)
                 return
         except Exception as exc:  # noqa: BLE001
             self._send_error(ep, head, env, exc)
             self._end()
             return
-        task = self._loop.create_task(self._handle(ep, head, env, rest[1:]))
+        task = self._loop.create_task(self._handle(ep, head, env, rest[1:], caller))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
@@ -352,9 +356,9 @@ class ZmqServer:
         if not task.cancelled() and task.exception() is not None:
             log.error("zmq handler failed", exc_info=task.exception())
 
-    def _propose(self, ep: _Endpoint, head: list, env: schema.Envelope, rest: list, probe) -> None:
+    def _propose(self, ep: _Endpoint, head: list, env: schema.Envelope, rest: list, probe, caller: Caller) -> None:
         """Decode, check and post one Propose; replies (or raises for the caller to answer) exactly once."""
-        rec = self.core.begin("zmq", "Propose")
+        rec = self.core.begin("zmq", "Propose", caller)
         try:
             _check_frames(rest, self.max_message_bytes)
             body = rest[0].buffer
@@ -362,6 +366,7 @@ class ZmqServer:
             if probe is not None:
                 probe.mark("header_decode")
             call = request_from_frames(req, rest[1:])
+            call.caller = caller
             call.probe = probes.labelled(probe, call)
             if probe is not None:
                 probe.request_id = call.request_id
@@ -373,18 +378,18 @@ class ZmqServer:
         except BaseException as exc:
             raise self.core.finish(rec, exc) or exc from None
 
-    async def _handle(self, ep: _Endpoint, head: list, env: schema.Envelope, rest: list) -> None:
+    async def _handle(self, ep: _Endpoint, head: list, env: schema.Envelope, rest: list, caller: Caller) -> None:
         try:
-            out = await self._dispatch(env, rest)
+            out = await self._dispatch(env, rest, caller)
             reply = [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method)), _ENCODER.encode(out)]
         except Exception as exc:  # noqa: BLE001 - every message gets a reply, even after a bug of ours
             self._send_error(ep, head, env, exc)
             return
         self._send(ep, head + reply)
 
-    async def _dispatch(self, env: schema.Envelope, rest: list):
+    async def _dispatch(self, env: schema.Envelope, rest: list, caller: Caller):
         method = env.method
-        async with self.core.serving("zmq", method if method in schema.METHODS else "unknown"):
+        async with self.core.serving("zmq", method if method in schema.METHODS else "unknown", caller):
             if method == "Bind":  # bound sessions (drafter.service.bound_sessions): their own data sockets
                 from drafter.service.bound_sessions import BoundPlane
                 return await BoundPlane.of(self).bind(rest)
@@ -396,9 +401,9 @@ class ZmqServer:
             if rest[1:]:
                 raise invalid("frames", f"{method} takes no tensor frames")
             if method == "Attach":
-                return await self.core.attach(req, peer_identity(rest[0]))
+                return await self.core.attach(req, caller)
             if method == "Detach":
-                return await self.core.detach(req, peer=peer_identity(rest[0]))
+                return await self.core.detach(req, caller=caller)
             return self.core.info(req)
 
     # ------------------------------------------------------------------ shutdown

@@ -54,6 +54,19 @@ INPUT_FIELDS = tuple(f.name for f in fields(ProposeInputs))
 OPTIONS = ("accepted_counts", "return_probs", "batch_padded", "tokens_padded", "request_id")
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a call, as the receiving transport identifies them (filled in on the server)."""
+
+    peer: str = ""  # the authenticated identity ("x509:<CN>", "curve:<key>"); "" when unauthenticated
+    connection: str = ""  # the connection it came on (a ZMQ routing id, a gRPC peer address)
+
+    @property
+    def client(self) -> str:
+        """The identity quotas and fairness count by: the authenticated peer, else the connection."""
+        return self.peer or self.connection
+
+
 @dataclass
 class ProposeRequest:
     """One propose call, independent of the transport it travels on."""
@@ -70,6 +83,7 @@ class ProposeRequest:
     request_id: int = 0
     deadline: float | None = None  # time.monotonic() after which the result is useless (server)
     probe: object = None  # drafter.wire.probes.Probe when stage timing is on
+    caller: Caller | None = None  # who sent it, as the server's transport tells (server; None: unknown)
 
     @property
     def batch_size(self) -> int:

@@ -1,5 +1,9 @@
 """The engine's one thread and the queue in front of it: requests wait here for a batch window,
-plain jobs (loading, wiping a detached session's blocks) keep their place in arrival order."""
+plain jobs (loading, wiping a detached session's blocks) keep their place in arrival order.
+
+Requests that arrived before a job but did not fit into the batch before it wait in the Batcher's
+FairQueue (one FIFO per client, served round-robin: fair.py) and run after the job: a job never
+waits for a backlog, and each client's own requests keep their order."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from drafter.service.batching.deliver import deliver_from_thread
+from drafter.service.batching.fair import FairQueue
 from drafter.service.sessions import Session
 from drafter.wire.errors import Code, DrafterError, from_exception
 from drafter.wire.records import ProposeRequest, ProposeResult
@@ -33,6 +38,7 @@ class Pending:
     loop: asyncio.AbstractEventLoop | None = None  # where the result goes
     reply: Callable | None = None  # called in the ENGINE thread with a ProposeResult, before on_done: a
     # transport that can answer from there (ZMQ) does so at once, with no hop through the event loop
+    client: str = ""  # whose request it is, for fair queueing (Caller.client; "": unknown, one shared FIFO)
 
 
 _STOP = object()
@@ -90,9 +96,16 @@ class EngineThread(concurrent.futures.Executor):
     def _main(self) -> None:
         carry = None
         while True:
+            batcher = self.batcher
+            if carry is None and batcher is not None and batcher.fair:  # a backlog: the next batch at once
+                items, carry = batcher.collect(None, self._q)
+                batcher.answer_batch(items)
+                continue
             item = carry if carry is not None else self._q.get()
             carry = None
             if item is _STOP:
+                if self.batcher is not None:
+                    self.batcher.abandon_backlog()
                 self._drain_queue()
                 return
             if isinstance(item, _Job):
@@ -122,6 +135,10 @@ def _abandon(items: list) -> None:
                             * len(pendings))
 
 
+def _client_of(call: ProposeRequest) -> str:
+    return call.caller.client if call.caller is not None else ""
+
+
 class Batcher:
     """Collect requests for up to `window_s` after the first one, then run them as one batch.
 
@@ -136,6 +153,7 @@ class Batcher:
         self._post: Callable | None = None
         self._own_queue: queue.SimpleQueue | None = None
         self._job: concurrent.futures.Future | None = None
+        self.fair = FairQueue()  # requests collected but not run yet (engine thread only)
 
     def start(self) -> None:
         self.runner.defer_records = True  # metrics after the replies (answer_batch flushes them)
@@ -151,18 +169,30 @@ class Batcher:
         if isinstance(self.executor, EngineThread):
             if self.executor.batcher is self:
                 self.executor.batcher = None
+                try:  # the backlog is the engine thread's: answered there, after what runs now
+                    self.executor.submit(self.abandon_backlog)
+                except RuntimeError:  # shut down already: its _STOP answered the backlog
+                    pass
         elif self._job is not None:
             self._own_queue.put(_STOP)
             await asyncio.wrap_future(self._job)
         self._post = None
 
+    def abandon_backlog(self) -> None:
+        """Engine thread: answer every collected request that has not run (UNAVAILABLE: shutting down)."""
+        _abandon(self.fair.drain())
+
     def _serve(self, q: queue.SimpleQueue) -> None:  # the engine thread, for a plain executor
         carry = None
         while True:
+            if carry is None and self.fair:
+                items, carry = self.collect(None, q)
+                self.answer_batch(items)
+                continue
             item = carry if carry is not None else q.get()
             carry = None
             if item is _STOP:
-                left = []
+                left = self.fair.drain()
                 while True:
                     try:
                         left.append(q.get_nowait())
@@ -181,36 +211,39 @@ class Batcher:
     async def submit(self, session: Session, call: ProposeRequest) -> ProposeResult:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._submit(Pending(session, call, fut, loop=loop))
+        self._submit(Pending(session, call, fut, loop=loop, client=_client_of(call)))
         return await fut
 
     def submit_nowait(self, session: Session, call: ProposeRequest, on_done: Callable, reply: Callable | None = None
                       ) -> None:
         """From the event loop: on_done(result or DrafterError) runs in this loop once the engine is done;
         reply(result), if given, runs in the engine thread before that, for successful results only."""
-        self._submit(Pending(session, call, None, on_done=on_done, loop=asyncio.get_running_loop(), reply=reply))
+        self._submit(Pending(session, call, None, on_done=on_done, loop=asyncio.get_running_loop(), reply=reply,
+                             client=_client_of(call)))
 
     # ------------------------------------------------------------------ the engine thread
-    def collect(self, first: Pending, q: queue.SimpleQueue) -> tuple[list[Pending], object]:
-        """The batch that starts with `first`, and what to process next (a request that did not
-        fit, a job, or None).  Takes everything already queued; waits only within the window."""
-        items = [first]
-        b, n = first.call.batch_size, first.call.num_tokens
+    def collect(self, first: Pending | None, q: queue.SimpleQueue) -> tuple[list[Pending], object]:
+        """The next batch (`first` and the backlog joining it), and what to process next (a job, stop,
+        or None).  Everything already queued up to the next job joins the fair queue, so a client
+        queued behind another's backlog is in this batch; waits only within the window, and not at
+        all once a full engine call is waiting.  The batch is formed round-robin across clients."""
+        fair, max_batch, max_tokens = self.fair, self.runner.max_batch, self.runner.max_tokens
+        if first is not None:
+            fair.push(first)
         deadline = time.monotonic() + self.window_s
-        while b < self.runner.max_batch:  # full: waiting longer cannot add anything
+        carry = None
+        while True:
             remaining = deadline - time.monotonic()
+            full = fair.rows >= max_batch or fair.tokens >= max_tokens  # waiting cannot add to this batch
             try:
-                it = q.get_nowait() if remaining <= 0 else q.get(timeout=remaining)
+                it = q.get_nowait() if remaining <= 0 or full else q.get(timeout=remaining)
             except queue.Empty:
                 break
             if not isinstance(it, Pending):
-                return items, it  # a job (or stop) keeps its place: after this batch
-            cb, cn = it.call.batch_size, it.call.num_tokens
-            if b + cb > self.runner.max_batch or n + cn > self.runner.max_tokens:
-                return items, it  # first in line for the next engine call
-            items.append(it)
-            b, n = b + cb, n + cn
-        return items, None
+                carry = it  # a job (or stop) keeps its place: after this batch
+                break
+            fair.push(it)
+        return fair.take(max_batch, max_tokens), carry
 
     def answer_batch(self, items: list[Pending]) -> None:
         """Run one collected batch and answer every request of it (replies first, then bookkeeping)."""
