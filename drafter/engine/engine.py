@@ -19,13 +19,16 @@ from drafter.engine.inputs import Limits, as_group_list
 from drafter.engine.inputs import validate as check_inputs
 from drafter.engine.kv_cache import HiddenStateStore, PagedKVCache
 from drafter.models.loader import load_head
+from drafter.models.sharding import SINGLE, Shard
 from drafter.models.spec import ModelSpec, parse_head, read_config
+from drafter.engine.predraft import pool_groups
 from drafter.engine.proposer import Proposer
 from drafter.wire.errors import InvalidInput
 from drafter.wire.records import DraftOutput, ProposeInputs
 
 if TYPE_CHECKING:
     from drafter.engine.bound import BoundPropose
+    from drafter.wire.predraft import PreDrafts
 
 
 def make_backend(name: str, device: torch.device):
@@ -46,6 +49,10 @@ class DraftEngine:
         self.spec = spec
         self.head = head
         self.device = torch.device(config.device)
+        if head is not None and config.weights == "fp8":  # before the fused path plans its kernels
+            from drafter.models.fp8 import quantize_head
+
+            quantize_head(head)  # per-channel FP8 GEMM weights (idempotent: engines may share a head)
         dtype = config.torch_dtype
         self.backend = make_backend(config.attention_backend, self.device)
         if spec.method == "extract_hidden_states":
@@ -53,7 +60,8 @@ class DraftEngine:
                                           self.device, dtype)
             self.kv = None
         else:
-            self.kv = PagedKVCache(spec.layer_shapes, spec.kv_group_of_layer, config.kv_groups, self.device, dtype)
+            # pre-drafting's scratch blocks sit after the configured ones (the limits below keep calls off them)
+            self.kv = PagedKVCache(spec.layer_shapes, spec.kv_group_of_layer, pool_groups(config), self.device, dtype)
             self.store = None
         self.buffers = StaticBuffers(config.token_capture_sizes[-1], config.capture_sizes[-1],
                                      spec.hidden_input_width, config.max_blocks_per_req,
@@ -63,7 +71,10 @@ class DraftEngine:
             config.speculative_token_tree)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
-        if head is not None and self.backend.name == "triton":  # imported here: these need triton
+        # a tensor-parallel head (world > 1) runs the modules' own torch code, collectives between
+        # them; the fused kernels and CUDA graphs are single-process paths for now
+        sharded = getattr(head, "shard", SINGLE).world > 1
+        if head is not None and self.backend.name == "triton" and not sharded:  # imported here: these need triton
             from drafter.engine.graphs import GraphRunner
             from drafter.models.fusion import fuse_head
 
@@ -83,13 +94,15 @@ class DraftEngine:
 
     @classmethod
     def from_dirs(cls, head_dir: str | Path, target_dir: str | Path | None = None,
-                  config: EngineConfig | None = None, **overrides) -> "DraftEngine":
+                  config: EngineConfig | None = None, shard: Shard = SINGLE, **overrides) -> "DraftEngine":
+        """shard: the tensor-parallel rank this engine is (every rank of the process group builds
+        one and runs the same calls; drafter.service.tp drives them)."""
         if config is None:
             config = EngineConfig(**overrides)
         if config.method == "extract_hidden_states":
             return cls(None, parse_head(read_config(head_dir), config.method), config)
         head = load_head(head_dir, config.method, target_dir, device=config.device, dtype=config.torch_dtype,
-                         max_model_len=config.max_model_len)
+                         max_model_len=config.max_model_len, shard=shard)
         return cls(head, head.spec, config)
 
     # ------------------------------------------------------------------ propose
@@ -141,6 +154,23 @@ class DraftEngine:
         if inp.num_rejected_tokens is not None and not self.config.padded_drafter_batch:
             inp = drop_rejected_tokens(inp)
         return self._propose_validated(inp, return_probs, return_logits, batch_padded, tokens_padded)
+
+    def predraft(self, inp: ProposeInputs,
+                 drafts: torch.Tensor,  # [batch, k] int: the drafts the target verifies for this call
+                 step: int) -> "PreDrafts":
+        """The next step's drafts for each request's likeliest verification outcomes
+        (drafter.engine.predraft), keyed by `step`.  Call it right after draft(inp) ran: the
+        context's KV is read from the pool; only scratch blocks are written."""
+        from drafter.engine.predraft import predraft
+
+        if not self.config.predraft_outcomes:
+            raise InvalidInput("predraft_outcomes", "pre-drafting is off (predraft_outcomes = 0)")
+        if inp.temperatures is not None and bool((inp.temperatures > 0).any()):
+            raise InvalidInput("temperatures", "pre-drafts are greedy drafts; probabilistic drafts are not supported")
+        if drafts.dim() != 2 or drafts.shape[0] != inp.batch_size or drafts.shape[1] != self.config.num_speculative_tokens:
+            raise InvalidInput("drafts", f"expected [{inp.batch_size}, {self.config.num_speculative_tokens}], "
+                               f"got {tuple(drafts.shape)}")
+        return predraft(self, inp, drafts, step)
 
     def bind(
         self,

@@ -178,8 +178,9 @@ def deepseek_model_spec(config: DeepseekConfig):
                      tie_word_embeddings=config.tie_word_embeddings, mtp_first_layer=config.num_hidden_layers)
 
 
-def load_deepseek_head(head_dir, target_dir=None, device="cpu", dtype: torch.dtype = torch.bfloat16):
+def load_deepseek_head(head_dir, target_dir=None, device="cpu", dtype: torch.dtype = torch.bfloat16,
+                       shard: Shard = SINGLE):
     """load_deepseek_mtp with the engine's ModelSpec attached (what load_head returns for deepseek_mtp)."""
-    head = load_deepseek_mtp(head_dir, target_dir, device=device, dtype=dtype)
+    head = load_deepseek_mtp(head_dir, target_dir, device=device, dtype=dtype, shard=shard)
     head.spec = deepseek_model_spec(head.config)
     return head

@@ -15,7 +15,6 @@ MTP working.  Every layer owns one KV cache of the shape kv_cache_shape() gives.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from drafter.attention.metadata import AttentionMetadata
@@ -24,30 +23,12 @@ from drafter.models.fp8 import FP8Linear
 from drafter.models.layers import RMSNorm
 from drafter.models.mla import MLAAttention
 from drafter.models.moe import MoE, ExpertMLP
-from drafter.models.sharding import SINGLE, Shard
+from drafter.models.sharding import SINGLE, Shard, VocabEmbedding
 
 
 def kv_cache_shape(shape: DeepseekLayerShape, num_blocks: int, block_size: int) -> tuple[int, int, int]:
     """A layer's compressed cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]."""
     return shape.kv_cache_shape(num_blocks, block_size)
-
-
-class VocabEmbedding(nn.Module):
-    """The token embedding, split by vocabulary rows over ranks (each rank looks up its own ids)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, shard: Shard):
-        super().__init__()
-        self.shard = shard
-        self.start, local = shard.span(vocab_size, "vocab_size")
-        self.weight = nn.Parameter(torch.zeros(local, hidden_size))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden_size]
-        if self.shard.world == 1:
-            return F.embedding(ids, self.weight)
-        local = ids - self.start
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        out = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype)
-        return self.shard.all_reduce(out)
 
 
 class SharedHead(nn.Module):
@@ -113,6 +94,7 @@ class DeepseekMTPHead(nn.Module):
     def __init__(self, config: DeepseekConfig, shard: Shard = SINGLE):
         super().__init__()
         self.config = config
+        self.shard = shard
         self.spec = None  # the engine's ModelSpec, set by whoever builds the engine
         self.layers = nn.ModuleList(
             DeepseekMTPLayer(s, config.vocab_size, config.fp8_block, shard) for s in config.layers)

@@ -4,6 +4,12 @@ Every head answers the same three questions the proposer asks:
   combine_hidden_states: target hidden states -> the head's hidden input (first pass only)
   forward(step):         (token ids, positions, hidden) -> (hidden for logits, hidden carried to the next step)
   compute_logits(step):  hidden -> logits over the head's vocabulary; draft_to_target maps ids back
+
+Tensor parallel (a Shard of world N, the spec from drafter.models.llama_shard.shard_spec): the
+embedding and lm_head hold this rank's vocabulary rows (lookups summed, logits gathered over ranks),
+fc / eh_proj this rank's output rows (gathered), attention its own heads and the MLP its own
+intermediate columns (partial sums added).  Every rank ends each step with the whole hidden state
+and the whole logits, so every rank samples the same drafts.
 """
 
 from __future__ import annotations
@@ -13,13 +19,15 @@ from torch import nn
 
 from drafter.attention.metadata import AttentionMetadata
 from drafter.models.layers import Attention, DecoderLayer, LayerShape, MLP, RMSNorm
+from drafter.models.sharding import SINGLE, Shard, column_parallel, embedding
 from drafter.models.spec import ModelSpec
 
 
 class DraftHead(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, shard: Shard = SINGLE):
         super().__init__()
         self.spec = spec
+        self.shard = shard
         self.kv_group_of_layer = spec.kv_group_of_layer
 
     def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -42,13 +50,14 @@ class EagleHead(DraftHead):
     """EAGLE-1: fc over [embed; target hidden], Llama layers (the first without input norm),
     and the target's lm_head applied to the un-normed output."""
 
-    def __init__(self, spec: ModelSpec):
-        super().__init__(spec)
+    def __init__(self, spec: ModelSpec, shard: Shard = SINGLE):
+        super().__init__(spec, shard)
         h = spec.hidden_size
-        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
-        self.fc = nn.Linear(2 * h, h, bias=spec.fc_bias)
-        self.layers = nn.ModuleList(DecoderLayer(s, input_norm=i > 0) for i, s in enumerate(spec.layer_shapes))
-        self.lm_head = nn.Linear(h, spec.vocab_size, bias=False)
+        self.embed_tokens = embedding(spec.vocab_size, h, shard)
+        self.fc = nn.Linear(2 * h, shard.span(h, "hidden_size")[1], bias=spec.fc_bias)
+        self.layers = nn.ModuleList(DecoderLayer(s, input_norm=i > 0, shard=shard)
+                                    for i, s in enumerate(spec.layer_shapes))
+        self.lm_head = nn.Linear(h, shard.span(spec.vocab_size, "vocab_size")[1], bias=False)
 
     def forward(
         self,
@@ -60,26 +69,26 @@ class EagleHead(DraftHead):
         backend,
         step: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.fc(torch.cat((self.embed_tokens(input_ids), hidden), dim=-1))
+        x = column_parallel(self.fc, torch.cat((self.embed_tokens(input_ids), hidden), dim=-1), self.shard)
         x = self._run_layers(x, positions, kv_caches, metas, backend, self.layers_for_step(step))
         return x, x
 
-    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:  # [n, H] -> [n, vocab]
+        return self.shard.all_gather_last(self.lm_head(hidden))
 
 
 class Eagle3Layer(nn.Module):
     """EAGLE-3's first layer: attention reads [input_norm(embed); hidden_norm(hidden)] (2H wide)."""
 
-    def __init__(self, shape: LayerShape, norm_before_residual: bool):
+    def __init__(self, shape: LayerShape, norm_before_residual: bool, shard: Shard = SINGLE):
         super().__init__()
         h = shape.hidden_size
         self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, shape.rms_norm_eps)
-        self.self_attn = Attention(shape, input_size=2 * h)
+        self.self_attn = Attention(shape, input_size=2 * h, shard=shard)
         self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
-        self.mlp = MLP(h, shape.intermediate_size, shape.mlp_bias)
+        self.mlp = MLP(h, shape.intermediate_size, shape.mlp_bias, shard)
 
     def forward(self, embeds, hidden, positions, kv_cache, meta, backend):
         normed_hidden = self.hidden_norm(hidden)
@@ -93,20 +102,20 @@ class Eagle3Head(DraftHead):
     """EAGLE-3: fc fuses the target's aux hidden states (n*H -> H); own norm and lm_head over a
     draft vocabulary whose ids map to target ids as target = draft + d2t[draft]."""
 
-    def __init__(self, spec: ModelSpec):
-        super().__init__(spec)
+    def __init__(self, spec: ModelSpec, shard: Shard = SINGLE):
+        super().__init__(spec, shard)
         h = spec.hidden_size
         shapes = spec.layer_shapes
-        self.embed_tokens = nn.Embedding(spec.vocab_size, h)
-        self.fc = nn.Linear(spec.hidden_input_width, h, bias=False)
-        self.layers = nn.ModuleList(
-            [Eagle3Layer(shapes[0], spec.norm_before_residual)] + [DecoderLayer(s) for s in shapes[1:]])
+        self.embed_tokens = embedding(spec.vocab_size, h, shard)
+        self.fc = nn.Linear(spec.hidden_input_width, shard.span(h, "hidden_size")[1], bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(shapes[0], spec.norm_before_residual, shard)]
+                                    + [DecoderLayer(s, shard=shard) for s in shapes[1:]])
         self.norm = RMSNorm(h, shapes[0].rms_norm_eps)
-        self.lm_head = nn.Linear(h, spec.draft_vocab_size, bias=False)
+        self.lm_head = nn.Linear(h, shard.span(spec.draft_vocab_size, "draft_vocab_size")[1], bias=False)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
 
     def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, num_aux * H] -> [n, H]
-        return self.fc(hidden)
+        return column_parallel(self.fc, hidden, self.shard)
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids + self.d2t[ids]
@@ -119,38 +128,38 @@ class Eagle3Head(DraftHead):
             x = layer(x, positions, kv_caches[i], metas[self.kv_group_of_layer[i]], backend)
         return self.norm(x), x  # logits read the normed state; the next step consumes the pre-norm one
 
-    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:  # [n, H] -> [n, draft vocab]
+        return self.shard.all_gather_last(self.lm_head(hidden))
 
 
 class SharedHead(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, eps: float):
+    def __init__(self, hidden_size: int, vocab_size: int, eps: float, shard: Shard = SINGLE):
         super().__init__()
         self.norm = RMSNorm(hidden_size, eps)
-        self.head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.head = nn.Linear(hidden_size, shard.span(vocab_size, "vocab_size")[1], bias=False)
 
 
 class MTPLayer(DecoderLayer):
     """One DeepSeek-V3 style MTP module: enorm/hnorm/eh_proj in front of a decoder layer,
     with its own shared_head (norm + lm_head).  Attention is Llama GQA, not MLA."""
 
-    def __init__(self, shape: LayerShape, vocab_size: int):
-        super().__init__(shape)
+    def __init__(self, shape: LayerShape, vocab_size: int, shard: Shard = SINGLE):
+        super().__init__(shape, shard=shard)
         h = shape.hidden_size
-        self.embed_tokens = nn.Embedding(vocab_size, h)
+        self.embed_tokens = embedding(vocab_size, h, shard)
         self.enorm = RMSNorm(h, shape.rms_norm_eps)
         self.hnorm = RMSNorm(h, shape.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.shared_head = SharedHead(h, vocab_size, shape.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, shard.span(h, "hidden_size")[1], bias=False)
+        self.shared_head = SharedHead(h, vocab_size, shape.rms_norm_eps, shard)
 
 
 class MTPHead(DraftHead):
     """Draft step i runs MTP layer i (mod the number of layers), as DeepSeek-V3 and Step3.5 do;
     each layer keeps its own KV cache, written only by the steps that run it."""
 
-    def __init__(self, spec: ModelSpec):
-        super().__init__(spec)
-        self.layers = nn.ModuleList(MTPLayer(s, spec.vocab_size) for s in spec.layer_shapes)
+    def __init__(self, spec: ModelSpec, shard: Shard = SINGLE):
+        super().__init__(spec, shard)
+        self.layers = nn.ModuleList(MTPLayer(s, spec.vocab_size, shard) for s in spec.layer_shapes)
 
     def layers_for_step(self, step: int) -> range:
         i = step % len(self.layers)
@@ -161,13 +170,13 @@ class MTPHead(DraftHead):
         layer = self.layers[i]
         embeds = layer.embed_tokens(input_ids)
         embeds = torch.where((positions == 0)[:, None], torch.zeros_like(embeds), embeds)  # MTP ignores position 0
-        x = layer.eh_proj(torch.cat((layer.enorm(embeds), layer.hnorm(hidden)), dim=-1))
+        x = column_parallel(layer.eh_proj, torch.cat((layer.enorm(embeds), layer.hnorm(hidden)), dim=-1), self.shard)
         x = layer(x, positions, kv_caches[i], metas[self.kv_group_of_layer[i]], backend)
         return x, x
 
     def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
         shared = self.layers[step % len(self.layers)].shared_head
-        return shared.head(shared.norm(hidden))
+        return self.shard.all_gather_last(shared.head(shared.norm(hidden)))
 
 
 HEADS = {"eagle": EagleHead, "eagle3": Eagle3Head, "mtp": MTPHead}

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from drafter.attention.metadata import AttentionMetadata
 from drafter.models.rope import Rope, apply_rope  # noqa: F401 - apply_rope: the one rotary for the torch path
+from drafter.models.sharding import SINGLE, Shard, row_parallel
 
 
 @dataclass(frozen=True)
@@ -50,12 +51,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention whose KV lives in a paged cache owned by the engine."""
+    """GQA self-attention whose KV lives in a paged cache owned by the engine.
 
-    def __init__(self, shape: LayerShape, input_size: int | None = None):
+    Tensor parallel: `shape` is this rank's share (drafter.models.llama_shard.shard_spec: its own
+    query and KV heads); o_proj's partial sums are added over ranks."""
+
+    def __init__(self, shape: LayerShape, input_size: int | None = None, shard: Shard = SINGLE):
         super().__init__()
         in_size = input_size or shape.hidden_size
         self.shape = shape
+        self.shard = shard
         self.rope = shape.rotary
         self.q_proj = nn.Linear(in_size, shape.num_heads * shape.head_dim, bias=shape.qkv_bias)
         self.k_proj = nn.Linear(in_size, shape.num_kv_heads * shape.head_dim, bias=shape.qkv_bias)
@@ -78,30 +83,34 @@ class Attention(nn.Module):
         q = apply_rope(q, positions, self.rope)
         k = apply_rope(k, positions, self.rope)
         out = backend.forward(q, k, v, kv_cache, meta, sliding_window=s.sliding_window)
-        return self.o_proj(out.reshape(n, s.num_heads * s.head_dim))
+        return row_parallel(self.o_proj, out.reshape(n, s.num_heads * s.head_dim), self.shard)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    """SiLU-gated MLP; tensor parallel: gate / up rows (intermediate_size is this rank's share)
+    and down_proj's columns split, its partial sums added over ranks."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, shard: Shard = SINGLE):
         super().__init__()
+        self.shard = shard
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return row_parallel(self.down_proj, F.silu(self.gate_proj(x)) * self.up_proj(x), self.shard)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm Llama layer.  `input_norm=False` is EAGLE-1's first layer, whose
     input is already the fc projection and carries no input_layernorm."""
 
-    def __init__(self, shape: LayerShape, input_norm: bool = True):
+    def __init__(self, shape: LayerShape, input_norm: bool = True, shard: Shard = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps) if input_norm else None
-        self.self_attn = Attention(shape)
+        self.self_attn = Attention(shape, shard=shard)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.mlp = MLP(shape.hidden_size, shape.intermediate_size, shape.mlp_bias)
+        self.mlp = MLP(shape.hidden_size, shape.intermediate_size, shape.mlp_bias, shard)
 
     def forward(
         self,

@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 
 from drafter.models.heads import HEADS, DraftHead
 from drafter.models.llama import LlamaForCausalLM
+from drafter.models.llama_shard import shard_spec, shard_weights
+from drafter.models.sharding import SINGLE, Shard
 from drafter.models.spec import (
     HeadConfigError, ModelSpec, check_aux, config_source, default_aux_layer_ids, parse_head, parse_target, read_config,
     with_aux,
@@ -129,12 +131,15 @@ def load_head(
     device="cpu",
     dtype=torch.float32,
     max_model_len: int | None = None,
+    shard: Shard = SINGLE,
 ) -> DraftHead:
-    """max_model_len: the engine's (rope: vLLM raises an EAGLE head's max_position_embeddings to it)."""
+    """max_model_len: the engine's (rope: vLLM raises an EAGLE head's max_position_embeddings to it).
+    shard: the tensor-parallel rank whose share to load (drafter.models.llama_shard); head.spec is
+    then that rank's spec (its own heads: the engine sizes the rank's KV cache from it)."""
     if method == "deepseek_mtp":  # MLA + MoE + FP8 blocks: drafter.models.deepseek_loader
         from drafter.models.deepseek_loader import load_deepseek_head
 
-        return load_deepseek_head(head_dir, target_dir, device=device, dtype=dtype)
+        return load_deepseek_head(head_dir, target_dir, device=device, dtype=dtype, shard=shard)
     source = config_source(head_dir)
     head_cfg = read_config(head_dir)
     spec = parse_head(head_cfg, method, source, max_model_len)
@@ -151,9 +156,10 @@ def load_head(
         raise ValueError("eagle3 head config names no eagle_aux_hidden_state_layer_ids: pass the target directory")
     weights = _head_weights(method, spec, read_weights(head_dir))
     _share_from_target(method, spec, weights, target)
-    head = HEADS[method](spec)
     if method == "eagle3" and "d2t" not in weights:
         weights["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.long)  # same vocab: identity map
+    head = HEADS[method](shard_spec(spec, shard), shard)
+    weights = shard_weights(weights, spec, shard)
     with torch.no_grad():
         _fill(head, weights, str(head_dir))
     return head.to(device=device, dtype=dtype).eval()
