@@ -91,10 +91,17 @@ class EngineStats:
     decode_steps: int = 0  # (request, step) pairs after the prefill
     emitted_in_decode_steps: int = 0
     pit: list[float] = field(default_factory=list)  # sampled tokens' randomised PIT values
+    # pre-drafting: per draft position, the drafts verified / accepted that came from a pre-draft
+    proposed_pre: list[int] = field(default_factory=list)
+    accepted_pre: list[int] = field(default_factory=list)
+    # pre-drafting: per hit (rid, output index of the first draft, exact drafts, pre-drafts used)
+    hits: list[tuple[int, int, list[int], list[int]]] = field(default_factory=list)
 
     def __post_init__(self):
         self.proposed = [0] * self.k
         self.accepted = [0] * self.k
+        self.proposed_pre = [0] * self.k
+        self.accepted_pre = [0] * self.k
 
     @property
     def acceptance_length(self) -> float:
@@ -112,8 +119,11 @@ class EngineStats:
 
 class TargetEngine:
     def __init__(self, cfg: TargetConfig, *, proposer=None, agreement: DPAgreement | None = None,
-                 fanout: TPFanout | None = None, runner: ModelRunner | None = None):
+                 fanout: TPFanout | None = None, runner: ModelRunner | None = None, predraft=None):
         self.cfg = cfg
+        # pre-drafting (coordinator.predraft.InProcessPreDrafting): a hit's pre-draft replaces the
+        # exact drafts of its row; None = off
+        self.predraft = predraft
         self.k = cfg.num_speculative_tokens
         self.runner = runner or ModelRunner(RunnerConfig(
             cfg.target_dir, cfg.block_size, cfg.num_blocks,
@@ -267,6 +277,9 @@ class TargetEngine:
                 for pos in range(j):
                     s.proposed[pos] += 1
                     s.accepted[pos] += int(pos < verdict.num_accepted)
+                    if req.predrafted:
+                        s.proposed_pre[pos] += 1
+                        s.accepted_pre[pos] += int(pos < verdict.num_accepted)
 
     def _exchange_drafts(self, scheduled: int) -> StepRecord:
         call = self.builder.build(self.running)
@@ -276,14 +289,34 @@ class TargetEngine:
             return StepRecord(padding.step, padding, scheduled, 0, 0, "dummy", None, 0.0, None)
         t0 = time.perf_counter()
         ran = []
+        hits = self.predraft.pick(padding.step, call.kwargs, call.accepted_counts) if self.predraft else None
         result = self.fanout.share(call.batch, lambda: self._propose(call, padding, ran))
         wait = time.perf_counter() - t0
+        if hits is not None:
+            result = self._use_predrafts(call, padding.step, hits, result)
         ok = self.builder.apply(call, result, self.running)
         if self.cfg.record_calls and self.fanout.is_src:
             self.calls.append(CallRecord(padding.step, call.kwargs, padding, result.drafts, result.generation,
                                          call.accepted_counts))
         return StepRecord(padding.step, padding, scheduled, call.batch, call.num_tokens, "draft", ok, wait,
                           ran[0] if ran else None)
+
+    def _use_predrafts(self, call: DraftCall, step: int, hits: list, result: DraftResult) -> DraftResult:
+        """Verify a hit's pre-draft instead of the exact drafts of its row, then let the drafter
+        pre-draft for the drafts now used.  Verification decides either way: output is unchanged."""
+        from coordinator.predraft import merge
+
+        for req in self.running:
+            req.predrafted = False
+        if result.drafts is None:
+            return result
+        used, flags = merge(result.drafts, hits)
+        for req, hit, exact, pre in zip(call.requests, flags, result.drafts.tolist(), used.tolist()):
+            req.predrafted = hit
+            if hit:
+                self.stats.hits.append((req.rid, len(req.output), exact, pre))
+        self.predraft.after(step, call.kwargs, used, result.generation)
+        return DraftResult(used, result.generation)
 
     def _propose(self, call: DraftCall, padding: DPPadding, ran: list) -> DraftResult:
         try:

@@ -60,6 +60,7 @@ class Request:
     frontier: int = 0
     last: StepResult | None = None
     finished: bool = False
+    predrafted: bool = False  # this step's drafts are a pre-draft (coordinator.predraft)
 
     @property
     def rid(self) -> int:

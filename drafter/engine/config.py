@@ -78,6 +78,10 @@ class EngineConfig:
     # The Triton path's weight GEMMs for <= 64 rows: "auto" times drafter's skinny kernel
     # against cuBLAS per weight at start-up and keeps the faster; "on" / "off" force it.
     skinny_gemm: str = "auto"
+    # Pre-drafting (drafter.engine.predraft): after each draft, the next step's drafts for this many
+    # likeliest verification outcomes per request (0 = off), each predraft_tokens long (0 = k).
+    predraft_outcomes: int = 0
+    predraft_tokens: int = 0
     seed: int = 0
 
     def __post_init__(self):
@@ -103,6 +107,7 @@ class EngineConfig:
             raise ValueError(f"combined_graphs must be a bool, got {self.combined_graphs!r}")
         if self.skinny_gemm not in ("auto", "on", "off"):
             raise ValueError(f"skinny_gemm must be auto, on or off, got {self.skinny_gemm!r}")
+        _check_predraft(self)
         object.__setattr__(self, "capture_sizes", _sizes(self.capture_sizes, self.max_num_seqs, "capture_sizes"))
         object.__setattr__(
             self,
@@ -119,10 +124,24 @@ class EngineConfig:
         return len(self.speculative_token_tree) if self.speculative_token_tree else 0
 
     @property
+    def predraft_k(self) -> int:
+        """Drafts per pre-draft (predraft_tokens, or k when 0)."""
+        return self.predraft_tokens or self.num_speculative_tokens
+
+    @property
     def max_blocks_per_req(self) -> tuple[int, ...]:
         """Block-table width per group: enough blocks for max_model_len (+ tree nodes)."""
         span = self.max_model_len + self.num_tree_nodes
         return tuple(-(-span // g.block_size) for g in self.kv_groups)
+
+
+def _check_predraft(cfg: EngineConfig) -> None:
+    if cfg.predraft_outcomes < 0 or cfg.predraft_tokens < 0:
+        raise ValueError("predraft_outcomes and predraft_tokens must be >= 0")
+    if cfg.predraft_outcomes and cfg.method not in ("eagle", "eagle3"):
+        raise ValueError(f"predraft_outcomes: pre-drafting supports eagle and eagle3, not {cfg.method}")
+    if cfg.predraft_outcomes and cfg.speculative_token_tree is not None:
+        raise ValueError("predraft_outcomes: pre-drafts are chains; a speculative_token_tree is not supported")
 
 
 def _sizes(sizes, maximum: int, name: str) -> tuple[int, ...]:

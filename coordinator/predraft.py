@@ -1,0 +1,169 @@
+"""The target side of pre-drafting: keep the pushed pre-drafts, pick locally once verification ends.
+
+    picker = PreDraftPicker()
+    picker.offer(pre)                       # whenever pre-drafts arrive (pushed, or in-process)
+    hits = picker.pick(step, call_inputs, accepted_counts)   # per row: drafts [k'] or None (a miss)
+
+`pick` reads each row's outcome (a, b) off the call the target just built (the same reading the
+drafter does, drafter.wire.predraft.outcomes_of_call) and looks it up in the pre-drafts that
+followed the previous draft call; nothing else is ever used.  Pre-drafts for any other call are
+dropped: older ones when a pick passes them, and ones that arrive after the pick for the call
+after theirs (late) at once, so a pre-draft can never serve the wrong step.  A miss drafts exactly
+as without pre-drafting, and either way the call still goes to the drafter, which writes the real
+KV for the accepted tokens from the target's hidden states.
+
+PreDraftingTransport is the in-process drafter with pre-drafting on: after each draft call the
+target hands it the drafts it will verify (`after`) and the engine pre-drafts for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from coordinator.inprocess import InProcessTransport
+from coordinator.session import SessionInfo, SessionSpec
+from drafter.engine.engine import DraftEngine
+from drafter.wire.predraft import PreDrafts, lookup, outcomes_of_call
+from drafter.wire.records import INPUT_FIELDS, ProposeInputs
+
+
+@dataclass
+class PickerStats:
+    picks: int = 0  # draft calls that looked for pre-drafts
+    rows: dict = field(default_factory=dict)  # a -> rows whose outcome was a (rows that verified drafts)
+    hits: dict = field(default_factory=dict)  # a -> of those, rows served by a pre-draft
+    offered: int = 0  # pre-draft sets received
+    outcomes: int = 0  # pre-drafts received (outcomes over all rows)
+    rows_offered: int = 0  # rows those covered
+    late: int = 0  # sets that arrived after their pick had passed: dropped
+    stale: int = 0  # sets a pick passed over unused (another call's)
+
+    @property
+    def hit_rate(self) -> float:
+        total = sum(self.rows.values())
+        return sum(self.hits.values()) / total if total else 0.0
+
+    def hit_rate_by_a(self) -> dict[int, float]:
+        return {a: self.hits.get(a, 0) / n for a, n in sorted(self.rows.items())}
+
+    @property
+    def predrafts_per_row(self) -> float:
+        return self.outcomes / self.rows_offered if self.rows_offered else 0.0
+
+
+class PreDraftPicker:
+    def __init__(self):
+        self.pending: dict[int, PreDrafts] = {}
+        self.floor: int | None = None  # the step of the latest pick: older pre-drafts are no use now
+        self.stats = PickerStats()
+
+    def reset(self) -> None:
+        """A new drafter session: its KV, and so every pre-draft, starts over."""
+        self.pending.clear()
+        self.floor = None
+
+    def offer(self, pre: PreDrafts) -> bool:
+        """Keep pre-drafts for the pick of the call after theirs; False (dropped) when a pick for a
+        later call has already happened: they arrived after the verification they were for."""
+        if self.floor is not None and pre.step < self.floor:
+            self.stats.late += 1
+            return False
+        self.pending[pre.step] = pre
+        self.stats.offered += 1
+        self.stats.outcomes += int((pre.accepted >= 0).sum())
+        self.stats.rows_offered += pre.batch_size
+        return True
+
+    def pick(self, step: int, inputs: ProposeInputs,
+             accepted_counts: torch.Tensor | None,  # [batch] int, -1 = nothing verified
+             ) -> list[torch.Tensor | None]:  # per row: [k'] int64 drafts, or None
+        """Look this call's rows up in the pre-drafts of the previous draft call; every other
+        pending set is dropped, and from now on only pre-drafts of `step` or later are kept."""
+        pre = self.pending.pop(self.floor, None) if self.floor is not None else None
+        self.stats.stale += len(self.pending)
+        self.pending.clear()
+        self.floor = step
+        self.stats.picks += 1
+        out = []
+        for outcome in outcomes_of_call(inputs, accepted_counts):
+            drafts = lookup(pre, outcome)
+            if outcome is not None:
+                self.stats.rows[outcome.accepted] = self.stats.rows.get(outcome.accepted, 0) + 1
+                if drafts is not None:
+                    self.stats.hits[outcome.accepted] = self.stats.hits.get(outcome.accepted, 0) + 1
+            out.append(drafts)
+        return out
+
+
+def merge(exact: torch.Tensor,  # [batch, k] int64: the drafter's exact drafts for this call
+          hits: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[bool]]:
+    """The drafts the target verifies: a hit's pre-draft in its row, the exact drafts elsewhere."""
+    used = exact.clone()
+    k = used.shape[1]
+    flags = []
+    for r, h in enumerate(hits):
+        flags.append(h is not None)
+        if h is not None:
+            n = min(k, h.shape[0])
+            used[r, :n] = h[:n].to(used.device, used.dtype)
+    return used, flags
+
+
+def call_inputs(kwargs: dict) -> ProposeInputs:
+    """A target's propose keywords (coordinator.target.drafting) as the record the engine reads."""
+    fields = {n: kwargs.get(n) for n in INPUT_FIELDS}
+    for name in ("block_tables", "slot_mappings"):
+        v = fields[name]
+        fields[name] = [v] if isinstance(v, torch.Tensor) else list(v)
+    return ProposeInputs(**fields)
+
+
+class PreDraftingTransport(InProcessTransport):
+    """The in-process drafter whose sessions pre-draft `outcomes` outcomes per request (k' = k)."""
+
+    name = "inprocess"
+
+    def __init__(self, *a, outcomes: int = 4, predraft_tokens: int = 0, **kw):
+        super().__init__(*a, **kw)
+        self.outcomes = outcomes
+        self.predraft_tokens = predraft_tokens
+
+    def attach(self, spec: SessionSpec, timeout: float) -> SessionInfo:
+        info = super().attach(spec, timeout)
+        engine = self.sessions[info.session_id]
+        cfg = replace(engine.config, predraft_outcomes=self.outcomes, predraft_tokens=self.predraft_tokens)
+        self.sessions[info.session_id] = DraftEngine(self.head, self.head.spec, cfg)
+        return info
+
+    def engine_of(self, session: SessionInfo | None) -> DraftEngine | None:
+        return None if session is None else self.sessions.get(session.session_id)
+
+
+class InProcessPreDrafting:
+    """Pre-drafting for a TargetEngine whose proposer talks to a PreDraftingTransport: picks with
+    a PreDraftPicker, and after each call has the session's engine pre-draft for the drafts used."""
+
+    def __init__(self, transport: PreDraftingTransport, proposer):
+        self.transport = transport
+        self.proposer = proposer
+        self.picker = PreDraftPicker()
+        self.generation = None
+
+    def pick(self, step: int, kwargs: dict, accepted_counts) -> list[torch.Tensor | None]:
+        if self.proposer.generation != self.generation:  # a new session holds none of the old KV
+            self.picker.reset()
+            self.generation = self.proposer.generation
+        return self.picker.pick(step, call_inputs(kwargs), accepted_counts)
+
+    def after(self, step: int, kwargs: dict, used: torch.Tensor, generation) -> None:
+        """The drafter's side: pre-draft for the drafts the target will verify, then 'push'."""
+        if generation != self.generation:
+            self.picker.reset()
+            self.generation = generation
+            return
+        engine = self.transport.engine_of(self.proposer.session)
+        if engine is None:
+            return
+        self.picker.offer(engine.predraft(call_inputs(kwargs), used, step))

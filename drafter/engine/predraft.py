@@ -1,0 +1,229 @@
+"""Pre-drafting: draft the next step for the likeliest verification outcomes, before verification.
+
+Notation for one request, as in proposer.py: the call drafted d_1..d_k from its last accepted row
+at position p (token x_{p+1}, target hidden state h_p).  The target will accept a of the drafts
+and sample b after them; the next call would then draft from the target's hidden states
+H_{p+1}..H_{p+1+a}.  Those do not exist yet, so a pre-draft uses the head's own:
+
+    trunk   g_0 = combine(h_p);  (logits_s, g_{s+1}) = head(t_s, g_s) at position p + s,
+            t_0 = x_{p+1}, t_s = d_s,  s = 0 .. k           (logits_s ranks the token at p + s + 2)
+    rank    log P(a, b) = sum_{i < a} log q_i(d_{i+1}) + log q_a(b),  b != d_{a+1} when a < k;
+            keep the `outcomes` likeliest (a, b) per request (q_s = softmax(logits_s))
+    branch  e_1 = argmax head(b, g_{a+1}) at position p + a + 1, then e_2 .. e_k' chained
+
+All requests' branches run as one batch through the head's own forward and attention backend.
+Every key written goes to scratch blocks past the pool's session blocks: a branch sees the
+context's real KV below p, the trunk's keys for p .. p + a, and its own keys after that (the
+block where it diverges is copied first), so the session's KV is never written and branches
+never see each other.  Verification decides what is kept, so output is unchanged whatever the
+pre-drafts are; how often they are right is what decides whether this pays.
+
+    pre = predraft(engine, inputs, drafts, step)   # after engine.draft(inputs) returned `drafts`
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafter.attention.metadata import PADDING_SLOT_ID, AttentionMetadata
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.wire.predraft import PreDrafts
+from drafter.wire.records import ProposeInputs
+
+PREDRAFT_METHODS = ("eagle", "eagle3")
+
+
+def _span_blocks(block_size: int, positions: int) -> int:
+    """Blocks that `positions` consecutive positions can touch, wherever they start in a block."""
+    return -(-(block_size - 1 + positions) // block_size)
+
+
+@dataclass(frozen=True)
+class ScratchLayout:
+    """Where one group's scratch blocks sit: after the session blocks, per batch row the trunk's
+    blocks, then each outcome's."""
+
+    base: int  # first scratch block id (the configured num_blocks)
+    trunk: int  # blocks per row's trunk (positions p .. p + k)
+    branch: int  # blocks per outcome (positions p + a + 1 .. p + a + k')
+    outcomes: int
+
+    @property
+    def per_row(self) -> int:
+        return self.trunk + self.outcomes * self.branch
+
+
+def scratch_layouts(config: EngineConfig) -> tuple[ScratchLayout, ...]:
+    """Per KV group, the scratch pre-drafting needs (none when it is off)."""
+    b = config.predraft_outcomes
+    return tuple(ScratchLayout(g.num_blocks, _span_blocks(g.block_size, config.num_speculative_tokens + 1) if b else 0,
+                               _span_blocks(g.block_size, config.predraft_k) if b else 0, b)
+                 for g in config.kv_groups)
+
+
+def pool_groups(config: EngineConfig) -> tuple[KVGroupSpec, ...]:
+    """The KV pool's groups: the configured blocks plus max_num_seqs rows of scratch."""
+    return tuple(KVGroupSpec(g.block_size, g.num_blocks + config.max_num_seqs * s.per_row)
+                 for g, s in zip(config.kv_groups, scratch_layouts(config)))
+
+
+# --------------------------------------------------------------------------- the algorithm
+@torch.inference_mode()
+def predraft(engine, inp: ProposeInputs,
+             drafts: torch.Tensor,  # [batch, k] int: the drafts the target will verify for this call
+             step: int) -> PreDrafts:
+    """The next step's drafts for each request's likeliest outcomes (module docstring).  The
+    call's own draft must have run first: the context's KV below p is read from the pool."""
+    cfg, head = engine.config, engine.head
+    rows = _drafted_rows(inp, engine.device)
+    drafts = drafts.to(engine.device, torch.long)
+    tables = [t.to(engine.device, torch.long) for t in inp.block_tables]
+    layouts = scratch_layouts(cfg)
+    trunk_tables = _fork(engine, tables, layouts, rows.positions, [s.trunk for s in layouts],
+                         lambda s, r: s.base + r * s.per_row)  # r: [rows] batch rows
+    logits, carries = _trunk(engine, rows, drafts, trunk_tables)
+    accepted, tokens, log_probs = rank_outcomes(logits, drafts, head, cfg.predraft_outcomes)
+    batch, n_out = accepted.shape
+    owner = torch.arange(batch, device=engine.device).repeat_interleave(n_out)  # [batch * outcomes]
+    a = accepted.reshape(-1).clamp(min=0)
+    start = rows.positions[owner] + 1 + a  # the branch's first position, p + a + 1
+    branch_tables = _fork(engine, [t[owner] for t in trunk_tables], layouts, start, [s.branch for s in layouts],
+                          lambda s, r: s.base + (r // n_out) * s.per_row + s.trunk + (r % n_out) * s.branch)
+    hidden = carries[owner, a]  # g_{a+1}: the head's own state after d_a
+    branch = _chain(engine, tokens.reshape(-1), hidden, start, branch_tables, cfg.predraft_k,
+                    live=accepted.reshape(-1) >= 0)
+    return PreDrafts(step, inp.block_tables[0][:, 0].to("cpu", torch.long), rows.positions.cpu(), drafts.cpu(),
+                     accepted.cpu(), tokens.cpu(), branch.view(batch, n_out, -1).cpu(), log_probs.float().cpu())
+
+
+def rank_outcomes(logits: torch.Tensor,  # [batch, k + 1, head vocab]: the trunk's logits_0 .. logits_k
+                  drafts: torch.Tensor,  # [batch, k] int64 target ids
+                  head, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `budget` likeliest outcomes per row under the head: (a [batch, budget] int64, -1 where
+    fewer exist; b [batch, budget] int64 target ids; joint log-probability [batch, budget])."""
+    batch, k1, vocab = logits.shape
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    n = min(budget + 1, vocab)  # one spare per position: the rejected draft is not a candidate
+    top_lp, top_ids = logq.topk(n, dim=-1)
+    top_tok = head.draft_to_target(top_ids)  # [batch, k + 1, n]
+    own = _target_to_draft(head, vocab, logits.device)[drafts]  # [batch, k] head ids, -1 = outside its vocab
+    lp_d = logq[:, :-1].gather(-1, own.clamp(min=0)[..., None]).squeeze(-1).masked_fill(own < 0, float("-inf"))
+    prefix = torch.cat([lp_d.new_zeros(batch, 1), lp_d.cumsum(1)], 1)  # [batch, k + 1]: log P(d_1..d_a)
+    rejected = torch.cat([drafts, drafts.new_full((batch, 1), -1)], 1)  # d_{a+1}, none after all k
+    score = (prefix[..., None] + top_lp).masked_fill(top_tok == rejected[..., None], float("-inf"))
+    best = score.view(batch, -1).topk(min(budget, k1 * n), dim=-1)
+    accepted = torch.where(best.values > float("-inf"), best.indices // n, -1)
+    return accepted, top_tok.view(batch, -1).gather(1, best.indices), best.values
+
+
+# --------------------------------------------------------------------------- the pieces
+@dataclass(frozen=True)
+class _Rows:
+    positions: torch.Tensor  # [batch] int64: p
+    next_tokens: torch.Tensor  # [batch] int64: x_{p+1}
+    hidden: torch.Tensor  # [batch, hidden input width]: h_p
+
+
+def _drafted_rows(inp: ProposeInputs, device) -> _Rows:
+    """Each request's drafted-from row, chosen as buffers.load chooses it."""
+    sample = inp.token_indices_to_sample
+    if sample is None:
+        sample = inp.query_start_loc[1:] - 1
+        if inp.num_rejected_tokens is not None:
+            sample = sample - inp.num_rejected_tokens
+    sample = sample.to(inp.target_positions.device, torch.long)
+    return _Rows(inp.target_positions[sample].to(device, torch.long), inp.next_token_ids.to(device, torch.long),
+                 inp.target_hidden_states[sample.to(inp.target_hidden_states.device)].to(device))
+
+
+def _target_to_draft(head, vocab: int, device) -> torch.Tensor:  # [target vocab] int64, -1 = not drafted
+    ids = torch.arange(vocab, device=device)
+    target = head.draft_to_target(ids)
+    out = torch.full((head.spec.vocab_size,), -1, dtype=torch.long, device=device)
+    out[target] = ids
+    return out
+
+
+def _fork(engine, tables: list[torch.Tensor],  # per group [rows, width] int64
+          layouts, start: torch.Tensor,  # [rows] int64: the first position the fork writes
+          blocks: list[int], base_of) -> list[torch.Tensor]:
+    """Block tables that share `tables` below `start` and own scratch blocks from start's block on:
+    that block's keys are copied in first, the later ones are new."""
+    out = []
+    for g, (table, layout, n) in enumerate(zip(tables, layouts, blocks)):
+        bs = engine.config.kv_groups[g].block_size
+        rows = table.shape[0]
+        width = table.shape[1] + n
+        forked = torch.zeros(rows, width, dtype=torch.long, device=table.device)
+        forked[:, : table.shape[1]] = table
+        first = (start // bs).clamp(max=table.shape[1] - 1)  # [rows]
+        base = base_of(layout, torch.arange(rows, device=table.device))  # [rows] the first own block
+        cols = first[:, None] + torch.arange(n, device=table.device)[None, :]  # [rows, n]
+        own = base[:, None] + torch.arange(n, device=table.device)[None, :]
+        _copy_blocks(engine, g, table.gather(1, first[:, None]).squeeze(1), base)
+        forked.scatter_(1, cols, own)
+        out.append(forked)
+    return out
+
+
+def _copy_blocks(engine, group: int, src: torch.Tensor, dst: torch.Tensor) -> None:  # [n] block ids each
+    for cache, g in zip(engine.kv.layers, engine.kv.kv_group_of_layer):
+        if g == group:
+            cache.index_copy_(1, dst, cache.index_select(1, src))
+
+
+def _step(engine, ids: torch.Tensor,  # [rows] int64
+          positions: torch.Tensor,  # [rows] int64
+          hidden: torch.Tensor,  # [rows, H]: the head's hidden input
+          tables: list[torch.Tensor],  # per group [rows, width] int64
+          step: int, live: torch.Tensor  # [rows] bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:  # (logit hidden, carried hidden), each [rows, H]
+    """One token per row through the head; a position past max_model_len writes and reads nothing
+    useful (as in the chain: position 0, one key, slot -1)."""
+    rows = ids.shape[0]
+    exceeds = positions >= engine.config.max_model_len
+    fed = torch.where(exceeds, 0, positions)
+    write = live & ~exceeds
+    seq_lens = torch.where(exceeds, 1, fed + 1).masked_fill(~live, 0).to(torch.int32)
+    metas = []
+    for g, table in enumerate(tables):
+        bs = engine.config.kv_groups[g].block_size
+        block = table.gather(1, (fed // bs)[:, None]).squeeze(1)
+        metas.append(AttentionMetadata(
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=ids.device), seq_lens=seq_lens,
+            block_table=table.to(torch.int32), slot_mapping=torch.where(write, block * bs + fed % bs, PADDING_SLOT_ID),
+            block_size=bs))
+    return engine.head(ids, fed, hidden, engine.kv.layers, metas, engine.backend, step=step)
+
+
+def _trunk(engine, rows: _Rows, drafts: torch.Tensor,  # [batch, k]
+           tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head along the call's own drafts: logits_0..logits_k [batch, k + 1, head vocab] and the
+    carried states g_1..g_{k+1} [batch, k + 1, H]."""
+    head = engine.head
+    live = torch.ones_like(rows.positions, dtype=torch.bool)
+    hidden = head.combine_hidden_states(rows.hidden)
+    tokens = torch.cat([rows.next_tokens[:, None], drafts], 1)
+    logits, carries = [], []
+    for s in range(drafts.shape[1] + 1):
+        logit_h, hidden = _step(engine, tokens[:, s], rows.positions + s, hidden, tables, s, live)
+        logits.append(head.compute_logits(logit_h, s))
+        carries.append(hidden)
+    return torch.stack(logits, 1), torch.stack(carries, 1)
+
+
+def _chain(engine, tokens: torch.Tensor,  # [rows] int64: b
+           hidden: torch.Tensor,  # [rows, H]: g_{a+1}
+           start: torch.Tensor,  # [rows] int64: p + a + 1
+           tables: list[torch.Tensor], k: int, live: torch.Tensor  # [rows] bool
+           ) -> torch.Tensor:  # [rows, k] int64 greedy drafts
+    """A greedy chain of k drafts per row, as the proposer chains them."""
+    head = engine.head
+    out = []
+    for s in range(k):
+        logit_h, hidden = _step(engine, tokens, start + s, hidden, tables, s, live)
+        tokens = head.draft_to_target(head.compute_logits(logit_h, s).argmax(-1))
+        out.append(tokens)
+    return torch.stack(out, 1)

@@ -1,0 +1,103 @@
+"""Pre-drafts: the next step's drafts, computed before the target has verified this step's.
+
+After a draft d_1..d_k from a request's last accepted row (position p), the target's verification
+ends in an outcome (a, b): drafts d_1..d_a accepted, then the target's own token b at position
+p + a + 2 (the corrected token, or the bonus when a = k).  A drafter with idle time drafts the
+next step for the likeliest outcomes in advance (drafter.engine.predraft); the target, once it
+knows (a, b), looks the outcome up (`lookup`) and verifies those drafts at once.  A miss, a
+pre-draft for another call, or one conditioned on other drafts than the target verified is never
+used: the step drafts exactly as without pre-drafting.
+
+Both ends read a call the same way (`outcomes_of_call`), so the drafter can tell which pre-draft
+the target picked without being told.  This module is neutral: records and pure functions over
+CPU tensors, no engine, no transport.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from drafter.wire.records import ProposeInputs
+
+
+@dataclass(frozen=True)
+class PreDrafts:
+    """One propose call's pre-drafts, row for row in that call's batch order."""
+
+    step: int  # the caller's id of the propose call these follow (a pick for any other call ignores them)
+    block_ids: torch.Tensor  # [batch] int64: each row's first block (KV group 0), the request's key
+    positions: torch.Tensor  # [batch] int64: p, the position of the row the call drafted from
+    conditioned_on: torch.Tensor  # [batch, k] int64: the drafts of that call the target verifies
+    accepted: torch.Tensor  # [batch, outcomes] int64: a of each predicted outcome, -1 = no outcome
+    next_tokens: torch.Tensor  # [batch, outcomes] int64: b of each predicted outcome
+    drafts: torch.Tensor  # [batch, outcomes, k'] int64: the next step's drafts for that outcome
+    log_probs: torch.Tensor  # [batch, outcomes] float32: the head's joint log-probability (the rank)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.block_ids.shape[0])
+
+    @property
+    def num_outcomes(self) -> int:
+        return int(self.accepted.shape[1])
+
+    def row_of(self, block_id: int, position: int) -> int | None:
+        """The row drafted for the request keyed (block_id, position), if any."""
+        hits = ((self.block_ids == block_id) & (self.positions == position)).nonzero()
+        return int(hits[0, 0]) if hits.numel() else None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the target's verification ended for one row of the next call."""
+
+    block_id: int  # the request's first block (KV group 0)
+    position: int  # p: the position of the row the previous call drafted from
+    accepted: int  # a: drafts accepted
+    next_token: int  # b: the token the target sampled after them
+    verified: tuple[int, ...]  # the j drafts the target verified (a <= j)
+
+
+def outcomes_of_call(inp: ProposeInputs,
+                     accepted_counts: torch.Tensor | None,  # [batch] int, -1 = nothing verified
+                     ) -> list[Outcome | None]:
+    """Read each row's verification outcome off a padded-batch propose call: a from the
+    acceptance report, j = a + rejected rows, the verified drafts are the last j query tokens,
+    and the sampled row sits at position p + 1 + a.  None where the row verified nothing."""
+    if accepted_counts is None or inp.num_rejected_tokens is None:
+        return [None] * inp.batch_size
+    qsl = inp.query_start_loc.tolist()
+    rejected = inp.num_rejected_tokens.tolist()
+    accepted = accepted_counts.tolist()
+    ids = inp.target_token_ids
+    out: list[Outcome | None] = []
+    for r in range(inp.batch_size):
+        a, hi = int(accepted[r]), qsl[r + 1]
+        j = a + int(rejected[r])
+        if a < 0 or hi - qsl[r] < j + 1:
+            out.append(None)
+            continue
+        sampled = int(inp.target_positions[hi - 1 - int(rejected[r])])
+        out.append(Outcome(int(inp.block_tables[0][r, 0]), sampled - 1 - a, a, int(inp.next_token_ids[r]),
+                           tuple(int(t) for t in ids[hi - j: hi].tolist())))
+    return out
+
+
+def lookup(pre: PreDrafts | None, outcome: Outcome | None) -> torch.Tensor | None:  # [k'] int64 | None
+    """The pre-draft for this outcome, or None (a miss): same request and row, the same drafts
+    verified as the ones the pre-drafts assumed, and (a, b) among the predicted outcomes."""
+    if pre is None or outcome is None:
+        return None
+    row = pre.row_of(outcome.block_id, outcome.position)
+    if row is None:
+        return None
+    assumed = pre.conditioned_on[row].tolist()
+    j = len(outcome.verified)
+    if j > len(assumed) or tuple(assumed[:j]) != outcome.verified:
+        return None
+    match = ((pre.accepted[row] == outcome.accepted) & (pre.next_tokens[row] == outcome.next_token)).nonzero()
+    if not match.numel():
+        return None
+    return pre.drafts[row, int(match[0, 0])]

@@ -1,0 +1,262 @@
+"""Pre-drafting (issue 23) with the trained pair: the engine's pre-drafts (scratch KV only, each
+outcome isolated, the all-accepted outcome equal to a longer chain), the target's local pick
+(stale and late pre-drafts dropped), and the reference target loop with pre-drafting on: output
+unchanged (greedy identical, sampling distributed as the target), hit rate by a and acceptance
+printed, and every pre-draft the target used equal to what a fresh engine pre-drafts offline."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from coordinator.inprocess import InProcessTransport
+from coordinator.predraft import InProcessPreDrafting, PreDraftingTransport, PreDraftPicker, call_inputs
+from coordinator.remote_proposer import ProposerConfig, RemoteProposer
+from coordinator.routing import Router, StaticEndpoints
+from coordinator.target.engine import TargetConfig, TargetEngine
+from coordinator.target.request import random_requests
+from coordinator.target.verify import ks_uniform
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
+from drafter.wire.errors import InvalidInput
+from drafter.wire.predraft import PreDrafts, lookup, outcomes_of_call
+from tests.support.pair import one_torch_thread, trained_pair  # noqa: F401 (fixture)
+
+K = 3
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root, _ = trained_pair(tmp_path_factory)
+    return root
+
+
+def _engine(pair, k=K, outcomes=4, **kw) -> DraftEngine:
+    return DraftEngine.from_dirs(pair / "head", pair / "target", EngineConfig(
+        method="eagle3", num_speculative_tokens=k, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=1024,
+        kv_groups=(KVGroupSpec(16, NUM_BLOCKS),), predraft_outcomes=outcomes, **kw))
+
+
+def _run(pair, requests, k=K, outcomes=0):
+    """The reference target loop over the in-process drafter; pre-drafting on when outcomes > 0."""
+    engine = TargetEngine(TargetConfig(str(pair / "target"), method="eagle3", aux_layer_ids=(1, 2, 3),
+                                       num_speculative_tokens=k, max_model_len=128, max_num_seqs=4,
+                                       num_blocks=NUM_BLOCKS, record_calls=True))
+    if k:
+        transport = (PreDraftingTransport(pair / "head", pair / "target", "eagle3", outcomes=outcomes) if outcomes
+                     else InProcessTransport(pair / "head", pair / "target", "eagle3"))
+        proposer = RemoteProposer(engine.session_spec("test"), router=Router(StaticEndpoints(["inprocess://x:0"])),
+                                  key="test/dp0", connect=lambda ep: transport, config=ProposerConfig(deadline_s=60))
+        proposer.start()
+        engine.proposer = proposer
+        if outcomes:
+            engine.predraft = InProcessPreDrafting(transport, proposer)
+    for r in requests:
+        engine.add(r)
+    return engine, engine.run()
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(pair):
+    reqs = random_requests(6, vocab_size=512, max_new_tokens=40, seed=1)
+    return reqs, _run(pair, reqs, k=0)[1], _run(pair, reqs), _run(pair, reqs, outcomes=4)
+
+
+# --------------------------------------------------------------------------- the engine
+def _decode_call(greedy_runs):
+    """A recorded decode call of the plain loop (every row verified drafts), and the calls before it."""
+    _, _, (plain, _), _ = greedy_runs
+    for n, call in enumerate(plain.calls):
+        if n and call.drafts is not None and bool((call.accepted_counts >= 0).all()):
+            return plain.calls[: n + 1]
+    raise AssertionError("no decode call")
+
+
+def _replay(engine, calls):
+    out = None
+    for call in calls:
+        out = engine.propose(**call.kwargs, batch_padded=call.padding.batch_padded,
+                             tokens_padded=call.padding.tokens_padded)
+    return out.draft_token_ids
+
+
+def test_predraft_writes_only_scratch_and_isolates_outcomes(pair, greedy_runs):
+    calls = _decode_call(greedy_runs)
+    wide, narrow = _engine(pair, outcomes=8), _engine(pair, outcomes=2)
+    drafts = _replay(wide, calls)
+    assert torch.equal(drafts, _replay(narrow, calls))
+    before = [t[:, :NUM_BLOCKS].clone() for t in wide.kv.layers]
+    inp = call_inputs(calls[-1].kwargs)
+    pre8 = wide.predraft(inp, drafts, step=7)
+    assert all(torch.equal(b, t[:, :NUM_BLOCKS]) for b, t in zip(before, wide.kv.layers)), "session KV written"
+    pre2 = narrow.predraft(inp, drafts, step=7)
+    assert pre8.drafts.shape == (inp.batch_size, 8, K) and pre2.drafts.shape == (inp.batch_size, 2, K)
+    assert torch.equal(pre8.conditioned_on, drafts) and pre8.step == 7
+    # ranked by joint probability; the two likeliest are the same outcomes with the same drafts,
+    # however many other outcomes shared the batch (a branch sees only its own keys)
+    assert bool((pre8.log_probs[:, :-1] >= pre8.log_probs[:, 1:]).all())
+    assert torch.equal(pre8.accepted[:, :2], pre2.accepted) and torch.equal(pre8.next_tokens[:, :2], pre2.next_tokens)
+    assert torch.equal(pre8.drafts[:, :2], pre2.drafts)
+    # b is never the rejected draft itself
+    for r in range(inp.batch_size):
+        for a, b in zip(pre8.accepted[r].tolist(), pre8.next_tokens[r].tolist()):
+            assert 0 <= a <= K and (a == K or b != int(drafts[r, a]))
+
+
+def test_all_accepted_predraft_continues_the_longer_chain(pair, greedy_runs):
+    """The outcome 'all k accepted, then the head's own next token' conditions on exactly what a
+    chain of 2k + 1 drafts conditions on: its pre-draft must be that chain's last k drafts."""
+    calls = _decode_call(greedy_runs)
+    short = _engine(pair, outcomes=4)
+    drafts = _replay(short, calls)
+    pre = short.predraft(call_inputs(calls[-1].kwargs), drafts, step=0)
+    longer = _replay(_engine(pair, k=2 * K + 1, outcomes=0), calls)
+    assert torch.equal(longer[:, :K], drafts)
+    checked = 0
+    for r in range(drafts.shape[0]):
+        match = ((pre.accepted[r] == K) & (pre.next_tokens[r] == longer[r, K])).nonzero()
+        if match.numel():
+            assert pre.drafts[r, int(match[0, 0])].tolist() == longer[r, K + 1:].tolist(), f"row {r}"
+            checked += 1
+    assert checked >= 1
+
+
+def test_predraft_refusals(pair):
+    off = _engine(pair, outcomes=0)
+    inp = call_inputs(dict(
+        target_token_ids=torch.tensor([1, 2, 3]), target_positions=torch.arange(3),
+        target_hidden_states=torch.zeros(3, off.spec.hidden_input_width), next_token_ids=torch.tensor([4]),
+        query_start_loc=torch.tensor([0, 3], dtype=torch.int32), seq_lens=torch.tensor([3], dtype=torch.int32),
+        block_tables=torch.tensor([[1, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.int32),
+        slot_mappings=torch.tensor([16, 17, 18])))
+    with pytest.raises(InvalidInput) as e:
+        off.predraft(inp, torch.zeros(1, K, dtype=torch.long), 0)
+    assert e.value.field == "predraft_outcomes"
+    on = _engine(pair)
+    with pytest.raises(InvalidInput) as e:
+        on.predraft(replace(inp, temperatures=torch.tensor([0.7])), torch.zeros(1, K, dtype=torch.long), 0)
+    assert e.value.field == "temperatures"
+    with pytest.raises(InvalidInput) as e:
+        on.predraft(inp, torch.zeros(1, K + 1, dtype=torch.long), 0)
+    assert e.value.field == "drafts"
+    with pytest.raises(ValueError, match="predraft_outcomes"):
+        EngineConfig(method="mtp", predraft_outcomes=2)
+
+
+# --------------------------------------------------------------------------- the target's pick
+def _pre(step, block=5, position=20, drafts=(7, 8, 9)):
+    return PreDrafts(step, torch.tensor([block]), torch.tensor([position]), torch.tensor([list(drafts)]),
+                     accepted=torch.tensor([[3, 1]]), next_tokens=torch.tensor([[11, 12]]),
+                     drafts=torch.tensor([[[21, 22, 23], [31, 32, 33]]]), log_probs=torch.tensor([[-0.1, -2.0]]))
+
+
+def _next_call(a, b, verified=(7, 8, 9), block=5, position=20):
+    """The padded-batch call after a verification of `verified` (drafted from `position`) that
+    accepted a of them and sampled b."""
+    j = len(verified)
+    positions = torch.arange(position + 1, position + 2 + j)
+    return call_inputs(dict(
+        target_token_ids=torch.tensor([99, *verified]), target_positions=positions,
+        target_hidden_states=torch.zeros(j + 1, 4), next_token_ids=torch.tensor([b]),
+        query_start_loc=torch.tensor([0, j + 1], dtype=torch.int32),
+        seq_lens=torch.tensor([position + 2 + j], dtype=torch.int32),
+        block_tables=torch.tensor([[block, 6]], dtype=torch.int32), slot_mappings=positions,
+        token_indices_to_sample=torch.tensor([a]), num_rejected_tokens=torch.tensor([j - a]))), torch.tensor([a])
+
+
+def test_pick_hits_only_the_matching_outcome_of_the_previous_call():
+    picker = PreDraftPicker()
+    assert picker.pick(4, *_next_call(3, 11)) == [None]  # nothing offered yet
+    assert picker.offer(_pre(4))
+    assert picker.pick(5, *_next_call(1, 12))[0].tolist() == [31, 32, 33]
+    picker.offer(_pre(5))
+    assert picker.pick(6, *_next_call(1, 11)) == [None]  # (1, 11) was not predicted
+    picker.offer(_pre(6))
+    assert picker.pick(7, *_next_call(3, 11, verified=(7, 8, 4))) == [None]  # other drafts were verified
+    picker.offer(_pre(7))
+    assert picker.pick(8, *_next_call(3, 11, block=9)) == [None]  # another request
+    assert picker.stats.hits == {1: 1} and picker.stats.rows == {3: 3, 1: 2}
+
+
+def test_late_or_stale_predrafts_are_dropped_never_used():
+    picker = PreDraftPicker()
+    picker.pick(4, *_next_call(3, 11))
+    picker.pick(5, *_next_call(3, 11))  # the call after 4: its verification has ended
+    assert not picker.offer(_pre(4))  # pre-drafts for call 4 arrive now: late
+    assert picker.stats.late == 1
+    assert picker.pick(6, *_next_call(3, 11)) == [None]  # and were not kept for a later call
+    picker.offer(_pre(6))
+    picker.offer(_pre(3))  # older than the latest pick: late too
+    assert picker.stats.late == 2
+    # a call with no draft call between: the pre-drafts of step 6 serve only the pick right after 6
+    assert picker.pick(7, *_next_call(3, 11))[0].tolist() == [21, 22, 23]
+    assert picker.pick(8, *_next_call(3, 11)) == [None]
+    # the same lookup the drafter side uses
+    assert lookup(_pre(1), outcomes_of_call(*_next_call(3, 11))[0]).tolist() == [21, 22, 23]
+
+
+# --------------------------------------------------------------------------- the target loop
+def _exact_vs_pre(engine, out) -> tuple[float, float]:
+    """Greedy: accepted tokens per hit step for the exact drafts the drafter also computed, and
+    for the pre-drafts used instead (read against the final output, the target's own choice)."""
+    exact = pre = 0
+    for rid, first, e, p in engine.stats.hits:
+        truth = out[rid][first:]
+        for drafts, add in ((e, 1), (p, 0)):
+            n = 0
+            while n < len(drafts) and n < len(truth) - 1 and drafts[n] == truth[n]:
+                n += 1
+            exact, pre = (exact + n, pre) if add else (exact, pre + n)
+    hits = max(1, len(engine.stats.hits))
+    return 1 + exact / hits, 1 + pre / hits
+
+
+def test_greedy_loop_with_predrafts_is_lossless_and_uses_offline_predrafts(pair, greedy_runs):
+    reqs, base, (plain, plain_out), (pre, pre_out) = greedy_runs
+    assert plain_out == base and pre_out == base
+    picker = pre.predraft.picker.stats
+    by_a = {a: f"{picker.hits.get(a, 0)}/{n}" for a, n in sorted(picker.rows.items())}
+    s, p = pre.stats, plain.stats
+    exact, used = _exact_vs_pre(pre, pre_out)
+    print(f"\n[predraft] hit rate {picker.hit_rate:.2f}, by a {by_a}, pre-drafts per row "
+          f"{picker.predrafts_per_row:.1f}; acceptance length {s.acceptance_length:.2f} with pre-drafting, "
+          f"{p.acceptance_length:.2f} without; per position {[round(x, 2) for x in s.acceptance_by_position]} vs "
+          f"{[round(x, 2) for x in p.acceptance_by_position]}; pre-drafted tokens accepted per position "
+          f"{[f'{a}/{n}' for a, n in zip(s.accepted_pre, s.proposed_pre)]}; on hit steps {used:.2f} tokens "
+          f"with the pre-drafts vs {exact:.2f} with the exact drafts")
+    assert picker.hit_rate > 0.5 and len(s.hits) > 20 and picker.late == 0
+    # every call's drafts, replayed on a fresh engine: a row whose outcome the offline pre-drafts
+    # cover verified exactly that pre-draft, every other row the exact drafts
+    fresh = _engine(pair)
+    offline, hits, misses = None, 0, 0
+    for call in pre.calls:
+        if call.drafts is None:
+            continue
+        exact_drafts = fresh.propose(**call.kwargs, batch_padded=call.padding.batch_padded,
+                                     tokens_padded=call.padding.tokens_padded).draft_token_ids
+        inp = call_inputs(call.kwargs)
+        for r, outcome in enumerate(outcomes_of_call(inp, call.accepted_counts)):
+            want = lookup(offline, outcome)
+            if want is None:
+                assert torch.equal(call.drafts[r], exact_drafts[r]), f"step {call.step} row {r}"
+                misses += 1
+            else:
+                assert call.drafts[r].tolist() == want.tolist(), f"step {call.step} row {r}"
+                hits += 1
+        offline = fresh.predraft(inp, call.drafts, call.step)
+    assert hits == len(s.hits) and misses > 0
+
+
+def test_sampling_loop_with_predrafts_follows_the_target_distribution(pair):
+    reqs = random_requests(6, vocab_size=512, max_new_tokens=40, seed=4, temperature=1.0)
+    engine, out = _run(pair, reqs, outcomes=4)
+    stats = engine.predraft.picker.stats
+    d, pvalue = ks_uniform(engine.stats.pit)
+    print(f"\n[predraft sampling] {len(engine.stats.pit)} tokens, KS D={d:.3f} p={pvalue:.3f}, hit rate "
+          f"{stats.hit_rate:.2f} by a {stats.hit_rate_by_a()}, acceptance length {engine.stats.acceptance_length:.2f}")
+    assert len(engine.stats.pit) == sum(len(v) for v in out.values())
+    assert pvalue > 1e-3 and len(engine.stats.hits) > 0
+    assert _run(pair, reqs, outcomes=4)[1] == out  # seeded per request: reproducible
