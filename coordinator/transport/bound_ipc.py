@@ -1,0 +1,278 @@
+"""A GPU target's persistent buffers bound to a drafter on the same host over CUDA IPC.
+
+    client = CudaIpcBoundClient("tcp://127.0.0.1:5555", layout, buffers, max_batch=64, device="cuda:0")
+    bufs = client.views                        # the target's persistent buffers: views into one GPU slab
+    ...                                        # every step the target fills their first rows (its stream)
+    drafts = client.step(num_tokens, batch)    # [batch, width] int64 on the host, or
+    drafts = client.step_async(num_tokens, batch)  # [batch, width] on the GPU, ordered on the stream
+
+At bind the slab (and this side's "inputs ready" interprocess event) is shared once; the drafter
+shares back its output (drafts, then an error word) and its "drafts ready" event.  A step records
+the inputs event on the current stream, sends the StepHeader alone, waits for StepDone, and makes
+the current stream wait on the drafts event: no tensor bytes cross Python, no host sync.  step()
+then reads the drafts and the error word back together (one copy) and raises INVALID_ARGUMENT
+naming the first field the drafter's GPU guard found out of range (drafter.wire.bound.guard_fields);
+step_async() leaves the drafts on the GPU, and check() reads the word when the caller wants it.
+
+The plane is chosen at bind from what both sides can do: the drafter advertised CUDA IPC for this
+host and this GPU (AttachResponse.cuda_ipc) and accepted the slab.  Otherwise (another host,
+another container, a drafter without --allow-cuda-ipc) the client falls back to the host ring
+(coordinator.transport.bound_client.HostRingClient): each step one device-to-host copy of the
+slab's used prefix into the ring's pinned slab, then the ring's step.  `plane` says which is in use.
+
+Fails closed like HostRingClient: a deadline on every step; a drafter that forgot the binding (a
+restart) is attached and bound again by the next step, which is refused with FAILED_PRECONDITION
+(the new binding's KV is empty: resend the context).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import msgspec
+import torch
+import zmq
+
+from drafter.wire import bound as wb
+from drafter.wire import cuda_ref, cuda_slab, schema
+from drafter.wire.errors import Code, DrafterError
+from drafter.wire.tensors import DTYPES
+
+_ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
+_ATTACH = msgspec.msgpack.Decoder(schema.AttachResponse)
+_DETACH = msgspec.msgpack.Decoder(schema.DetachResponse)
+_REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)
+_ENVIRONMENT = ("slab.handle", "slab.device_uuid", "slab.step_event_handle", "output.handle",
+                "output.step_event_handle", "plane")
+
+
+class CudaIpcBoundClient:
+    def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
+                 max_batch: int, device="cuda", transport: str = "tcp", timeout_s: float = 5.0,
+                 allow_fallback: bool = True, slabs=None):
+        """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests)."""
+        self.endpoint, self.layout, self.buffers = endpoint, layout, list(buffers)
+        self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
+        self.allow_fallback = allow_fallback
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.slabs = slabs or cuda_slab.TorchSlabs()
+        self.slots, total = wb.ring_layout(self.buffers, lambda d: DTYPES[d].itemsize)
+        self.slab = torch.zeros(total, dtype=torch.uint8, device=self.device)  # [total]: the shared buffers
+        self.views = {s.name: self.slab[s.offset:s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape)
+                      for s in self.slots}
+        self.groups = len(layout.kv_groups)
+        self.ctx = zmq.Context()
+        self.control = self._socket(endpoint, data=False)
+        self.data: zmq.Socket | None = None
+        self.session: schema.AttachResponse | None = None
+        self.plane = ""  # after bind: wb.CUDA_IPC or wb.HOST_RING
+        self.fallback_reason = ""
+        self.ring = None  # the host-ring fallback (a HostRingClient)
+        self.binds = 0
+        self.width = 0
+        self._inputs_event = self._inputs_handle = None
+        self._calls = itertools.count(1)
+        self._steps = itertools.count(1)
+
+    # ------------------------------------------------------------------ control
+    def _socket(self, endpoint: str, data: bool) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if data:  # queue only on a live connection; never reconnect to a port another binding may get
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.RECONNECT_IVL, -1)
+        sock.connect(endpoint)
+        return sock
+
+    def _call(self, method: str, body, decoder, deadline: float):
+        call_id = next(self._calls)
+        self.control.send_multipart([wb.encode(schema.Envelope(call_id=call_id, method=method)), wb.encode(body)])
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.control.poll(int(left * 1000) + 1):
+                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"{method}: no reply in {self.timeout_s} s")
+            frames = self.control.recv_multipart()
+            env = _ENVELOPE.decode(frames[0])
+            if env.call_id != call_id:
+                continue
+            if env.error is not None:
+                raise DrafterError(Code(env.error.code), env.error.field, env.error.message)
+            return decoder.decode(frames[1])
+
+    def bind(self) -> str:
+        """Attach and bind over CUDA IPC, or fall back to the host ring; the plane in use."""
+        self.unbind()
+        deadline = time.monotonic() + self.timeout_s
+        self.session = self._call("Attach", msgspec.structs.replace(self.layout, cuda_ipc_capable=True), _ATTACH,
+                                  deadline)
+        why = self._cannot_share(self.session.cuda_ipc)
+        if not why:
+            try:
+                self._bind_ipc(deadline)
+                self.binds += 1
+                return self.plane
+            except DrafterError as err:
+                if err.field not in _ENVIRONMENT:
+                    raise
+                why = f"the drafter refused {err.field}: {err.message}"
+        if not self.allow_fallback:
+            raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"cuda_ipc is not possible: {why}")
+        self._detach(deadline)
+        self._bind_ring(why)
+        self.binds += 1
+        return self.plane
+
+    def _cannot_share(self, support) -> str:
+        """Why this target cannot share its slab with this drafter ("" when it can)."""
+        if isinstance(self.slabs, cuda_slab.LocalSlabs):
+            return ""
+        if self.device.type != "cuda":
+            return "the slab is not on a GPU"
+        if support is None or not support.enabled:
+            return f"the drafter does not serve CUDA IPC: {getattr(support, 'reason', 'not advertised')}"
+        if support.host_id != cuda_ref.host_id():
+            return "the drafter runs on another host"
+        if cuda_ref.device_uuid(self.device) not in support.device_uuids:
+            return "the drafter cannot read this GPU"
+        return ""
+
+    def _bind_ipc(self, deadline: float) -> None:
+        if self._inputs_event is None:
+            self._inputs_event, self._inputs_handle = self.slabs.new_event(self.device)
+        slab = self.slabs.share(self.slab, self._inputs_handle)
+        resp = self._call(wb.BIND_METHOD, wb.BindRequest(
+            session_id=self.session.session_id, epoch=self.session.epoch, plane=wb.CUDA_IPC,
+            transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, slab=slab),
+            wb.BIND_RESPONSE_DECODER, deadline)
+        self.width = resp.drafts_width
+        words = -(-(self.max_batch * self.width + 1) // 8) * 8
+        ref = cuda_slab.check_ref(resp.output, "output", words * 8)
+        out = self.slabs.open(ref, self.device, "output").view(torch.int64)  # [words]
+        self.output = out[:self.max_batch * self.width + 1]  # [drafts..., error word]
+        self._drafts_event = self.slabs.open_event(resp.drafts_event, self.device, "output")
+        self.data = self._socket(resp.endpoint, data=True)
+        left = deadline - time.monotonic()
+        if left <= 0 or not self.data.poll(int(left * 1000) + 1, zmq.POLLOUT):
+            self.unbind()
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
+        self.plane = wb.CUDA_IPC
+
+    def _bind_ring(self, why: str) -> None:
+        from coordinator.transport.bound_client import HostRingClient
+
+        self.fallback_reason = why
+        if self.ring is None:
+            self.ring = HostRingClient(self.endpoint, self.layout, self.buffers, max_batch=self.max_batch,
+                                       transport=self.transport, timeout_s=self.timeout_s)
+        self.ring.bind()
+        self.plane = wb.HOST_RING
+
+    def _detach(self, deadline: float) -> None:
+        """Give the attached session's blocks back (the fallback attaches its own)."""
+        if self.session is None:
+            return
+        try:
+            self._call("Detach", schema.DetachRequest(session_id=self.session.session_id, epoch=self.session.epoch),
+                       _DETACH, deadline)
+        except DrafterError:
+            pass  # it expires on the drafter's side
+        self.session = None
+
+    def unbind(self) -> None:
+        if self.data is not None:
+            self.data.close(linger=0)
+        self.data, self.session, self.plane = None, None, ""
+
+    def close(self) -> None:
+        if self.control.closed:
+            return
+        if self.ring is not None:
+            self.ring.close()
+        self.unbind()
+        self.control.close(linger=0)
+        self.ctx.term()
+
+    # ------------------------------------------------------------------ steps
+    def step(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0) -> torch.Tensor:
+        """Draft for the rows the target wrote into the views; [batch, width] int64 on the host."""
+        if not self.plane:
+            self._bind_in_step()
+        if self.plane == wb.HOST_RING:
+            return self._ring_step(num_tokens, batch, batch_padded, tokens_padded)
+        self.step_async(num_tokens, batch, batch_padded, tokens_padded)
+        host = self.output.cpu()  # [max_batch * width + 1]: the drafts and the error word, one copy
+        self._raise_for(int(host[-1]))
+        return host[:batch * self.width].view(batch, self.width)
+
+    def step_async(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0) -> torch.Tensor:
+        """The cuda_ipc step without a host read: [batch, width] int64 on the GPU, which the current
+        stream's later work sees; check() tells whether the step was in range."""
+        if not self.plane:
+            self._bind_in_step()
+        if self.plane != wb.CUDA_IPC:
+            raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"bound over {self.plane}: use step()")
+        step = next(self._steps)
+        head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
+                             tokens_padded=tokens_padded)
+        self.slabs.record(self._inputs_event, self.device)
+        try:
+            self.data.send(wb.encode(head), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no live connection: the drafter went away (a restart)
+            self.unbind()
+            self._bind_in_step()
+        self._reply(step)
+        self.slabs.wait(self._drafts_event, self.device)
+        return self.output[:batch * self.width].view(batch, self.width)
+
+    def check(self) -> None:
+        """Read the last step's error word (a host sync); INVALID_ARGUMENT naming its first field."""
+        self._raise_for(int(self.output[-1].item()))
+
+    def _raise_for(self, word: int) -> None:
+        if word:
+            field = wb.first_bad_guard_field(word, self.groups)
+            raise DrafterError(Code.INVALID_ARGUMENT, field, "out of range for this session (or not finite); "
+                                                             "the step's rows were masked, its drafts are void")
+
+    def _bind_in_step(self) -> None:
+        first = self.binds == 0
+        self.bind()
+        if not first:
+            raise DrafterError(Code.FAILED_PRECONDITION, "session",
+                               "bound again (the drafter restarted or forgot the session): resend the context")
+
+    def _reply(self, step: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.data.poll(int(left * 1000) + 1):
+                self.unbind()
+                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {step}: no reply in {self.timeout_s} s")
+            frames = self.data.recv_multipart()
+            done = wb.DONE_DECODER.decode(frames[0])
+            if done.step != step:
+                continue  # an answer to a step that already timed out
+            if done.code:
+                code = Code(done.code)
+                if code in _REBIND:
+                    self.unbind()
+                raise DrafterError(code, done.field, done.message)
+            return
+
+    def _ring_step(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int) -> torch.Tensor:
+        """The fallback: the slab's used prefix to the ring's pinned slab (one copy), then its step."""
+        nbytes = wb.step_bytes(self.slots, num_tokens)
+        pinned = pinned_slab(self.ring)
+        pinned[:nbytes].copy_(self.slab[:nbytes], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return self.ring.step(num_tokens, batch, batch_padded, tokens_padded)
+
+
+def pinned_slab(client) -> torch.Tensor:
+    """A HostRingClient's slab ([ring bytes] uint8, pinned where CUDA is)."""
+    ring = getattr(client, "ring", None)
+    return ring.slab if ring is not None and hasattr(ring, "slab") else client.slab

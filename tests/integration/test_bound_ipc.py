@@ -1,0 +1,131 @@
+"""The cuda_ipc plane of bound sessions on CPU (drafter.service.bound_ipc, coordinator.transport.bound_ipc).
+
+The shared memory and the events are cuda_slab.LocalSlabs (one process: a handle names a tensor,
+events order nothing), everything else is the plane as it runs on a GPU: the target's slab read in
+place by the drafter, header-only steps, the step guard masking every field into the session's
+range and the error word read back with the drafts.  tests/gpu/test_bound_ipc.py runs it over real
+CUDA IPC.  Drafts must equal an in-process engine's; a corrupt field must be named and must leave
+the other session's KV bit-for-bit unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.test_bound_remote import (MAX_BATCH, PLANS, SESSION_BLOCKS, Drafter, _buffers,  # noqa: E402
+                                                 _engine, _fill, _scenario)
+
+from coordinator.transport.bound_ipc import CudaIpcBoundClient  # noqa: E402
+from drafter.service import bound_ipc  # noqa: E402
+from drafter.wire import bound as wb  # noqa: E402
+from drafter.wire.cuda_slab import LocalSlabs  # noqa: E402
+from drafter.wire.errors import Code, DrafterError  # noqa: E402
+from tests.support.servers import layout_for  # noqa: E402
+
+MAX_TOKENS = 32
+
+
+@pytest.fixture(autouse=True)
+def _local_slabs(monkeypatch):
+    monkeypatch.setattr(bound_ipc, "BACKEND", LocalSlabs())
+
+
+class IpcTarget:
+    """One target bound over the (local) cuda_ipc plane, and an in-process reference engine."""
+
+    def __init__(self, root, method, drafter: Drafter, seed: int):
+        self.ref = _engine(root, method, reference=True)
+        self.s_ref, self.s_remote = _scenario(self.ref, seed), _scenario(self.ref, seed)
+        info = drafter.core.info()
+        layout = layout_for(info, SESSION_BLOCKS, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS)
+        self.client = CudaIpcBoundClient(drafter.endpoint, layout, _buffers(drafter.engine), max_batch=MAX_BATCH,
+                                         device="cpu", timeout_s=60, allow_fallback=False, slabs=LocalSlabs())
+
+    def step(self, plan) -> None:
+        expected = self.ref.propose(**self.s_ref.call(plan).kwargs).draft_token_ids
+        n, b = _fill(self.client.views, self.s_remote.call(plan).kwargs)
+        got = self.client.step(n, b)
+        assert torch.equal(got, expected), plan
+
+
+def test_cuda_ipc_plane_drafts_equal_in_process(tiny_root):
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        a = IpcTarget(tiny_root, "eagle3", drafter, seed=1)
+        b = IpcTarget(tiny_root, "eagle3", drafter, seed=2)
+        try:
+            for plan in PLANS:
+                a.step(plan)
+                b.step(plan)  # the second session's blocks start past the first's: moved there by the guard
+            assert a.client.plane == b.client.plane == wb.CUDA_IPC
+            assert drafter.engine.graphs.replays == 4, "every step replayed the bound graphs"
+            session = drafter.server._bound_plane.sessions[b.client.session.session_id]
+            assert session.slab is LocalSlabs.REGISTRY[next(
+                h for h, t in LocalSlabs.REGISTRY.items() if t is b.client.slab)], "the target's slab, in place"
+        finally:
+            a.client.close()
+            b.client.close()
+
+
+def _corrupt(views, field: str, n: int, b: int) -> None:
+    """One field of the step written out of the session's range (as a buggy or hostile target might)."""
+    bad = {"target_token_ids": lambda: views[field].__setitem__(1, 10**6),
+           "target_positions": lambda: views[field].__setitem__(n - 1, 10**4),
+           wb.HIDDEN: lambda: views[field].__setitem__((n // 2, 1), float("nan")),
+           "next_token_ids": lambda: views[field].__setitem__(0, -4),
+           "query_start_loc": lambda: views[field].__setitem__(b, n + 1),
+           "seq_lens": lambda: views[field].__setitem__(b - 1, 10**4),
+           "block_tables[0]": lambda: views[field].__setitem__((b - 1, 0), -SESSION_BLOCKS),  # the previous session's
+           "slot_mappings[0]": lambda: views[field].__setitem__(n - 1, -5),
+           "token_indices_to_sample": lambda: views[field].__setitem__(0, n),
+           "num_rejected_tokens": lambda: views[field].__setitem__(0, 9)}
+    bad[field]()
+
+
+def _blocks_of_a(engine) -> list[torch.Tensor]:
+    """Session a's blocks (0 .. SESSION_BLOCKS - 1) of every KV layer (the blocks dim: 1 of a 5-D K/V pair)."""
+    return [t.narrow(1 if t.dim() == 5 else 0, 0, SESSION_BLOCKS) for t in engine.kv_snapshot()]
+
+
+def test_corrupt_steps_are_named_and_leave_the_other_sessions_kv_untouched(tiny_root):
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        a = IpcTarget(tiny_root, "eagle3", drafter, seed=1)
+        b = IpcTarget(tiny_root, "eagle3", drafter, seed=2)
+        try:
+            a.step(PLANS[0])
+            b.step(PLANS[0])
+            assert set(drafter.core.sessions.get(a.client.session.session_id).bases) == {0}
+            mine = _blocks_of_a(drafter.engine)
+            call = b.s_remote.call(PLANS[1]).kwargs
+            # every field is named by the guard's unit tests (tests/unit/test_step_guard.py); here the
+            # ones that steer KV writes or reads, each a full step under the Triton interpreter
+            fields = ["block_tables[0]", "slot_mappings[0]", wb.HIDDEN, "target_positions", "seq_lens"]
+            for field in fields:
+                n, nb = _fill(b.client.views, call)
+                _corrupt(b.client.views, field, n, nb)
+                with pytest.raises(DrafterError) as err:
+                    b.client.step(n, nb)
+                assert err.value.code == Code.INVALID_ARGUMENT and err.value.field == field, str(err.value)
+                now = _blocks_of_a(drafter.engine)
+                assert all(torch.equal(x, y) for x, y in zip(mine, now)), f"{field} wrote into another session's KV"
+            a.step(PLANS[1])  # the neighbour drafts as if nothing happened
+        finally:
+            a.client.close()
+            b.client.close()
+
+
+def test_a_drafter_without_cuda_ipc_is_refused_by_field_and_the_client_falls_back(tiny_root, monkeypatch):
+    """Over real CUDA IPC on a drafter that does not serve it the Bind is refused naming
+    slab.device_uuid; the client then binds the host ring and drafts the same."""
+    monkeypatch.setattr(bound_ipc, "BACKEND", None)  # TorchSlabs: this CPU drafter does not serve CUDA IPC
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = IpcTarget(tiny_root, "eagle3", drafter, seed=1)
+        t.client.allow_fallback = True
+        try:
+            t.step(PLANS[0])
+            assert t.client.plane == wb.HOST_RING
+            assert "slab.device_uuid" in t.client.fallback_reason
+            t.step(PLANS[1])
+            assert len(drafter.core.sessions.sessions) == 1, "the refused session was detached"
+        finally:
+            t.client.close()
