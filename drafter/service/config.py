@@ -38,8 +38,8 @@ def _opt(kind, default, help, env=None, choices=None):
 @dataclass
 class ServerConfig:
     # ---- what to serve
-    method: str = _opt(str, "", "draft head: eagle | eagle3 | mtp | extract_hidden_states",
-                       choices=("eagle", "eagle3", "mtp", "extract_hidden_states"))
+    method: str = _opt(str, "", "draft head: eagle | eagle3 | mtp | deepseek_mtp | extract_hidden_states",
+                       choices=("eagle", "eagle3", "mtp", "deepseek_mtp", "extract_hidden_states"))
     model: str = _opt(str, "", "draft head checkpoint directory")
     target_model: str = _opt(str, "", "target checkpoint directory (embeddings / lm_head the head shares)")
     device: str = _opt(str, "auto", "cpu | cuda:N | auto (cuda:0 when available)")
@@ -59,6 +59,9 @@ class ServerConfig:
     skinny_gemm: str = _opt(str, "auto", "step GEMMs of <= 64 rows: drafter's skinny kernel where timed faster "
                             "at start-up (auto), always (on) or cuBLAS (off)", choices=("auto", "on", "off"))
     seed: int = _opt(int, 0, "seed of the sampling generator")
+    tensor_parallel_size: int = _opt(int, 1, "ranks the head is split over by attention head, MLP column and "
+                                             "vocabulary row (one process and GPU each, from --device on; gloo "
+                                             "on CPU); must divide the head's sizes")
     torch_threads: int = _opt(int, 0, "torch CPU threads (0 = torch's default); on a small CPU host 1 avoids "
                                       "OpenMP threads spinning against the transports")
     # ---- network
@@ -225,6 +228,10 @@ class ServerConfig:
         if mode & ~0o770 or mode & 0o007:
             raise ValueError(f"--zmq-ipc-mode {self.zmq_ipc_mode}: grant nothing to others (e.g. 0600 or 0660)")
         _tree(self.speculative_token_tree)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: must be at least 1")
+        if self.tensor_parallel_size > 1 and self.method == "extract_hidden_states":
+            raise ValueError("--tensor-parallel-size: extract_hidden_states has no head to split; use 1")
 
 
 def _per_group(name: str, values: tuple[int, ...], groups: int) -> tuple[int, ...]:
