@@ -264,15 +264,17 @@ class SessionTable:
         return len(self.sessions)
 
     def replaceable(self, req: schema.AttachRequest, caller: Caller) -> Session | None:
-        """The session this attach replaces: the caller's own (same client identity) of the same non-empty
-        client_name, when the request's layout is one this drafter serves (else it is refused and the old
-        session stays).  A target that restarts after dying without Detach so gets its blocks back at
-        once, instead of after the idle timeout."""
+        """The session this attach replaces: the one the same authenticated peer attached under the same
+        non-empty client_name, when the request's layout is one this drafter serves (else it is refused
+        and the old session stays).  A target that restarts after dying without Detach so gets its blocks
+        back at once, instead of after the idle timeout.  Without auth nothing is replaced: a restarted
+        target comes on a new connection, and one connection may carry several clients' sessions (gRPC
+        channels of one process share it)."""
         check_layout(req, self.eng)
         name = req.client_name[:128]
-        if not name or not caller.client:
+        if not name or not caller.peer:
             return None
-        return next((s for s in self.sessions.values() if s.client == caller.client and s.client_name == name), None)
+        return next((s for s in self.sessions.values() if s.owner == caller.peer and s.client_name == name), None)
 
     def attach(self, req: schema.AttachRequest, caller: Caller | None = None) -> Session:
         """caller: who attaches.  Its authenticated peer (if any) alone may drive or detach the session; its

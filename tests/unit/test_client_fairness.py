@@ -198,6 +198,10 @@ def test_replaceable_is_the_same_clients_session_of_the_same_name():
     assert table.replaceable(layout(client_name="dp2"), ALICE) is None
     assert table.replaceable(layout(client_name="dp0"), Caller(peer="x509:eve")) is None
     assert table.replaceable(layout(client_name=""), ALICE) is None, "an unnamed session is never replaced"
+    conn = Caller(connection="grpc:ipv4:127.0.0.1:4000")
+    table.release(table.detach(old.id, ALICE.peer))
+    table.attach(layout(client_name="dp9"), conn)
+    assert table.replaceable(layout(client_name="dp9"), conn) is None, "without auth nothing is replaced"
     with pytest.raises(DrafterError) as e:  # a layout it cannot serve is refused before anything is replaced
         table.replaceable(layout(client_name="dp0", max_model_len=128), ALICE)
     assert e.value.field == "max_model_len"

@@ -1,0 +1,138 @@
+"""One client flooding must not push another's latency (issue 19, item 4).
+
+A ZMQ peer sends valid Propose messages on its own session without reading a reply (the issue's
+7,000-request flood) while a well-behaved client drafts.  Asserted: every call of the good client
+succeeds with the drafts of its solo engine, and the flooder gets RESOURCE_EXHAUSTED naming
+--max-inflight-per-client for what it sends beyond the cap (at once, never queued).  Printed, not
+asserted (no timing asserts): the good client's p99 step unloaded and under the flood.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from coordinator.transport import ZmqDrafterClient
+from drafter.wire import schema
+from drafter.wire.errors import Code
+from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, reference_engine
+from tests.integration.test_service_parity import plans, scenario
+from tests.support.engines import tiny_dirs
+from tests.support.requests import to_frames
+from tests.support.servers import DrafterServer, layout_for
+
+CAP = 8  # --max-inflight-per-client
+FLOOD = 7000  # most messages the flooder sends (it stops earlier once the good client is done)
+ROUNDS = 2  # sessions the good client runs through every plan, per phase
+_ENC = msgspec.msgpack.Encoder()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_root, tmp_path_factory, one_torch_thread):
+    _, model = tiny_dirs(tiny_root, "eagle3")
+    log = tmp_path_factory.mktemp("logs") / "fairness-server.log"
+    with DrafterServer(model, "eagle3", log_path=log, kv_blocks=4 * SESSION_BLOCKS, block_sizes=16,
+                       batch_window_us=500, max_inflight_per_client=CAP, **SERVER_SETTINGS) as s:
+        yield s
+
+
+class _Flooder(threading.Thread):
+    """Attaches a session, then sends one valid Propose on it over and over without reading replies,
+    until stopped (or FLOOD sent); then reads the replies that reached it."""
+
+    def __init__(self, server, tiny_root):
+        super().__init__(daemon=True)
+        self.server, self.tiny_root = server, tiny_root
+        self.stop, self.flooding = threading.Event(), threading.Event()
+        self.sent, self.codes, self.messages, self.error = 0, {}, set(), None
+
+    def run(self):
+        try:
+            with ZmqDrafterClient(self.server.zmq_endpoint, timeout_s=30, context=zmq.Context()) as c:
+                c.attach(layout_for(c.info(), SESSION_BLOCKS, client_name="flooder"))
+                kw = scenario(reference_engine(self.tiny_root), 99).call(next(plans())).kwargs
+                header, frames = to_frames(c.session.session_id, c.session.epoch, 1, kw)
+                msg = [b"", _ENC.encode(schema.Envelope(call_id=1, method="Propose")), _ENC.encode(header),
+                       *[bytes(f) for f in frames]]
+                self._flood(c.sock, msg)
+                self._read(c.sock)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+        finally:
+            self.flooding.set()
+
+    def _flood(self, sock, msg):
+        while not self.stop.is_set() and self.sent < FLOOD:
+            if not sock.poll(100, zmq.POLLOUT):  # its send queue is full: the server reads it no faster
+                continue
+            sock.send_multipart(msg, zmq.NOBLOCK)
+            self.sent += 1
+            if self.sent == 4 * CAP:
+                self.flooding.set()
+
+    def _read(self, sock):
+        while sock.poll(3000, zmq.POLLIN):  # what arrived; replies past its receive queue were dropped
+            env = msgspec.msgpack.decode(sock.recv_multipart()[1], type=schema.Envelope)
+            code = Code(env.error.code) if env.error is not None else Code.OK
+            self.codes[code] = self.codes.get(code, 0) + 1
+            if env.error is not None:
+                self.messages.add(env.error.message)
+
+
+def _expected(tiny_root, seed: int) -> list:
+    out = []
+    for _ in range(ROUNDS):
+        solo = reference_engine(tiny_root)
+        s = scenario(solo, seed)
+        out.append([solo.propose(**s.call(p).kwargs).draft_token_ids for p in plans()])
+    return out
+
+
+def _good_client(server, tiny_root, expected: list) -> list[float]:
+    """ROUNDS sessions through every plan; each step's drafts equal the solo run's.  Returns step seconds."""
+    ref, latencies = reference_engine(tiny_root), []
+    for r in range(ROUNDS):
+        with ZmqDrafterClient(server.zmq_endpoint, timeout_s=60) as c:
+            c.attach(layout_for(c.info(), SESSION_BLOCKS, client_name="good"))
+            s = scenario(ref, 7)
+            for i, plan in enumerate(plans()):
+                t0 = time.perf_counter()
+                got = c.propose(**s.call(plan).kwargs).draft_token_ids
+                latencies.append(time.perf_counter() - t0)
+                assert torch.equal(got, expected[r][i]), f"round {r} step {i}"
+            c.detach()
+    return latencies
+
+
+def _p99(xs) -> float:
+    return float(np.percentile(np.asarray(xs) * 1e3, 99))
+
+
+def test_a_flooding_client_is_capped_and_another_keeps_its_drafts(server, tiny_root):
+    expected = _expected(tiny_root, 7)
+    unloaded = _good_client(server, tiny_root, expected)
+    flooder = _Flooder(server, tiny_root)
+    flooder.start()
+    assert flooder.flooding.wait(120), "the flooder got going"
+    assert flooder.error is None, flooder.error
+    t0 = time.monotonic()
+    loaded = _good_client(server, tiny_root, expected)
+    seconds = time.monotonic() - t0
+    flooder.stop.set()
+    flooder.join(120)
+    print(f"\nflood: {flooder.sent} messages in {seconds:.1f} s, replies read by code "
+          f"{ {c.name: n for c, n in flooder.codes.items()} }")
+    print(f"good client's p99 step: unloaded {_p99(unloaded):.1f} ms, under the flood {_p99(loaded):.1f} ms "
+          f"({len(unloaded)} / {len(loaded)} steps)")
+    assert flooder.error is None, flooder.error
+    assert flooder.sent > CAP
+    assert set(flooder.codes) <= {Code.OK, Code.RESOURCE_EXHAUSTED}, flooder.codes
+    assert flooder.codes.get(Code.OK, 0) >= 1, "the flooder's calls within the cap are served"
+    assert flooder.codes.get(Code.RESOURCE_EXHAUSTED, 0) >= 1, "beyond the cap: refused at once"
+    assert all(f"--max-inflight-per-client {CAP}" in m for m in flooder.messages), flooder.messages
