@@ -50,11 +50,12 @@ _ENVIRONMENT = ("slab.handle", "slab.device_uuid", "slab.step_event_handle", "ou
 class CudaIpcBoundClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, device="cuda", transport: str = "tcp", timeout_s: float = 5.0,
-                 allow_fallback: bool = True, slabs=None):
-        """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests)."""
+                 allow_fallback: bool = True, force_ring: bool = False, slabs=None):
+        """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests);
+        force_ring: bind the host ring even where CUDA IPC would do (to compare the planes)."""
         self.endpoint, self.layout, self.buffers = endpoint, layout, list(buffers)
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
-        self.allow_fallback = allow_fallback
+        self.allow_fallback, self.force_ring = allow_fallback, force_ring
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -76,6 +77,8 @@ class CudaIpcBoundClient:
         self._inputs_event = self._inputs_handle = None
         self._calls = itertools.count(1)
         self._steps = itertools.count(1)
+        self.host_ns = 0  # the last cuda_ipc step's host time on this side, the wait for the reply excluded
+        self._waited_ns = 0
 
     # ------------------------------------------------------------------ control
     def _socket(self, endpoint: str, data: bool) -> zmq.Socket:
@@ -108,7 +111,7 @@ class CudaIpcBoundClient:
         deadline = time.monotonic() + self.timeout_s
         self.session = self._call("Attach", msgspec.structs.replace(self.layout, cuda_ipc_capable=True), _ATTACH,
                                   deadline)
-        why = self._cannot_share(self.session.cuda_ipc)
+        why = "force_ring" if self.force_ring else self._cannot_share(self.session.cuda_ipc)
         if not why:
             try:
                 self._bind_ipc(deadline)
@@ -118,7 +121,7 @@ class CudaIpcBoundClient:
                 if err.field not in _ENVIRONMENT:
                     raise
                 why = f"the drafter refused {err.field}: {err.message}"
-        if not self.allow_fallback:
+        if not self.allow_fallback and not self.force_ring:
             raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"cuda_ipc is not possible: {why}")
         self._detach(deadline)
         self._bind_ring(why)
@@ -181,6 +184,15 @@ class CudaIpcBoundClient:
             pass  # it expires on the drafter's side
         self.session = None
 
+    def detach(self) -> None:
+        """Give the session back to the drafter (its KV blocks with it) and forget the binding."""
+        deadline = time.monotonic() + self.timeout_s
+        if self.plane == wb.HOST_RING and self.ring is not None and self.ring.session is not None:
+            self.session, self.ring.session = self.ring.session, None
+            self.ring.unbind()
+        self._detach(deadline)
+        self.unbind()
+
     def unbind(self) -> None:
         if self.data is not None:
             self.data.close(linger=0)
@@ -214,6 +226,7 @@ class CudaIpcBoundClient:
             self._bind_in_step()
         if self.plane != wb.CUDA_IPC:
             raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"bound over {self.plane}: use step()")
+        start = time.perf_counter_ns()
         step = next(self._steps)
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
                              tokens_padded=tokens_padded)
@@ -225,7 +238,9 @@ class CudaIpcBoundClient:
             self._bind_in_step()
         self._reply(step)
         self.slabs.wait(self._drafts_event, self.device)
-        return self.output[:batch * self.width].view(batch, self.width)
+        drafts = self.output[:batch * self.width].view(batch, self.width)
+        self.host_ns = time.perf_counter_ns() - start - self._waited_ns
+        return drafts
 
     def check(self) -> None:
         """Read the last step's error word (a host sync); INVALID_ARGUMENT naming its first field."""
@@ -246,9 +261,13 @@ class CudaIpcBoundClient:
 
     def _reply(self, step: int) -> None:
         deadline = time.monotonic() + self.timeout_s
+        self._waited_ns = 0
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.data.poll(int(left * 1000) + 1):
+            t0 = time.perf_counter_ns()
+            ready = left > 0 and self.data.poll(int(left * 1000) + 1)
+            self._waited_ns += time.perf_counter_ns() - t0
+            if not ready:
                 self.unbind()
                 raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {step}: no reply in {self.timeout_s} s")
             frames = self.data.recv_multipart()
