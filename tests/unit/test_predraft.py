@@ -11,11 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from coordinator.inprocess import InProcessTransport
-from coordinator.predraft import InProcessPreDrafting, PreDraftingTransport, PreDraftPicker, call_inputs
-from coordinator.remote_proposer import ProposerConfig, RemoteProposer
-from coordinator.routing import Router, StaticEndpoints
-from coordinator.target.engine import TargetConfig, TargetEngine
+from coordinator.predraft import PreDraftPicker, call_inputs
+from coordinator.target.predraft_report import LoopConfig, hit_step_acceptance, run_loop
 from coordinator.target.request import random_requests
 from coordinator.target.verify import ks_uniform
 from drafter.engine.config import EngineConfig, KVGroupSpec
@@ -42,21 +39,7 @@ def _engine(pair, k=K, outcomes=4, **kw) -> DraftEngine:
 
 def _run(pair, requests, k=K, outcomes=0):
     """The reference target loop over the in-process drafter; pre-drafting on when outcomes > 0."""
-    engine = TargetEngine(TargetConfig(str(pair / "target"), method="eagle3", aux_layer_ids=(1, 2, 3),
-                                       num_speculative_tokens=k, max_model_len=128, max_num_seqs=4,
-                                       num_blocks=NUM_BLOCKS, record_calls=True))
-    if k:
-        transport = (PreDraftingTransport(pair / "head", pair / "target", "eagle3", outcomes=outcomes) if outcomes
-                     else InProcessTransport(pair / "head", pair / "target", "eagle3"))
-        proposer = RemoteProposer(engine.session_spec("test"), router=Router(StaticEndpoints(["inprocess://x:0"])),
-                                  key="test/dp0", connect=lambda ep: transport, config=ProposerConfig(deadline_s=60))
-        proposer.start()
-        engine.proposer = proposer
-        if outcomes:
-            engine.predraft = InProcessPreDrafting(transport, proposer)
-    for r in requests:
-        engine.add(r)
-    return engine, engine.run()
+    return run_loop(LoopConfig(str(pair), k=k, outcomes=outcomes, num_blocks=NUM_BLOCKS), requests)
 
 
 @pytest.fixture(scope="module")
@@ -199,28 +182,13 @@ def test_late_or_stale_predrafts_are_dropped_never_used():
 
 
 # --------------------------------------------------------------------------- the target loop
-def _exact_vs_pre(engine, out) -> tuple[float, float]:
-    """Greedy: accepted tokens per hit step for the exact drafts the drafter also computed, and
-    for the pre-drafts used instead (read against the final output, the target's own choice)."""
-    exact = pre = 0
-    for rid, first, e, p in engine.stats.hits:
-        truth = out[rid][first:]
-        for drafts, add in ((e, 1), (p, 0)):
-            n = 0
-            while n < len(drafts) and n < len(truth) - 1 and drafts[n] == truth[n]:
-                n += 1
-            exact, pre = (exact + n, pre) if add else (exact, pre + n)
-    hits = max(1, len(engine.stats.hits))
-    return 1 + exact / hits, 1 + pre / hits
-
-
 def test_greedy_loop_with_predrafts_is_lossless_and_uses_offline_predrafts(pair, greedy_runs):
     reqs, base, (plain, plain_out), (pre, pre_out) = greedy_runs
     assert plain_out == base and pre_out == base
     picker = pre.predraft.picker.stats
     by_a = {a: f"{picker.hits.get(a, 0)}/{n}" for a, n in sorted(picker.rows.items())}
     s, p = pre.stats, plain.stats
-    exact, used = _exact_vs_pre(pre, pre_out)
+    exact, used = hit_step_acceptance(pre, pre_out)
     print(f"\n[predraft] hit rate {picker.hit_rate:.2f}, by a {by_a}, pre-drafts per row "
           f"{picker.predrafts_per_row:.1f}; acceptance length {s.acceptance_length:.2f} with pre-drafting, "
           f"{p.acceptance_length:.2f} without; per position {[round(x, 2) for x in s.acceptance_by_position]} vs "
