@@ -59,7 +59,13 @@ def load_engine(cfg: ServerConfig, engine_cfg: EngineConfig, hold: threading.Eve
     if cfg.torch_threads > 0:
         torch.set_num_threads(cfg.torch_threads)
     t0 = time.monotonic()
-    engine = DraftEngine.from_dirs(cfg.model, cfg.target_model or None, engine_cfg)
+    if cfg.tensor_parallel_size > 1:  # rank 0 here, ranks 1 .. N-1 spawned (drafter.service.tp)
+        from drafter.service.tp.leader import load_tp_engine
+
+        engine = load_tp_engine(cfg.tensor_parallel_size, cfg.model, cfg.target_model or None, engine_cfg,
+                                timeout_s=cfg.liveness_stall_s, torch_threads=cfg.torch_threads)
+    else:
+        engine = DraftEngine.from_dirs(cfg.model, cfg.target_model or None, engine_cfg)
     if engine.graphs is not None:
         # every size now, before readiness: captured lazily, the first call would wait out all of it
         # (seen on an H100: a load test's first 13 s of calls all missed their 1 s deadline)
@@ -217,6 +223,10 @@ async def serve(cfg: ServerConfig) -> int:
             gate = _PauseGate(core)
             loop.add_signal_handler(signal.SIGUSR1, gate.pause)
             loop.add_signal_handler(signal.SIGUSR2, gate.resume)
+        if cfg.tensor_parallel_size > 1:  # a lost rank takes the server out of service
+            from drafter.service.tp.serving import on_rank_failure
+
+            core.engine.watch(on_rank_failure(loop, core, health_state))
         await health_state.set_serving(True)
         watchdog = loop.create_task(_liveness(core, health_state, cfg.liveness_stall_s))
         event("ready", host=cfg.host, epoch=core.epoch, method=cfg.method, **ports)

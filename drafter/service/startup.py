@@ -32,6 +32,7 @@ def preflight(cfg: ServerConfig) -> None:
     """Every mistake that can be found before binding a port or loading weights."""
     check_device(cfg.device)
     check_checkpoint(cfg)
+    check_tensor_parallel(cfg)
 
 
 def check_device(device: str) -> None:
@@ -71,6 +72,47 @@ def check_checkpoint(cfg: ServerConfig) -> None:
                else "pass the --method the checkpoint was trained as, or the right --model")
         raise StartupError("method", cfg.method, f"does not fit the head in --model {cfg.model} ({what})",
                            fix) from None
+
+
+def check_tensor_parallel(cfg: ServerConfig) -> None:
+    """--tensor-parallel-size N: N GPUs from --device on (CUDA), and every size the ranks split (attention
+    heads, KV heads, MLP columns or experts, vocabulary) divisible by N, refused naming the config key."""
+    world = cfg.tensor_parallel_size
+    if world == 1:
+        return
+    device = cfg.resolved_device()
+    if device.startswith("cuda"):
+        import torch
+
+        base = int(device.partition(":")[2] or 0)
+        if base + world > torch.cuda.device_count():
+            raise StartupError("tensor-parallel-size", world, f"needs GPUs {base} .. {base + world - 1} but "
+                               f"{torch.cuda.device_count()} are visible", "pick a size that fits the GPUs")
+    from drafter.models.spec import parse_head, read_config
+
+    spec = parse_head(read_config(cfg.model), cfg.method)
+    try:
+        _check_splits(spec, world)
+    except ValueError as exc:
+        raise StartupError("tensor-parallel-size", world, f"the head in --model {cfg.model} cannot be split: {exc}",
+                           "pick a size that divides it") from None
+
+
+def _check_splits(spec, world: int) -> None:
+    from drafter.models.llama_shard import shard_spec
+    from drafter.models.sharding import Shard
+
+    shard = Shard(0, world)
+    if spec.method != "deepseek_mtp":
+        shard_spec(spec, shard)
+        return
+    shard.span(spec.vocab_size, "vocab_size")
+    for layer in spec.layer_shapes:
+        shard.span(layer.attn.num_heads, "num_attention_heads")
+        if layer.moe is not None:
+            shard.span(layer.moe.num_experts, "n_routed_experts")
+        else:
+            shard.span(layer.intermediate_size, "intermediate_size")
 
 
 def _parses(parse_head, head: dict, method: str) -> bool:

@@ -1,0 +1,102 @@
+"""A tensor-parallel worker rank (1 .. N-1) of `drafter serve --tensor-parallel-size N`.
+
+Spawned by the leader (drafter.service.tp.leader).  It joins the process group, loads its shard
+of the head into its own DraftEngine (its own GPU, or the host), tells the leader it is ready,
+then runs whatever steps the leader sends, in order, until told to stop.  It never talks to a
+client.  Anything unexpected (a failed step, the leader gone) ends the process: the leader sees
+the exit and takes the server out of service, since ranks that disagree must not keep drafting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from drafter.engine.config import EngineConfig
+from drafter.service.tp.channel import DRAFT, STOP, ZERO_BLOCKS, WorkerChannel
+from drafter.service.tp.steps import draft_inputs
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything a rank needs to start (picklable: it crosses the spawn)."""
+
+    rank: int
+    world: int
+    store_host: str
+    store_port: int
+    backend: str  # nccl | gloo
+    timeout_s: float  # collective timeout: bounds a step that a dead or stuck rank never finishes
+    model: str
+    target_model: str | None
+    engine: EngineConfig  # this rank's (its own device)
+    torch_threads: int
+
+
+def init_group(plan: RankPlan, is_master: bool) -> None:
+    """Join the process group through the leader's TCPStore (loopback)."""
+    timeout = datetime.timedelta(seconds=plan.timeout_s)
+    store = torch.distributed.TCPStore(plan.store_host, plan.store_port, plan.world, is_master, timeout=timeout)
+    if plan.engine.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(plan.engine.device))
+    torch.distributed.init_process_group(plan.backend, store=store, rank=plan.rank, world_size=plan.world,
+                                         timeout=timeout)
+
+
+def load_rank_engine(plan: RankPlan):
+    from drafter.engine.engine import DraftEngine
+    from drafter.models.sharding import Shard
+
+    return DraftEngine.from_dirs(plan.model, plan.target_model, plan.engine, shard=Shard(plan.rank, plan.world))
+
+
+def run_step(engine, header, tensors) -> None:
+    """One step the leader sent: a draft (drafts are the leader's; this rank's are dropped) or a block wipe."""
+    if header.op == DRAFT:
+        inp, opts = draft_inputs(header.options, tensors)
+        engine.draft(inp, return_probs=opts.return_probs, return_logits=opts.return_logits,
+                     batch_padded=opts.batch_padded, tokens_padded=opts.tokens_padded, validate=False)
+    elif header.op == ZERO_BLOCKS:
+        engine.kv.zero_blocks(int(header.options["group"]), tensors[0])
+    else:
+        raise ValueError(f"unknown tensor-parallel step {header.op!r}")
+
+
+def main(plan: RankPlan, pipe) -> None:
+    """The worker process: join, load, report, serve steps.  Exit code 0 only on an orderly STOP."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if plan.torch_threads > 0:
+        torch.set_num_threads(plan.torch_threads)
+    try:
+        init_group(plan, is_master=False)
+        engine = load_rank_engine(plan)
+    except BaseException as exc:  # noqa: BLE001 - reported to the leader, which names it in its failure
+        _report(pipe, ("failed", f"rank {plan.rank}: {type(exc).__name__}: {exc}"))
+        sys.exit(1)
+    pipe.send(("ready", plan.rank))
+    channel = WorkerChannel(pipe, engine.device)
+    try:
+        with torch.inference_mode():
+            while True:
+                header, tensors = channel.receive()
+                if header.op == STOP:
+                    break
+                run_step(engine, header, tensors)
+    except EOFError:
+        sys.exit(3)  # the leader is gone
+    except BaseException:  # noqa: BLE001 - out of step with the others: this rank must not go on
+        traceback.print_exc()
+        sys.exit(4)
+    torch.distributed.destroy_process_group()
+
+
+def _report(pipe, message) -> None:
+    try:
+        pipe.send(message)
+    except (OSError, ValueError):
+        pass
