@@ -22,10 +22,14 @@ Guarantees:
     session moves back once the preferred one answers again (the mapping stays stable);
   * the previous step's rejected counts travel in every call (num_rejected_tokens), so the
     drafter knows its own acceptance.
-Tensors go to the transport as they are (CPU tensors are framed without copies by the network
-clients; with `connect=functools.partial(ServiceTransport, share_cuda=True)` CUDA hidden states go
-as CUDA IPC references to a drafter on the same host that accepts them: see
-coordinator/transport/cuda_share.py); drafts come back on the device of next_token_ids.
+Over ZMQ the session is bound where the drafter can serve a bound session (ProposerConfig.bound,
+coordinator/transport/bound_transport.py): the transport owns ring-backed buffers, copies each
+step's tensors into them (one copy per tensor) and ships the ring; what does not fit a binding
+goes by the unbound Propose.  Unbound, tensors go to the transport as they are (CPU tensors are
+framed without copies by the network clients; with `connect=functools.partial(ServiceTransport,
+share_cuda=True)` and bound mode "off", CUDA hidden states go as CUDA IPC references to a drafter
+on the same host that accepts them: see coordinator/transport/cuda_share.py); drafts come back on
+the device of next_token_ids.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from coordinator.circuit import BreakerConfig, CircuitBreaker, State
 from coordinator.routing import Endpoint, Router
 from coordinator.session import (INVALID_ARGUMENT, SESSION_LOST, DraftTransport, SessionInfo, SessionSpec,
                                  code_name)
+from coordinator.transport.bound_transport import BoundConfig, bindable
 from drafter.wire.records import ProposeRequest
 
 log = logging.getLogger("coordinator.proposer")
@@ -56,6 +61,9 @@ class ProposerConfig:
     # events kept (the most recent): every step of an outage logs one, and a target runs for
     # days; the per-reason counts of no-draft steps are in ProposerStats, whole
     max_events: int = 4096
+    # ZMQ drafters: a bound session where the drafter can serve one (coordinator.transport.bound_transport);
+    # BoundConfig(mode="off") keeps every step on the unbound Propose
+    bound: BoundConfig = BoundConfig()
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ class RemoteProposer:
 
     def _transport(self, ep: Endpoint) -> DraftTransport:
         if ep not in self.transports:
-            self.transports[ep] = self.connect(ep)
+            self.transports[ep] = bindable(self.connect(ep), self.spec, self.cfg.bound)
         return self.transports[ep]
 
     def _drop_transport(self, ep: Endpoint) -> None:
@@ -253,7 +261,7 @@ class RemoteProposer:
         self._breaker(ep).record_success()
         self.stats.drafted += 1
         self.stats.latencies.setdefault(self._transport(ep).name, []).append(self.clock() - started)
-        self.last_batch_padded = getattr(out, "batch_padded", None)
+        self.last_batch_padded = getattr(out, "batch_padded", None) or None  # 0: the drafter did not say
         return drafts.to(request.inputs.next_token_ids.device, torch.int64)
 
     def _attach_in_step(self, ep: Endpoint, deadline_at: float, started: float, reason: str) -> None:

@@ -6,12 +6,15 @@
     drafts = client.step(num_tokens, batch)   # [batch, k] int64
 
 The buffers are described to the drafter once (drafter.wire.bound.BindRequest); both ends lay
-them out identically in one contiguous slab, so a step sends a StepHeader and the slab's used
-prefix as one zero-copy frame, which the drafter receives straight into its own ring.  No
-per-tensor work on either side.  On a GPU target the slab is pinned and filled by one
-device-to-host copy per step (not built here: the target's buffers are CPU views).  With
-plane="gloo_channel" the prefix goes by a point-to-point send on a two-rank gloo process group
-instead of the second frame (drafter.wire.bound).
+them out identically in one contiguous slab (BoundRing), so a step sends a StepHeader and the
+slab's used prefix as one zero-copy frame, which the drafter receives straight into its own ring.
+No per-tensor work on either side.  On a GPU target the slab is pinned (a device-to-host copy
+fills it).  With plane="gloo_channel" the prefix goes by a point-to-point send on a two-rank gloo
+process group instead of the second frame (drafter.wire.bound).
+
+Two layers: BoundLink is one binding's data path (the data socket, the gloo channel, one step's
+send and reply); HostRingClient adds a control socket that attaches and binds, and binds again by
+itself.  coordinator.transport.bound_transport puts a BoundLink under the RemoteProposer.
 
 Fails closed as the other clients do: every step has a deadline and raises DrafterError on a
 refusal, a timeout or a lost drafter; it never returns drafts it did not receive.  After a
@@ -37,38 +40,142 @@ from drafter.wire.tensors import DTYPES
 
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _ATTACH = msgspec.msgpack.Decoder(schema.AttachResponse)
-_REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)  # the drafter forgot the session: attach again
+REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)  # the drafter forgot the session: attach again
+
+
+def connect_socket(ctx: zmq.Context, endpoint: str, *, data: bool) -> zmq.Socket:
+    """A DEALER to endpoint.  data: a binding's data socket, which queues only on a live
+    connection (a step to a gone drafter fails at once) and never reconnects: a restarted drafter
+    may give the same tcp port to another session's binding, which must never get our steps."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if data:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, -1)
+    sock.connect(endpoint)
+    return sock
+
+
+class BoundRing:
+    """The slab both ends lay the buffers out in (drafter.wire.bound.ring_layout), pinned where
+    CUDA is, and a view per buffer: views[name] is [shape] of its dtype."""
+
+    def __init__(self, buffers: list[wb.BufferSpec]):
+        self.buffers = list(buffers)
+        self.slots, total = wb.ring_layout(self.buffers, lambda d: DTYPES[d].itemsize)
+        self.slab = torch.zeros(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())  # [total]
+        self.bytes = memoryview(self.slab.numpy())
+        self.views = {s.name: self.slab[s.offset:s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape)
+                      for s in self.slots}
+
+    def step_bytes(self, num_tokens: int) -> int:
+        nbytes = wb.step_bytes(self.slots, num_tokens)
+        if not 0 <= nbytes <= len(self.bytes):
+            raise DrafterError(Code.INVALID_ARGUMENT, "num_tokens", f"{num_tokens} tokens exceed the bound buffers")
+        return nbytes
+
+
+class BoundLink:
+    """One binding's data path: its data socket (and gloo channel) and the steps sent on it.
+    `alive` turns False for good after anything that leaves the binding in doubt (a send with no
+    live connection, a timeout, a lost session, a failed channel): bind again for a new link."""
+
+    def __init__(self, ctx: zmq.Context, ring: BoundRing, resp: wb.BindResponse, plane: str):
+        self.ring, self.resp, self.plane = ring, resp, plane
+        self.width = resp.drafts_width
+        self.sock = connect_socket(ctx, resp.endpoint, data=True)
+        self.channel = None  # gloo_channel: the two-rank process group (this side rank 0)
+        self.alive = True
+        self._steps = itertools.count(1)
+
+    def connect(self, timeout_s: float, channel_timeout_s: float) -> bool:
+        """Wait (at most timeout_s) until the data socket is connected, then join the gloo channel
+        (channel_timeout_s bounds the join and each later send); False if it did not connect in time."""
+        if not self.sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT):  # connected (IMMEDIATE)
+            return False
+        if self.plane == wb.GLOO_CHANNEL and self.channel is None:
+            self.channel = join_channel(self.resp, channel_timeout_s)
+        return True
+
+    def close(self) -> None:
+        self.alive = False
+        self.channel = None
+        if not self.sock.closed:
+            self.sock.close(linger=0)
+
+    def step(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int,
+             timeout_s: float) -> torch.Tensor:
+        """Draft for the ring's first num_tokens / batch rows: [batch, width] int64 (a new tensor:
+        the ring may be refilled at once).  DrafterError: UNAVAILABLE 'data' when the data socket
+        has no live connection (nothing was sent), the drafter's refusal, or DEADLINE_EXCEEDED."""
+        nbytes = self.ring.step_bytes(num_tokens)
+        step = next(self._steps)
+        head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
+                             tokens_padded=tokens_padded, nbytes=nbytes)
+        try:
+            self._send(head)
+        except zmq.Again:  # no live connection: the drafter (or this binding) went away
+            self.close()
+            raise DrafterError(Code.UNAVAILABLE, "data", f"no live connection to {self.resp.endpoint}") from None
+        return self._reply(step, batch, timeout_s)
+
+    def _send(self, head: wb.StepHeader) -> None:
+        """The header, and the ring's prefix as its second frame or down the gloo channel."""
+        if self.channel is None:
+            self.sock.send_multipart([wb.encode(head), self.ring.bytes[:head.nbytes]], flags=zmq.NOBLOCK, copy=False)
+            return
+        self.sock.send(wb.encode(head), flags=zmq.NOBLOCK)
+        try:
+            self.channel.send([self.ring.slab[:head.nbytes]], 1, 0).wait()
+        except RuntimeError as exc:  # the peer went away or timed out: the channel is gone
+            self.close()
+            raise DrafterError(Code.UNAVAILABLE, "", f"the gloo channel failed: {exc}") from None
+
+    def _reply(self, step: int, batch: int, timeout_s: float) -> torch.Tensor:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000) + 1):
+                self.close()  # the frame may still sit in a queue: the ring is no longer lent to it
+                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {step}: no reply in {timeout_s:.3f} s")
+            frames = self.sock.recv_multipart(copy=False)
+            done = wb.DONE_DECODER.decode(frames[0].buffer)
+            if done.step != step:
+                continue  # an answer to a step that already timed out
+            if done.code:
+                code = Code(done.code)
+                if code in REBIND:
+                    self.close()
+                raise DrafterError(code, done.field, done.message)
+            drafts = torch.frombuffer(bytearray(frames[1].buffer), dtype=torch.int64)
+            return drafts.view(batch, self.width)
 
 
 class HostRingClient:
+    """A target's own bound session: attach, bind and step on one drafter, binding again by itself."""
+
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, transport: str = "tcp", plane: str = wb.HOST_RING, timeout_s: float = 5.0):
-        self.endpoint, self.layout, self.buffers, self.plane = endpoint, layout, list(buffers), plane
+        self.endpoint, self.layout, self.plane = endpoint, layout, plane
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
-        self.slots, total = wb.ring_layout(self.buffers, lambda d: DTYPES[d].itemsize)
-        self.slab = torch.zeros(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        self._bytes = memoryview(self.slab.numpy())
-        self.views = {s.name: self.slab[s.offset:s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape)
-                      for s in self.slots}
+        self.ring = BoundRing(buffers)
+        self.views = self.ring.views
         self.ctx = zmq.Context()
-        self.control = self._socket(endpoint, immediate=False)
-        self.data: zmq.Socket | None = None
-        self.channel = None  # gloo_channel: the two-rank process group (this side rank 0)
+        self.control = connect_socket(self.ctx, endpoint, data=False)
+        self.link: BoundLink | None = None
         self.session: schema.AttachResponse | None = None
-        self.width = 0
         self.binds = 0  # how many times this client bound (a restart shows as one more)
         self._calls = itertools.count(1)
-        self._steps = itertools.count(1)
+
+    @property
+    def channel(self):  # gloo_channel: the bound link's process group
+        return self.link.channel if self.link is not None else None
+
+    @property
+    def data(self) -> zmq.Socket | None:  # the bound link's data socket, while it lives
+        return self.link.sock if self.link is not None and self.link.alive else None
 
     # ------------------------------------------------------------------ control
-    def _socket(self, endpoint: str, immediate: bool) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if immediate:  # queue only on a live connection: a step to a gone drafter fails at once
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(endpoint)
-        return sock
-
     def _call(self, method: str, body, decoder, deadline: float):
         """One control request and its reply (stale replies of earlier calls are skipped)."""
         call_id = next(self._calls)
@@ -92,23 +199,28 @@ class HostRingClient:
         self.session = self._call("Attach", self.layout, _ATTACH, deadline)
         resp = self._call(wb.BIND_METHOD, wb.BindRequest(
             session_id=self.session.session_id, epoch=self.session.epoch, transport=self.transport, plane=self.plane,
-            buffers=self.buffers, max_batch=self.max_batch), wb.BIND_RESPONSE_DECODER, deadline)
-        self.width = resp.drafts_width
-        self.data = self._socket(resp.endpoint, immediate=True)
-        left = deadline - time.monotonic()
-        if left <= 0 or not self.data.poll(int(left * 1000) + 1, zmq.POLLOUT):  # connected (IMMEDIATE)
-            self.unbind()
+            buffers=self.ring.buffers, max_batch=self.max_batch), wb.BIND_RESPONSE_DECODER, deadline)
+        link = BoundLink(self.ctx, self.ring, resp, self.plane)
+        if not link.connect(deadline - time.monotonic(), self.timeout_s):
+            link.close()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
-        if self.plane == wb.GLOO_CHANNEL:
-            self.channel = _join_channel(resp, self.timeout_s)  # also each step's send timeout
+        self.link = link
         self.binds += 1
         return resp
 
+    def detach(self) -> None:
+        """End the session on the drafter (its blocks go back to the pool) and forget the binding."""
+        if self.session is not None:
+            body = schema.DetachRequest(session_id=self.session.session_id, epoch=self.session.epoch)
+            self._call("Detach", body, msgspec.msgpack.Decoder(schema.DetachResponse),
+                       time.monotonic() + self.timeout_s)
+        self.unbind()
+
     def unbind(self) -> None:
         """Forget the binding (the drafter's side ends with its session)."""
-        if self.data is not None:
-            self.data.close(linger=0)
-        self.data, self.session, self.channel = None, None, None
+        if self.link is not None:
+            self.link.close()
+        self.link, self.session = None, None
 
     def close(self) -> None:
         """Close the sockets and the context (call it: a context left to the garbage collector
@@ -125,18 +237,13 @@ class HostRingClient:
         [batch, width] int64 (a new tensor: the slab may be refilled at once)."""
         if self.data is None:
             self._bind_in_step()
-        nbytes = wb.step_bytes(self.slots, num_tokens)
-        if not 0 <= nbytes <= len(self._bytes):
-            raise DrafterError(Code.INVALID_ARGUMENT, "num_tokens", f"{num_tokens} tokens exceed the bound buffers")
-        step = next(self._steps)
-        head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
-                             tokens_padded=tokens_padded, nbytes=nbytes)
         try:
-            self._send(head)
-        except zmq.Again:  # no live connection: the drafter went away (a restart): bind again
-            self.unbind()
-            self._bind_in_step()
-        return self._reply(step, batch)
+            return self.link.step(num_tokens, batch, batch_padded, tokens_padded, self.timeout_s)
+        except DrafterError as exc:
+            if exc.code == Code.UNAVAILABLE and exc.field == "data":  # nothing sent: the drafter went away
+                self.unbind()
+                self._bind_in_step()
+            raise
 
     def _bind_in_step(self) -> None:
         """Bind; after the first binding, a new one means the drafter's KV for this target is
@@ -149,39 +256,8 @@ class HostRingClient:
             raise DrafterError(Code.FAILED_PRECONDITION, "session",
                                "bound again (the drafter restarted or forgot the session): resend the context")
 
-    def _send(self, head: wb.StepHeader) -> None:
-        """The header, and the ring's prefix as its second frame or down the gloo channel."""
-        if self.channel is None:
-            self.data.send_multipart([wb.encode(head), self._bytes[:head.nbytes]], flags=zmq.NOBLOCK, copy=False)
-            return
-        self.data.send(wb.encode(head), flags=zmq.NOBLOCK)
-        try:
-            self.channel.send([self.slab[:head.nbytes]], 1, 0).wait()
-        except RuntimeError as exc:  # the peer went away or timed out: the channel is gone
-            self.unbind()
-            raise DrafterError(Code.UNAVAILABLE, "", f"the gloo channel failed: {exc}") from None
 
-    def _reply(self, step: int, batch: int) -> torch.Tensor:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.data.poll(int(left * 1000) + 1):
-                self.unbind()  # the frame may still sit in a queue: the slab is no longer lent to it
-                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {step}: no reply in {self.timeout_s} s")
-            frames = self.data.recv_multipart(copy=False)
-            done = wb.DONE_DECODER.decode(frames[0].buffer)
-            if done.step != step:
-                continue  # an answer to a step that already timed out
-            if done.code:
-                code = Code(done.code)
-                if code in _REBIND:
-                    self.unbind()
-                raise DrafterError(code, done.field, done.message)
-            drafts = torch.frombuffer(bytearray(frames[1].buffer), dtype=torch.int64)
-            return drafts.view(batch, self.width)
-
-
-def _join_channel(resp: wb.BindResponse, timeout_s: float):
+def join_channel(resp: wb.BindResponse, timeout_s: float):
     """This side (rank 0) of the binding's two-rank gloo group, on the drafter's TCPStore."""
     import datetime
 

@@ -1,11 +1,18 @@
-"""Bound sessions over the host ring (drafter.service.bound_sessions, coordinator.transport.bound_client).
+"""Bound sessions (drafter.service.bound_sessions; the clients coordinator.transport.bound_client
+and the RemoteProposer's coordinator.transport.bound_transport).
 
-A drafter (ServiceCore + ZmqServer, in this process, its own event loop thread) serves an engine
-with graphs (emulated on CPU, the Triton kernels under the interpreter); a target's persistent
-buffers are views into the client's slab; each step ships the slab's prefix and gets drafts.
-They must equal what an in-process engine drafts from the same calls, over tcp and ipc, for
-EAGLE-1, EAGLE-3 and MTP; corrupt steps must be refused naming the field without touching any KV;
-a drafter restart must be bound again by the client itself.
+A drafter (ServiceCore + ZmqServer, in this process, its own event loop thread, on a real port)
+serves an engine with graphs (emulated on CPU, the Triton kernels under the interpreter); a
+target's persistent buffers are views into the client's slab; each step ships the slab's prefix
+and gets drafts.  They must equal what an in-process engine drafts from the same calls over every
+CPU plane (host ring over tcp and ipc, gloo channel) and through the RemoteProposer, for EAGLE-1,
+EAGLE-3 and MTP; corrupt steps must be refused naming the field without touching any KV; a
+drafter restart must be bound again by the clients themselves.
+
+Cost: an emulated replay takes seconds under the interpreter, whatever its size, so one drafter
+per method serves the whole module (graphs captured once, at the one size pair every step is
+padded to), and the four sessions of a method (three planes, one RemoteProposer) are made and
+prefilled once (Sessions) and shared by the tests, the restart test last.
 """
 
 from __future__ import annotations
@@ -22,7 +29,13 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot be checked")
 
+from coordinator.clients import ServiceTransport  # noqa: E402
+from coordinator.remote_proposer import ProposerConfig, RemoteProposer  # noqa: E402
+from coordinator.routing import Endpoint, Router, StaticEndpoints  # noqa: E402
+from coordinator.session import SessionSpec  # noqa: E402
 from coordinator.transport.bound_client import HostRingClient  # noqa: E402
+from coordinator.transport.bound_transport import BoundConfig  # noqa: E402
+from drafter.engine.config import KVGroupSpec  # noqa: E402
 from drafter.engine.graphs import GraphRunner  # noqa: E402
 from drafter.service.core import ServiceCore  # noqa: E402
 from drafter.service.metrics import Metrics  # noqa: E402
@@ -35,20 +48,26 @@ from tests.support.scenario import Scenario  # noqa: E402
 from tests.support.servers import layout_for  # noqa: E402
 
 K, MAX_MODEL_LEN, MAX_TOKENS, MAX_BATCH = 3, 48, 32, 4
-SESSION_BLOCKS = 16  # two sessions of 16 blocks in a pool of 40: the second starts at block 16
+TOKENS_PADDED = 16  # every step is padded to (16 tokens, batch 4): the only graphs captured
+SESSION_BLOCKS = 16  # four sessions of 16 blocks in a pool of 64: the second starts at block 16
+SESSIONS = 4
+_GRAPH_ENGINES: dict = {}  # method -> the drafter's engine, its graphs captured once per module
 
 
 def _engine(root, method, *, reference=False):
     kw = dict(k=K, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS,
-              num_blocks=40)
+              num_blocks=SESSIONS * SESSION_BLOCKS)
     if reference:
         return build_engine(root, method, **kw)
-    engine = build_engine(root, method, attention_backend="triton", device="cpu", **kw)
-    # the sizes these steps use only (an emulated capture runs every graph once: seconds each
-    # under the interpreter), captured before the drafter serves, as a server does at load
-    engine.graphs = GraphRunner(engine, emulate=True, combined=False, max_tokens=16)
-    engine.graphs.capture()
-    return engine
+    if method not in _GRAPH_ENGINES:
+        engine = build_engine(root, method, attention_backend="triton", device="cpu", **kw)
+        # the sizes these steps use only (an emulated capture runs every graph once: seconds each
+        # under the interpreter), captured before the drafter serves, as a server does at load
+        engine.graphs = GraphRunner(engine, emulate=True, combined=False)
+        engine.graphs.token_sizes, engine.graphs.batch_sizes = [TOKENS_PADDED], [MAX_BATCH]  # what steps agree on
+        engine.graphs.capture()
+        _GRAPH_ENGINES[method] = engine
+    return _GRAPH_ENGINES[method]
 
 
 class Drafter:
@@ -62,7 +81,7 @@ class Drafter:
     async def _main(self):
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        core = ServiceCore(metrics=Metrics(), max_sessions=4, batch_window_s=0.0, max_message_bytes=1 << 24)
+        core = ServiceCore(metrics=Metrics(), max_sessions=SESSIONS, batch_window_s=0.0, max_message_bytes=1 << 24)
         core.set_engine(self.engine)
         self.core = core
         self.server = ZmqServer(core, host="127.0.0.1", port=self.port, max_message_bytes=1 << 24,
@@ -126,40 +145,28 @@ def _scenario(engine, seed):
                     max_model_len=MAX_MODEL_LEN, seed=seed, draft_span=engine.limits.draft_span)
 
 
-PLANS = [[(0, 6, 0), (1, 7, 0)], [(0, K + 1, 1), (1, K + 1, 0), (2, 5, 0)]]  # 13 tokens each: graphs
+PLANS = [[(0, 6, 0), (1, 7, 0)], [(0, K + 1, 1), (1, K + 1, 0), (2, 5, 0)]]  # 13 tokens each
+PADDING = dict(batch_padded=MAX_BATCH, tokens_padded=TOKENS_PADDED)
 
-
-_CLIENTS: list[HostRingClient] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_clients():
-    """Every client closed by the test that made it (a ZMQ context left to the garbage collector
-    can block in term() inside whatever code the collector interrupts)."""
-    yield
-    while _CLIENTS:
-        _CLIENTS.pop().close()
 
 
 class Target:
-    """One target: a bound client and an in-process reference engine fed the same calls."""
+    """A target with its own bound session (HostRingClient) and an in-process reference engine fed the same calls."""
 
     def __init__(self, root, method, drafter: Drafter, seed: int, transport: str = "tcp", plane: str = wb.HOST_RING):
-        self.ref = _engine(root, method, reference=True)
-        self.s_ref, self.s_remote = _scenario(self.ref, seed), _scenario(self.ref, seed)
-        endpoint = drafter.endpoint
-        self.client = HostRingClient(endpoint, self._layout(drafter), _buffers(drafter.engine),
+        self.root, self.method = root, method
+        self.client = HostRingClient(drafter.endpoint, self._layout(drafter), _buffers(drafter.engine),
                                      max_batch=MAX_BATCH, transport=transport, plane=plane, timeout_s=60)
-        _CLIENTS.append(self.client)
+        self.reset(seed)
 
     @staticmethod
     def _layout(drafter):
         info = drafter.core.info()
         return layout_for(info, SESSION_BLOCKS, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS)
 
-    def reset(self, root, method, seed: int) -> None:
+    def reset(self, seed: int) -> None:
         """A fresh reference engine and history (a restarted drafter's KV is empty: the target prefills again)."""
-        self.ref = _engine(root, method, reference=True)
+        self.ref = _engine(self.root, self.method, reference=True)
         self.s_ref, self.s_remote = _scenario(self.ref, seed), _scenario(self.ref, seed)
 
     def step(self, plan, remote_call: dict | None = None) -> None:
@@ -167,27 +174,154 @@ class Target:
         call for this plan when the test took it from the scenario already."""
         expected = self.ref.propose(**self.s_ref.call(plan).kwargs).draft_token_ids
         n, b = _fill(self.client.views, remote_call or self.s_remote.call(plan).kwargs)
-        got = self.client.step(n, b)
+        got = self.client.step(n, b, **PADDING)
         assert torch.equal(got, expected), plan
+
+    def close(self) -> None:
+        try:  # the drafter's pool holds four sessions: give the blocks back
+            self.client.detach()
+        except DrafterError:
+            pass  # the drafter restarted under it: the session is gone already
+        self.client.close()
+
+
+def _proposer(drafter: Drafter, deadline_s: float, **bound) -> RemoteProposer:
+    """The coordinator's client as a target uses it over ZMQ: bound wherever the drafter can."""
+    info = drafter.core.info()
+    spec = SessionSpec(method=info.method, num_speculative_tokens=K, hidden_size=info.hidden_size,
+                       num_aux_layers=info.num_aux_layers, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_BATCH,
+                       max_num_batched_tokens=MAX_TOKENS,
+                       kv_groups=tuple(KVGroupSpec(g.block_size, SESSION_BLOCKS) for g in info.limits.kv_groups))
+    return RemoteProposer(spec, router=Router(StaticEndpoints([Endpoint("zmq", "127.0.0.1", drafter.port)])),
+                          key="target/dp0", connect=lambda ep: ServiceTransport(ep, timeout_s=deadline_s),
+                          config=ProposerConfig(deadline_s=deadline_s, bound=BoundConfig(**bound)))
+
+
+class ProposerTarget:
+    """A target driving a RemoteProposer, checked step by step against an in-process engine."""
+
+    def __init__(self, root, method, drafter: Drafter, seed: int, deadline_s: float = 20.0, **bound):
+        self.root, self.method = root, method
+        self.proposer = _proposer(drafter, deadline_s, **bound)
+        self.reset(seed)
+
+    def reset(self, seed: int) -> None:
+        """A fresh reference and history: what a target does when its drafter session changed."""
+        self.ref = _engine(self.root, self.method, reference=True)
+        self.s_ref, self.s_remote = _scenario(self.ref, seed), _scenario(self.ref, seed)
+
+    def step(self, plan, **options):
+        """The proposer's drafts for the plan (None: no drafts this step), never other than the reference's."""
+        expected = self.ref.propose(**self.s_ref.call(plan, **options).kwargs).draft_token_ids
+        got = self.proposer.propose(**self.s_remote.call(plan, **options).kwargs, **PADDING)
+        assert got is None or torch.equal(got, expected), (plan, got, expected)
+        return got
+
+    @property
+    def transport(self):
+        return self.proposer.transports[self.proposer.endpoint]
+
+    def close(self) -> None:
+        self.proposer.close(timeout=5.0)
+
+
+class Sessions:
+    """One method's drafter and four sessions on it, each having drafted PLANS[0]: a, b, c the
+    HostRingClient over the host ring on tcp, on ipc, and over the gloo channel; p the RemoteProposer
+    (bound at attach, over ipc: the drafter is on loopback and listens on ipc)."""
+
+    def __init__(self, root, method: str, drafter: Drafter):
+        self.drafter = drafter
+        self.a = Target(root, method, drafter, seed=1, transport="tcp")
+        self.b = Target(root, method, drafter, seed=2, transport="ipc")
+        self.c = Target(root, method, drafter, seed=3, transport="tcp", plane=wb.GLOO_CHANNEL)
+        self.p = ProposerTarget(root, method, drafter, seed=4)
+        assert self.p.proposer.start(), "attached"
+        replays = drafter.engine.graphs.replays
+        for t in (self.a, self.b, self.c):  # later sessions' blocks lie past the first's: moved in the ring
+            t.step(PLANS[0])
+        assert self.p.step(PLANS[0]) is not None
+        assert drafter.engine.graphs.replays == replays + 4, "every step replayed the bound graphs"
+
+    def close(self) -> None:
+        for t in (self.a, self.b, self.c, self.p):
+            t.close()
+
+
+class Drafters:
+    """One drafter per method for the whole module, each also listening on ipc, and its Sessions.
+    restart() stops one and starts a new one (new epoch, no sessions) on the same port and ipc path,
+    around the same engine."""
+
+    def __init__(self, root, ipc_dir):
+        self.root, self.ipc_dir = root, ipc_dir
+        self.running: dict[str, Drafter] = {}
+        self._sessions: dict[str, Sessions] = {}
+
+    def get(self, method: str) -> Drafter:
+        if method not in self.running:
+            self.running[method] = Drafter(_engine(self.root, method), ipc_path=self._ipc(method)).__enter__()
+        return self.running[method]
+
+    def sessions(self, method: str) -> Sessions:
+        if method not in self._sessions:
+            self._sessions[method] = Sessions(self.root, method, self.get(method))
+        return self._sessions[method]
+
+    def restart(self, method: str) -> Drafter:
+        """Kill the method's drafter and start a new one on its port; its Sessions are the caller's now."""
+        old = self.running.pop(method)
+        self._sessions.pop(method, None)
+        old.__exit__(None, None, None)
+        self.running[method] = Drafter(old.engine, port=old.port, ipc_path=self._ipc(method)).__enter__()
+        return self.running[method]
+
+    def _ipc(self, method: str) -> str:
+        return f"ipc://{self.ipc_dir}/{method}.sock"
+
+    def close(self) -> None:
+        for s in self._sessions.values():
+            s.close()
+        for d in self.running.values():
+            d.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_root, tmp_path_factory):
+    d = Drafters(tiny_root, tmp_path_factory.mktemp("bound-ipc"))
+    yield d
+    d.close()
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
-@pytest.mark.parametrize("transport,plane", [("tcp", wb.HOST_RING), ("ipc", wb.HOST_RING),
-                                             ("tcp", wb.GLOO_CHANNEL)])
-def test_bound_remote_drafts_equal_in_process(tiny_root, tmp_path, method, transport, plane):
-    """Two sessions of one drafter, each step checked against an in-process engine."""
-    ipc = f"ipc://{tmp_path}/drafter.sock" if transport == "ipc" else None
-    with Drafter(_engine(tiny_root, method), ipc_path=ipc) as drafter:
-        a = Target(tiny_root, method, drafter, seed=1, transport=transport, plane=plane)
-        b = Target(tiny_root, method, drafter, seed=2, transport=transport, plane=plane)
-        for plan in PLANS:
-            a.step(plan)
-            b.step(plan)  # the second session's blocks start past the first's: moved in place in the ring
-        assert a.client.binds == b.client.binds == 1
-        assert drafter.engine.graphs.replays == 4, "every step replayed the bound graphs"
-        endpoint = a.client.session and drafter.server._bound_plane.sessions[a.client.session.session_id].endpoint
-        assert endpoint.startswith(f"{transport}://")
-        assert (a.client.channel is not None) == (plane == wb.GLOO_CHANNEL)
+def test_bound_remote_drafts_equal_in_process(drafters, method, capsys):
+    """Every CPU plane and the RemoteProposer's binding drafted PLANS[0] as the in-process engine
+    did (Sessions checks each step); the RemoteProposer goes on to a decode step with rejected
+    tokens, bound, on the KV its bound prefill wrote."""
+    s = drafters.sessions(method)
+    bound = s.drafter.server._bound_plane.sessions
+    clients = [s.a.client, s.b.client, s.c.client]
+    assert [c.binds for c in clients] == [1, 1, 1]
+    assert [bound[c.session.session_id].endpoint.split("://")[0] for c in clients] == ["tcp", "ipc", "tcp"]
+    assert [c.channel is not None for c in clients] == [False, False, True]
+    transport = s.p.transport
+    assert transport.link.resp.endpoint.startswith("ipc://"), "a drafter on loopback with an ipc socket: ipc"
+    assert s.p.step(PLANS[1]) is not None
+    assert transport.steps == {"bound": 2, "unbound": 0}
+    assert s.p.proposer.stats.latencies.keys() == {"zmq-bound"}
+    with capsys.disabled():
+        print(f"\n[bound {method}] the RemoteProposer's copies into the ring per step (host, CPU, one copy "
+              f"per tensor): " + ", ".join(f"{t * 1e6:.0f} us" for t in transport.fill_s))
+
+
+def test_a_step_the_ring_cannot_hold_exactly_goes_unbound_on_the_bound_session(drafters):
+    """Sampling (temperatures) is not a bound step's: it goes by the unbound Propose on the same
+    session and KV, and the drafts are still the in-process engine's."""
+    p = drafters.sessions("eagle3").p
+    before = dict(p.transport.steps)
+    assert p.step(PLANS[1], temperatures=[0.0, 0.0, 0.0]) is not None
+    assert p.transport.steps == {"bound": before["bound"], "unbound": before["unbound"] + 1}
+    assert p.transport.link.alive, "the binding stays for the next step"
 
 
 def _corrupt(views, field: str, n: int, b: int, engine) -> None:
@@ -204,45 +338,69 @@ def _corrupt(views, field: str, n: int, b: int, engine) -> None:
         raise AssertionError(field)
 
 
-def test_corrupt_steps_are_refused_naming_the_field_and_touch_no_kv(tiny_root):
-    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
-        a = Target(tiny_root, "eagle3", drafter, seed=1)
-        b = Target(tiny_root, "eagle3", drafter, seed=2)
-        a.step(PLANS[0])
-        b.step(PLANS[0])
-        kv = [t.clone() for t in drafter.engine.kv_snapshot()]
-        replays = drafter.engine.graphs.replays
-        call = b.s_remote.call(PLANS[1]).kwargs
-        for field in ("block_tables[0]", "slot_mappings[0]", "target_hidden_states", "target_positions"):
-            n, nb = _fill(b.client.views, call)
-            _corrupt(b.client.views, field, n, nb, drafter.engine)
-            with pytest.raises(DrafterError) as err:
-                b.client.step(n, nb)
-            assert err.value.code == Code.INVALID_ARGUMENT and err.value.field == field, str(err.value)
-            assert all(torch.equal(x, y) for x, y in zip(kv, drafter.engine.kv_snapshot())), f"{field} wrote KV"
-        assert drafter.engine.graphs.replays == replays, "a refused step reached the engine"
-        a.step(PLANS[1])  # the neighbour goes on as if nothing happened
-        b.step(PLANS[1], call)  # and so does the session that sent the bad steps, with the step made whole
-        assert b.client.binds == 1
+FIELDS = ("block_tables[0]", "slot_mappings[0]", "target_hidden_states", "target_positions")
 
 
-def test_a_drafter_restart_is_bound_again_by_the_client(tiny_root):
-    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
-        port = drafter.port
-        a = Target(tiny_root, "eagle3", drafter, seed=1)
-        a.step(PLANS[0])
-    with Drafter(_engine(tiny_root, "eagle3"), port=port) as restarted:
-        a.reset(tiny_root, "eagle3", seed=3)  # the target prefills again
+def test_corrupt_steps_are_refused_naming_the_field_and_touch_no_kv(drafters):
+    s = drafters.sessions("eagle3")
+    engine = s.drafter.engine
+    kv = [t.clone() for t in engine.kv_snapshot()]
+    replays = engine.graphs.replays
+    call = s.b.s_remote.call(PLANS[1]).kwargs
+    for field in FIELDS:
+        n, nb = _fill(s.b.client.views, call)
+        _corrupt(s.b.client.views, field, n, nb, engine)
+        with pytest.raises(DrafterError) as err:
+            s.b.client.step(n, nb, **PADDING)
+        assert err.value.code == Code.INVALID_ARGUMENT and err.value.field == field, str(err.value)
+        assert all(torch.equal(x, y) for x, y in zip(kv, engine.kv_snapshot())), f"{field} wrote KV"
+    # the RemoteProposer's bound step: refused there, no drafts, its breaker untouched
+    p, bound = s.p, s.p.transport.steps["bound"]
+    s.p.s_ref.call(PLANS[1])  # the reference's history moves on as the target's does
+    bad = p.s_remote.call(PLANS[1]).kwargs
+    bad["block_tables"][0][-1, 0] = SESSION_BLOCKS
+    assert p.proposer.propose(**bad, **PADDING) is None
+    assert p.proposer.stats.no_drafts.get("invalid_argument") == 1
+    assert p.transport.steps["bound"] == bound + 1, "the corrupt step went bound and was refused there"
+    assert all(torch.equal(x, y) for x, y in zip(kv, engine.kv_snapshot())), "a refused step wrote KV"
+    assert engine.graphs.replays == replays, "a refused step reached the engine"
+    s.a.step(PLANS[1])  # a neighbour goes on as if nothing happened
+    s.b.step(PLANS[1], call)  # and so does the session that sent the bad steps, with the step made whole
+    assert s.b.client.binds == 1
+
+
+def test_a_drafter_restart_is_bound_again_by_the_clients(drafters):
+    """Kill the drafter mid-run and start a new one on the same port: the HostRingClient and the
+    RemoteProposer bind again by themselves; no step returns drafts other than the in-process ones."""
+    s = drafters.sessions("eagle3")
+    a, p = s.a, s.p
+    restarted = drafters.restart("eagle3")
+    try:
+        # HostRingClient: the step that finds the restart binds again, and drafts nothing
+        a.reset(seed=5)  # the target prefills again
         n, b = _fill(a.client.views, a.s_remote.call(PLANS[0]).kwargs)
-        with pytest.raises(DrafterError) as err:  # the step that finds the restart binds again, and drafts nothing
-            a.client.step(n, b)
+        with pytest.raises(DrafterError) as err:
+            a.client.step(n, b, **PADDING)
         if err.value.code != Code.FAILED_PRECONDITION:  # lost on its way out (a race with the restart): fail closed
             assert err.value.code in (Code.DEADLINE_EXCEEDED, Code.UNAVAILABLE), str(err.value)
             with pytest.raises(DrafterError) as err:
-                a.client.step(n, b)
+                a.client.step(n, b, **PADDING)
         assert err.value.code == Code.FAILED_PRECONDITION and err.value.field == "session", str(err.value)
         assert a.client.binds == 2, "the client bound the restarted drafter by itself"
         assert a.client.session.epoch == restarted.core.epoch
-        a.reset(tiny_root, "eagle3", seed=4)
+        a.reset(seed=6)
         a.step(PLANS[0])
-        a.step(PLANS[1])
+        # RemoteProposer: no drafts until its session changed, then the target resends the context
+        generation, misses = p.proposer.generation, 0
+        while p.proposer.generation == generation:
+            assert p.step(PLANS[1]) is None, "a step on the dead binding returned drafts"
+            misses += 1
+            assert misses <= 3, list(p.proposer.events)
+        p.reset(seed=7)
+        bound = p.transport.steps["bound"]
+        assert p.step(PLANS[0]) is not None
+        assert p.transport.steps["bound"] == bound + 1, "bound again after the restart"
+        assert str(restarted.core.epoch) == p.proposer.session.epoch
+    finally:
+        for t in (s.a, s.b, s.c, s.p):
+            t.close()

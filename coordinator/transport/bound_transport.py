@@ -1,0 +1,391 @@
+"""The RemoteProposer's ZMQ transport with a bound session under it (drafter.wire.bound).
+
+    transport = bindable(ServiceTransport(ep), spec, BoundConfig())   # what RemoteProposer does over ZMQ
+    info = transport.attach(spec, timeout)           # Attach, then Bind the session's ring
+    out = transport.request_drafts(info, request, timeout)   # bound step, or the unbound Propose
+
+The transport owns ring-backed buffers (coordinator.transport.bound_client.BoundRing) sized for the
+session: every int buffer int64 (a copy from int32 or int64 is exact), the hidden states in the
+session's dtype, block tables as wide as max_model_len (plus tree nodes) needs, token rows for a
+decode step of every sequence (max_num_seqs * (k + 1)) unless BoundConfig.max_tokens says more.
+Each step copies the request's tensors into the ring, one copy per tensor (fill_s records the
+host time of those copies), and ships the ring's prefix; no tensor of the caller's is lent to the
+wire, so the caller may refill its buffers as soon as the call returns.
+
+Chosen at attach from what both sides can do: the Bind goes out on its own control socket right
+after Attach and is waited for within what is left of the attach's budget; a reply that comes
+later is picked up by a later step (until then steps go unbound on the same session).  The drafter
+refusing the Bind (no graphs, a layout it cannot read, a ring over its message limit, no ipc
+socket) leaves the session unbound, once, with a warning; `BoundConfig(mode="off")` never binds.
+
+A step goes bound when the binding is live and the request fits the ring exactly (greedy, no
+draft probabilities, no CUDA IPC reference, the session's hidden dtype, integer tensors, rows
+within the ring's, block tables at least as wide); anything else goes by the unbound Propose,
+which validates it in full (exact or refused, as without a binding).  Failing closed:
+  * a data socket without a live connection (the drafter or the binding went away; nothing was
+    sent): the step goes unbound on the same session, which either drafts (the drafter lives; a
+    new Bind is asked for) or tells the RemoteProposer the session is gone (re-attach, re-bind);
+  * a bound step's refusal or timeout raises DrafterError as the unbound call would; the
+    RemoteProposer's deadline, breaker and re-attach handle it as they handle the unbound call.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+
+import msgspec
+import torch
+import zmq
+
+from coordinator.transport.bound_client import REBIND, BoundLink, BoundRing, connect_socket
+from drafter.wire import bound as wb
+from drafter.wire import schema
+from drafter.wire.errors import Code, DrafterError
+from drafter.wire.records import DraftOutput, ProposeInputs, ProposeRequest
+from drafter.wire.tensors import DTYPE_NAMES, DTYPES
+
+log = logging.getLogger("coordinator.bound")
+
+MODES = ("auto", "off")
+DATA_TRANSPORTS = ("auto", "tcp", "ipc")
+_ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
+_INT = (torch.int32, torch.int64)
+_OPTIONAL = ("token_indices_to_sample", "num_rejected_tokens")
+_SMALL_BYTES = 1 << 20  # room kept under the drafter's message limit for everything but the hidden rows
+
+
+@dataclass(frozen=True)
+class BoundConfig:
+    mode: str = "auto"  # auto: bind when the drafter can; off: the unbound Propose only
+    transport: str = "auto"  # the data socket: auto = ipc for a drafter on loopback (tcp if it has none)
+    plane: str = wb.HOST_RING  # or gloo_channel
+    max_tokens: int = 0  # the ring's token rows; 0: max_num_seqs * (k + 1), within max_num_batched_tokens
+    channel_timeout_s: float = 5.0  # gloo_channel: joining and each step's send
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"bound mode must be one of {MODES}, got {self.mode!r}")
+        if self.transport not in DATA_TRANSPORTS:
+            raise ValueError(f"bound transport must be one of {DATA_TRANSPORTS}, got {self.transport!r}")
+        if self.plane not in wb.PLANES:
+            raise ValueError(f"bound plane must be one of {wb.PLANES}, got {self.plane!r}")
+        if self.max_tokens < 0 or not self.channel_timeout_s > 0:
+            raise ValueError("bound max_tokens must be >= 0 and channel_timeout_s positive")
+
+
+def bindable(transport, spec, cfg: BoundConfig):
+    """transport with a bound session under it where it speaks ZMQ and cfg allows; else itself."""
+    client = getattr(transport, "client", None)
+    if cfg.mode == "off" or getattr(transport, "name", "") != "zmq" or not hasattr(client, "endpoint"):
+        return transport
+    return BoundTransport(transport, spec, cfg)
+
+
+@dataclass
+class _Pending:
+    """A Bind sent and not answered yet."""
+
+    call_id: int
+    session_id: str
+    epoch: int
+    transport: str
+
+
+class BoundTransport:
+    """DraftTransport: the unbound ZMQ transport `inner` for attach, detach and what does not fit,
+    and a bound session for the steps that do."""
+
+    def __init__(self, inner, spec, cfg: BoundConfig):
+        self.inner, self.spec, self.cfg = inner, spec, cfg
+        self.endpoint = inner.client.endpoint
+        self.ctx = zmq.Context.instance()
+        self.control: zmq.Socket | None = None  # Bind's own socket: its reply may come during a later step
+        self.ring: BoundRing | None = None
+        self.link: BoundLink | None = None
+        self.bound_to = ""  # the session the live link serves
+        self.last_bound = False  # whether the last step went bound (names the latency series)
+        self.fill_s: deque[float] = deque(maxlen=4096)  # host seconds of each bound step's copies into the ring
+        self.steps = {"bound": 0, "unbound": 0}
+        self._pending: _Pending | None = None
+        self._connecting: tuple[BoundLink, str] | None = None
+        self._refused = ""  # a session whose Bind the drafter refused: not asked again
+        self._tree_nodes = 0
+        self._max_message_bytes = 0
+        self._calls = 0
+
+    @property
+    def name(self) -> str:
+        return "zmq-bound" if self.last_bound else self.inner.name
+
+    # ------------------------------------------------------------------ DraftTransport
+    def attach(self, spec, timeout: float):
+        """Attach (the unbound transport), then ask for a binding and wait for it within the rest of timeout."""
+        until = time.monotonic() + timeout
+        self._forget()
+        info = self.inner.attach(spec, timeout)
+        resp = getattr(getattr(self.inner.client, "session", None), "attach", None)
+        if resp is not None:
+            self._tree_nodes = len(resp.speculative_token_tree or [])
+            self._max_message_bytes = resp.limits.max_message_bytes if resp.limits else 0
+        self._ask(info)
+        self._advance(info, until)
+        return info
+
+    def request_drafts(self, session, request: ProposeRequest, timeout: float) -> DraftOutput:
+        """One step: bound when the binding is live and the request fits it, else unbound."""
+        deadline = time.monotonic() + timeout
+        if self.bound_to != session.session_id or self.link is None or not self.link.alive:
+            self._ask(session)
+            self._advance(session, 0.0)
+        self.last_bound = False
+        if self.link is not None and self.link.alive and self.bound_to == session.session_id \
+                and fits(self.ring, request, len(self.spec.kv_groups)):
+            try:
+                out = self._bound_step(request, deadline)
+                self.last_bound = True
+                return out
+            except DrafterError as exc:
+                if not (exc.code == Code.UNAVAILABLE and exc.field == "data"):
+                    raise
+                log.info("bound session %s: its data socket went away; this step goes unbound", session.session_id)
+        self.steps["unbound"] += 1
+        return self.inner.request_drafts(session, private(request), max(1e-3, deadline - time.monotonic()))
+
+    def detach(self, session, timeout: float) -> None:
+        self._forget()
+        self.inner.detach(session, timeout)
+
+    def close(self) -> None:
+        self._forget()
+        if self.control is not None:
+            self.control.close(linger=0)
+            self.control = None
+        self.inner.close()
+
+    # ------------------------------------------------------------------ the bound step
+    def _bound_step(self, request: ProposeRequest, deadline: float) -> DraftOutput:
+        t0 = time.perf_counter()
+        n, b = fill(self.ring.views, request.inputs)
+        self.fill_s.append(time.perf_counter() - t0)
+        self.steps["bound"] += 1
+        drafts = self.link.step(n, b, request.batch_padded, request.tokens_padded,
+                                max(1e-3, deadline - time.monotonic()))
+        return DraftOutput(drafts, None, request.batch_padded, request.tokens_padded)
+
+    # ------------------------------------------------------------------ binding
+    def _forget(self) -> None:
+        """Drop the binding and anything pending (a stale Bind reply is skipped by its call id)."""
+        if self.link is not None:
+            self.link.close()
+        if self._connecting is not None:
+            self._connecting[0].close()
+        self.link, self._connecting, self._pending, self.bound_to = None, None, None, ""
+
+    def _ask(self, session) -> None:
+        """Send a Bind for session unless one is on its way, it is bound, or the drafter refused it."""
+        if self.cfg.mode == "off" or session.session_id == self._refused:
+            return
+        if self._pending is not None and self._pending.session_id == session.session_id:
+            return
+        if self._connecting is not None and self._connecting[1] == session.session_id:
+            return
+        if self.link is not None and self.link.alive and self.bound_to == session.session_id:
+            return
+        self._forget()
+        transport = self.cfg.transport
+        if transport == "auto":
+            transport = "ipc" if _loopback(self.endpoint) else "tcp"
+        self._send_bind(session.session_id, int(session.epoch), transport, session)
+
+    def _send_bind(self, session_id: str, epoch: int, transport: str, session) -> None:
+        buffers = session_buffers(self.spec, session, self.cfg.max_tokens, self._tree_nodes, self._max_message_bytes)
+        if buffers is None:
+            self._refuse(session_id, "the ring would not fit the drafter's message limit")
+            return
+        if self.ring is None or self.ring.buffers != buffers:
+            self.ring = BoundRing(buffers)
+        if self.control is None:
+            self.control = connect_socket(self.ctx, self.endpoint, data=False)
+        self._calls += 1
+        body = wb.BindRequest(session_id=session_id, epoch=epoch, plane=self.cfg.plane, transport=transport,
+                              buffers=buffers, max_batch=session.max_num_seqs)
+        env = schema.Envelope(call_id=self._calls, method=wb.BIND_METHOD)
+        try:
+            self.control.send_multipart([wb.encode(env), wb.encode(body)], flags=zmq.NOBLOCK)
+        except zmq.Again:  # the control socket's queue is full (no drafter): ask again on a later step
+            return
+        self._pending = _Pending(self._calls, session_id, epoch, transport)
+
+    def _advance(self, session, until: float) -> None:
+        """Take the Bind's reply and connect its data socket, waiting until `until` at most."""
+        while self._pending is not None:
+            left = until - time.monotonic()
+            if not self.control.poll(max(0, int(left * 1000))):
+                return
+            frames = self.control.recv_multipart()
+            env = _ENVELOPE.decode(frames[0])
+            pending = self._pending
+            if env.call_id != pending.call_id:
+                continue
+            self._pending = None
+            if env.error is not None:
+                self._bind_refused(pending, env.error, session)
+                continue
+            resp = wb.BIND_RESPONSE_DECODER.decode(frames[1])
+            self._connecting = (BoundLink(self.ctx, self.ring, resp, self.cfg.plane), pending.session_id)
+        if self._connecting is not None:
+            link, session_id = self._connecting
+            try:
+                ready = link.connect(until - time.monotonic(), self.cfg.channel_timeout_s)
+            except DrafterError as exc:
+                self._connecting = None
+                link.close()
+                log.warning("bound session %s: %s; steps go unbound", session_id, exc.message)
+                return
+            if ready:
+                self.link, self.bound_to, self._connecting = link, session_id, None
+                log.info("session %s bound (%s, %s, ring %d bytes)", session_id, self.cfg.plane, link.resp.endpoint,
+                         len(self.ring.bytes))
+
+    def _bind_refused(self, pending: _Pending, error, session) -> None:
+        try:
+            code = Code(error.code)
+        except ValueError:
+            code = Code.INTERNAL
+        if code == Code.INVALID_ARGUMENT and error.field == "transport" and pending.transport == "ipc" \
+                and self.cfg.transport == "auto":
+            self._send_bind(pending.session_id, pending.epoch, "tcp", session)  # no ipc socket there: tcp
+        elif code not in REBIND:  # a lost session is the unbound call's to report
+            self._refuse(pending.session_id, f"{code.name} {error.field}: {error.message}")
+
+    def _refuse(self, session_id: str, why: str) -> None:
+        self._refused = session_id
+        log.warning("session %s stays unbound (the drafter cannot bind it: %s)", session_id, why)
+
+
+def session_buffers(spec, session, max_tokens: int, tree_nodes: int, max_message_bytes: int
+                    ) -> list[wb.BufferSpec] | None:
+    """The ring's buffers for a session (see the module docstring); None when not even one row per
+    sequence fits under max_message_bytes."""
+    batch = session.max_num_seqs
+    tokens = max_tokens or batch * (spec.num_speculative_tokens + 1)
+    tokens = max(batch, min(tokens, session.max_num_batched_tokens))
+    width = spec.hidden_width
+    hidden_dtype = DTYPE_NAMES[DTYPES[spec.dtype]]
+    if max_message_bytes:
+        fit = (max_message_bytes - _SMALL_BYTES) // (width * DTYPES[spec.dtype].itemsize)
+        if fit < batch:
+            return None
+        tokens = min(tokens, fit)
+    specs = [wb.BufferSpec("target_token_ids", "int64", [tokens]),
+             wb.BufferSpec("target_positions", "int64", [tokens]),
+             wb.BufferSpec(wb.HIDDEN, hidden_dtype, [tokens, width]),
+             wb.BufferSpec("next_token_ids", "int64", [batch]),
+             wb.BufferSpec("query_start_loc", "int64", [batch + 1]),
+             wb.BufferSpec("seq_lens", "int64", [batch]),
+             wb.BufferSpec("token_indices_to_sample", "int64", [batch]),
+             wb.BufferSpec("num_rejected_tokens", "int64", [batch])]
+    for g, group in enumerate(spec.kv_groups):
+        columns = -(-(spec.max_model_len + tree_nodes) // group.block_size)
+        specs += [wb.BufferSpec(f"block_tables[{g}]", "int64", [batch, columns]),
+                  wb.BufferSpec(f"slot_mappings[{g}]", "int64", [tokens])]
+    return specs
+
+
+def fits(ring: BoundRing, request: ProposeRequest, groups: int) -> bool:
+    """Whether the request can go bound and mean exactly what it means unbound."""
+    inp = request.inputs
+    if request.hidden_ipc is not None or request.return_probs or inp.temperatures is not None:
+        return False
+    v = ring.views
+    hidden = inp.target_hidden_states
+    if inp.target_token_ids is None or inp.next_token_ids is None or hidden is None:
+        return False
+    n, b = inp.target_token_ids.shape[0], inp.next_token_ids.shape[0]
+    if not (0 < b <= v["next_token_ids"].shape[0] and b <= n <= v["target_token_ids"].shape[0]):
+        return False
+    if hidden.dtype != v[wb.HIDDEN].dtype or tuple(hidden.shape) != (n, v[wb.HIDDEN].shape[1]):
+        return False
+    rows = {"target_token_ids": n, "target_positions": n, "next_token_ids": b, "query_start_loc": b + 1,
+            "seq_lens": b, "token_indices_to_sample": b, "num_rejected_tokens": b}
+    for name, count in rows.items():
+        t = getattr(inp, name)
+        if t is None and name in _OPTIONAL:
+            continue
+        if not _int_rows(t, count):
+            return False
+    tables, slots = inp.block_tables, inp.slot_mappings
+    if tables is None or slots is None or len(tables) != groups or len(slots) != groups:
+        return False
+    for g in range(groups):
+        table = tables[g]
+        if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.dtype not in _INT \
+                or table.shape[0] != b or table.shape[1] < v[f"block_tables[{g}]"].shape[1]:
+            return False
+        if not _int_rows(slots[g], n):
+            return False
+    return True
+
+
+def _int_rows(t, count: int) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype in _INT and t.shape[0] == count
+
+
+def fill(v: dict, inp: ProposeInputs) -> tuple[int, int]:
+    """The request's tensors into the ring's views, one copy each (fits() said they fit); the
+    sampled rows computed here when the request leaves them to the drafter, as the engine does.
+    (num_tokens, batch)."""
+    n, b = inp.target_token_ids.shape[0], inp.next_token_ids.shape[0]
+    cuda = inp.target_hidden_states.device.type == "cuda"
+    v["target_token_ids"][:n].copy_(inp.target_token_ids, non_blocking=cuda)
+    v["target_positions"][:n].copy_(inp.target_positions, non_blocking=cuda)
+    v[wb.HIDDEN][:n].copy_(inp.target_hidden_states, non_blocking=cuda)
+    v["next_token_ids"][:b].copy_(inp.next_token_ids, non_blocking=cuda)
+    v["query_start_loc"][:b + 1].copy_(inp.query_start_loc, non_blocking=cuda)
+    v["seq_lens"][:b].copy_(inp.seq_lens, non_blocking=cuda)
+    for g, (table, slots) in enumerate(zip(inp.block_tables, inp.slot_mappings)):
+        dst = v[f"block_tables[{g}]"]
+        dst[:b].copy_(table[:, :dst.shape[1]], non_blocking=cuda)  # wider: columns max_model_len never reaches
+        v[f"slot_mappings[{g}]"][:n].copy_(slots, non_blocking=cuda)
+    rejected = v["num_rejected_tokens"][:b]
+    if inp.num_rejected_tokens is None:
+        rejected.zero_()
+    else:
+        rejected.copy_(inp.num_rejected_tokens, non_blocking=cuda)
+    if cuda:  # the copies above are queued on the stream: the ring is complete once it is through them
+        torch.cuda.current_stream(inp.target_hidden_states.device).synchronize()
+    sample = v["token_indices_to_sample"][:b]
+    if inp.token_indices_to_sample is None:  # the engine's default: each query's last row, less its rejected
+        torch.sub(v["query_start_loc"][1:b + 1], 1, out=sample)
+        sample.sub_(rejected)
+    else:
+        sample.copy_(inp.token_indices_to_sample)
+    return n, b
+
+
+def private(request: ProposeRequest) -> ProposeRequest:
+    """The request with host copies of its tensors: a send that gave up may still hold them while
+    the caller refills its own buffers for the next step."""
+
+    def own(t):
+        return None if t is None else t.detach().to("cpu", copy=True)
+
+    values = {}
+    for name in ProposeInputs.__dataclass_fields__:
+        value = getattr(request.inputs, name)
+        values[name] = [own(t) for t in value] if isinstance(value, list) else own(value)
+    return replace(request, inputs=ProposeInputs(**values), accepted_counts=own(request.accepted_counts))
+
+
+def _loopback(endpoint: str) -> bool:
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
