@@ -1,0 +1,130 @@
+"""coordinator.transport.bound_transport without a drafter: which steps may go bound (exactly what
+they mean unbound), the copies into the ring, the ring's size per session, and when a transport is
+bound at all.  The bound steps against a real drafter: tests/integration/test_bound_remote.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from coordinator.remote_proposer import ProposerConfig
+from coordinator.session import SessionSpec
+from coordinator.transport.bound_client import BoundRing
+from coordinator.transport.bound_transport import (BoundConfig, BoundTransport, bindable, fill, fits, private,
+                                                   session_buffers)
+from drafter.engine.config import KVGroupSpec
+from drafter.wire import bound as wb
+from drafter.wire.records import ProposeRequest
+from tests.support.scenario import Scenario
+
+K, MML, BATCH, TOKENS, BLOCK, WIDTH = 3, 48, 4, 32, 16, 24
+SPEC = SessionSpec(method="eagle", num_speculative_tokens=K, hidden_size=WIDTH, num_aux_layers=0, max_model_len=MML,
+                   max_num_seqs=BATCH, max_num_batched_tokens=TOKENS, kv_groups=(KVGroupSpec(BLOCK, 16),))
+INFO = SimpleNamespace(session_id="s", epoch="7", max_num_seqs=BATCH, max_num_batched_tokens=TOKENS)
+
+
+def _ring(max_tokens: int = TOKENS) -> BoundRing:
+    return BoundRing(session_buffers(SPEC, INFO, max_tokens, 0, 0))
+
+
+def _request(rejected: bool, **options) -> ProposeRequest:
+    sc = Scenario(block_sizes=[BLOCK], num_blocks=[16], vocab_size=100, hidden_width=WIDTH, k=K, max_model_len=MML,
+                  seed=3)
+    sc.call([(0, 6, 0), (1, 5, 0)])
+    plan = [(0, K + 1, 1 if rejected else 0), (1, K + 1, 0)]
+    return ProposeRequest.from_keywords(**sc.call(plan).kwargs, **options)
+
+
+@pytest.mark.parametrize("rejected", [False, True])
+def test_fill_copies_every_tensor_and_samples_where_the_engine_would(rejected):
+    ring, req = _ring(), _request(rejected)
+    assert fits(ring, req, groups=1)
+    n, b = fill(ring.views, req.inputs)
+    inp, v = req.inputs, ring.views
+    assert (n, b) == (inp.num_tokens, inp.batch_size)
+    for name in ("target_token_ids", "target_positions", "target_hidden_states", "next_token_ids", "seq_lens"):
+        assert torch.equal(v[name][:getattr(inp, name).shape[0]], getattr(inp, name).to(v[name].dtype)), name
+    assert torch.equal(v["query_start_loc"][:b + 1], inp.query_start_loc.long())
+    cols = v["block_tables[0]"].shape[1]
+    assert cols == -(-MML // BLOCK) and inp.block_tables[0].shape[1] > cols, "the scenario's tables are wider"
+    assert torch.equal(v["block_tables[0]"][:b], inp.block_tables[0][:, :cols].long())
+    assert torch.equal(v["slot_mappings[0]"][:n], inp.slot_mappings[0])
+    # the engine's sampled rows (drafter.engine.buffers): given, or each query's last row less its rejected
+    want = inp.token_indices_to_sample if inp.token_indices_to_sample is not None else \
+        inp.query_start_loc[1:] - 1 - (inp.num_rejected_tokens if inp.num_rejected_tokens is not None else 0)
+    assert torch.equal(v["token_indices_to_sample"][:b], want.long())
+    rejected_rows = inp.num_rejected_tokens if inp.num_rejected_tokens is not None else torch.zeros(b)
+    assert torch.equal(v["num_rejected_tokens"][:b], rejected_rows.long())
+
+
+def _with(req: ProposeRequest, **changes) -> ProposeRequest:
+    inputs = SimpleNamespace(**vars(req.inputs))
+    for k, value in changes.items():
+        setattr(inputs, k, value)
+    return ProposeRequest(inputs)
+
+
+@pytest.mark.parametrize("change,why", [
+    (lambda r: ProposeRequest(r.inputs, return_probs=True), "draft probabilities"),
+    (lambda r: _with(r, temperatures=torch.zeros(2)), "sampling"),
+    (lambda r: _with(r, target_hidden_states=r.inputs.target_hidden_states.double()), "another hidden dtype"),
+    (lambda r: _with(r, target_token_ids=r.inputs.target_token_ids.float()), "float token ids"),
+    (lambda r: _with(r, block_tables=[r.inputs.block_tables[0][:, :2]]), "a narrower block table"),
+    (lambda r: _with(r, slot_mappings=[]), "a KV group missing"),
+    (lambda r: _with(r, seq_lens=r.inputs.seq_lens[:1]), "rows that do not match the batch"),
+])
+def test_what_a_ring_cannot_hold_exactly_goes_unbound(change, why):
+    ring, req = _ring(), _request(True)
+    assert fits(ring, req, groups=1)
+    assert not fits(ring, change(req), groups=1), why
+
+
+def test_more_tokens_than_the_ring_holds_go_unbound():
+    req = _request(False)
+    assert not fits(_ring(max_tokens=req.num_tokens - 1), req, groups=1)
+    assert fits(_ring(max_tokens=req.num_tokens), req, groups=1)
+
+
+def test_the_ring_per_session():
+    specs = {b.name: b for b in session_buffers(SPEC, INFO, 0, 0, 0)}
+    assert specs["target_token_ids"].shape == [BATCH * (K + 1)], "a decode step of every sequence by default"
+    assert all(b.dtype == "int64" for n, b in specs.items() if n != wb.HIDDEN), "int copies are exact"
+    assert specs[wb.HIDDEN].shape == [BATCH * (K + 1), WIDTH] and specs[wb.HIDDEN].dtype == "float32"
+    assert specs["block_tables[0]"].shape == [BATCH, MML // BLOCK]
+    assert {b.name: b for b in session_buffers(SPEC, INFO, 0, 5, 0)}["block_tables[0]"].shape == [BATCH, 4]
+    assert {b.name: b for b in session_buffers(SPEC, INFO, 1000, 0, 0)}["target_token_ids"].shape == [TOKENS]
+    limit = (1 << 20) + 6 * WIDTH * 4  # room for six hidden rows under the drafter's message limit
+    assert {b.name: b for b in session_buffers(SPEC, INFO, 0, 0, limit)}["target_token_ids"].shape == [6]
+    assert session_buffers(SPEC, INFO, 0, 0, (1 << 20) + WIDTH * 4) is None, "not one row per sequence"
+
+
+def test_private_copies_share_no_memory_with_the_caller():
+    req = _request(True, accepted_counts=torch.ones(2, dtype=torch.int32))
+    own = private(req)
+    for name in ("target_token_ids", "target_hidden_states", "num_rejected_tokens"):
+        assert torch.equal(getattr(own.inputs, name), getattr(req.inputs, name))
+        assert getattr(own.inputs, name).data_ptr() != getattr(req.inputs, name).data_ptr()
+    assert own.inputs.block_tables[0].data_ptr() != req.inputs.block_tables[0].data_ptr()
+    assert own.accepted_counts.data_ptr() != req.accepted_counts.data_ptr()
+
+
+class _Plain:
+    def __init__(self, name):
+        self.name = name
+        self.client = SimpleNamespace(endpoint="tcp://127.0.0.1:5555")
+
+
+def test_only_zmq_transports_are_bound_and_mode_off_binds_nothing():
+    assert ProposerConfig().bound.mode == "auto"
+    zmq, grpc = _Plain("zmq"), _Plain("grpc")
+    assert isinstance(bindable(zmq, SPEC, BoundConfig()), BoundTransport)
+    assert bindable(zmq, SPEC, BoundConfig(mode="off")) is zmq
+    assert bindable(grpc, SPEC, BoundConfig()) is grpc
+
+
+@pytest.mark.parametrize("kw", [dict(mode="always"), dict(transport="udp"), dict(plane="nccl"), dict(max_tokens=-1)])
+def test_bound_config_refuses_what_it_cannot_do(kw):
+    with pytest.raises(ValueError):
+        BoundConfig(**kw)
