@@ -57,9 +57,10 @@ class DrafterLink:
         drafts, why = None, None
         try:
             kwargs = make_kwargs()
-            if self.settings.transport != "inprocess":
+            if not self.settings.copies_inputs:
                 # a network call may still hold these buffers after it gave up (a timed-out send),
-                # while vLLM refills them for the next step: hand it private host copies
+                # while vLLM refills them for the next step: hand it private host copies (the bound
+                # ZMQ transport copies each tensor into its ring itself: one copy, not two)
                 kwargs = {n: None if t is None else t.detach().to("cpu", copy=True) for n, t in kwargs.items()}
             source = self._source(int(kwargs["target_hidden_states"].shape[-1]))
             got = source.propose(**kwargs)

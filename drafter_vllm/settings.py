@@ -6,6 +6,8 @@ Environment (the names the k8s target-wiring overlay sets):
                          DNS, one drafter per address
     DRAFTER_TRANSPORT    zmq (default) | grpc | inprocess (the engine inside vLLM's process: tests, debugging)
     DRAFTER_DEADLINE_MS  one step's budget for the drafter (default 50); past it the step has no drafts
+    DRAFTER_BOUND        auto (default): over ZMQ, a bound session where the drafter can serve one
+                         (coordinator/transport/bound_transport.py) | off: every step unbound
 vLLM's speculative_config rejects unknown keys, so a per-engine setting goes into
 `additional_config={"drafter": {"endpoints": ..., "transport": ..., "deadline_ms": ...}}`
 (`--additional-config` on the CLI), which wins over the environment key by key.
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 TRANSPORTS = ("zmq", "grpc", "inprocess")
+BOUND_MODES = ("auto", "off")
 DEFAULT_DEADLINE_MS = 50.0
 
 
@@ -27,10 +30,13 @@ class PluginSettings:
     endpoints: tuple[str, ...] = ()
     transport: str = "zmq"
     deadline_ms: float = DEFAULT_DEADLINE_MS
+    bound: str = "auto"
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
             raise ValueError(f"DRAFTER_TRANSPORT must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.bound not in BOUND_MODES:
+            raise ValueError(f"DRAFTER_BOUND must be one of {BOUND_MODES}, got {self.bound!r}")
         if not self.deadline_ms > 0:
             raise ValueError(f"DRAFTER_DEADLINE_MS must be positive, got {self.deadline_ms}")
         if self.transport != "inprocess":
@@ -39,6 +45,13 @@ class PluginSettings:
     @property
     def enabled(self) -> bool:
         return bool(self.endpoints) or self.transport == "inprocess"
+
+    @property
+    def copies_inputs(self) -> bool:
+        """Whether the transport copies each step's tensors (so the plugin need not): the ZMQ
+        transport with bound sessions on copies them into its ring, or into private host copies
+        for a step it sends unbound (coordinator/transport/bound_transport.py)."""
+        return self.transport == "inprocess" or (self.transport == "zmq" and self.bound == "auto")
 
     @property
     def deadline_s(self) -> float:
@@ -54,6 +67,7 @@ class PluginSettings:
             "endpoints": environ.get("DRAFTER_ENDPOINTS", ""),
             "transport": environ.get("DRAFTER_TRANSPORT", "") or "zmq",
             "deadline_ms": environ.get("DRAFTER_DEADLINE_MS", "") or DEFAULT_DEADLINE_MS,
+            "bound": environ.get("DRAFTER_BOUND", "") or "auto",
         }
         extra = additional_config.get("drafter") if isinstance(additional_config, dict) else None
         if extra is not None:
@@ -71,7 +85,8 @@ class PluginSettings:
             deadline = float(values["deadline_ms"])
         except (TypeError, ValueError):
             raise ValueError(f"DRAFTER_DEADLINE_MS must be a number, got {values['deadline_ms']!r}") from None
-        return cls(tuple(str(e) for e in endpoints), str(values["transport"]).lower(), deadline)
+        return cls(tuple(str(e) for e in endpoints), str(values["transport"]).lower(), deadline,
+                   str(values["bound"]).lower())
 
     @classmethod
     def from_vllm_config(cls, vllm_config, environ: Mapping[str, str] | None = None) -> "PluginSettings":

@@ -99,6 +99,7 @@ def _is_ip(host: str) -> bool:
 def make_source(settings: PluginSettings, facts: TargetFacts):
     from coordinator.remote_proposer import ProposerConfig, RemoteProposer
     from coordinator.routing import Router
+    from coordinator.transport.bound_transport import BoundConfig
     from coordinator.session import SessionSpec
     from drafter.engine.config import KVGroupSpec
 
@@ -109,7 +110,8 @@ def make_source(settings: PluginSettings, facts: TargetFacts):
         max_num_batched_tokens=facts.max_num_batched_tokens,
         kv_groups=(KVGroupSpec(facts.block_size, facts.num_blocks),), dtype=facts.dtype, client=facts.client)
     return RemoteProposer(spec, router=Router(endpoint_source(settings)), key=facts.client,
-                          connect=_connector(settings, facts), config=ProposerConfig(deadline_s=settings.deadline_s))
+                          connect=_connector(settings, facts),
+                          config=ProposerConfig(deadline_s=settings.deadline_s, bound=BoundConfig(mode=settings.bound)))
 
 
 def _connector(settings: PluginSettings, facts: TargetFacts):

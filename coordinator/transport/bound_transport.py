@@ -19,9 +19,11 @@ refusing the Bind (no graphs, a layout it cannot read, a ring over its message l
 socket) leaves the session unbound, once, with a warning; `BoundConfig(mode="off")` never binds.
 
 A step goes bound when the binding is live and the request fits the ring exactly (greedy, no
-draft probabilities, no CUDA IPC reference, the session's hidden dtype, integer tensors, rows
-within the ring's, block tables at least as wide); anything else goes by the unbound Propose,
-which validates it in full (exact or refused, as without a binding).  Failing closed:
+draft probabilities, no CUDA IPC reference, no pre-drafts asked for, the session's hidden dtype,
+integer tensors, rows within the ring's, block tables at least as wide); anything else goes by
+the unbound Propose, which validates it in full (exact or refused, as without a binding).  A
+bound step carries no accepted_counts (the drafter's acceptance metrics miss bound steps).
+Failing closed:
   * a data socket without a live connection (the drafter or the binding went away; nothing was
     sent): the step goes unbound on the same session, which either drafts (the drafter lives; a
     new Bind is asked for) or tells the RemoteProposer the session is gone (re-attach, re-bind);
@@ -299,7 +301,8 @@ def session_buffers(spec, session, max_tokens: int, tree_nodes: int, max_message
 def fits(ring: BoundRing, request: ProposeRequest, groups: int) -> bool:
     """Whether the request can go bound and mean exactly what it means unbound."""
     inp = request.inputs
-    if request.hidden_ipc is not None or request.return_probs or inp.temperatures is not None:
+    if request.hidden_ipc is not None or request.return_probs or inp.temperatures is not None \
+            or getattr(request, "want_predrafts", False):  # pre-drafts are pushed after an unbound reply only
         return False
     v = ring.views
     hidden = inp.target_hidden_states
