@@ -59,6 +59,9 @@ class ServerConfig:
     skinny_gemm: str = _opt(str, "auto", "step GEMMs of <= 64 rows: drafter's skinny kernel where timed faster "
                             "at start-up (auto), always (on) or cuBLAS (off)", choices=("auto", "on", "off"))
     seed: int = _opt(int, 0, "seed of the sampling generator")
+    predraft_outcomes: int = _opt(int, 0, "after each ZMQ call that asks, pre-draft the next step for this many "
+                                          "likeliest verification outcomes per request and push them (0 = off; "
+                                          "docs/predraft.md)")
     tensor_parallel_size: int = _opt(int, 1, "ranks the head is split over by attention head, MLP column and "
                                              "vocabulary row (one process and GPU each, from --device on; gloo "
                                              "on CPU); must divide the head's sizes")
@@ -88,6 +91,9 @@ class ServerConfig:
                                                    "value, or one per group; 0 = no limit)")
     max_inflight_per_client: int = _opt(int, 128, "most calls one client may have queued or running; past it a call "
                                                   "is refused at once with RESOURCE_EXHAUSTED (0 = no limit)")
+    replace_idle_s: float = _opt(float, 30.0, "an attach by the same authenticated client under the same client name "
+                                              "replaces its session that has had no call for this long, freeing its "
+                                              "blocks at once (0 = even a session in use)")
     batch_window_us: int = _opt(int, 100, "how long to collect requests of several sessions for one engine call")
     session_idle_timeout_s: float = _opt(float, 900.0, "detach a session unused this long (0 = never)")
     drain_timeout_s: float = _opt(float, 20.0, "on SIGTERM, how long in-flight calls may take before exit")
@@ -131,12 +137,12 @@ class ServerConfig:
 
         return ClientQuotas(max_sessions=self.max_sessions_per_client,
                             max_kv_blocks=_ints(self.max_kv_blocks_per_client),
-                            max_inflight=self.max_inflight_per_client)
+                            max_inflight=self.max_inflight_per_client, replace_idle_s=self.replace_idle_s)
 
     def check_quotas(self) -> None:
-        for name in ("max_sessions_per_client", "max_inflight_per_client"):
+        for name in ("max_sessions_per_client", "max_inflight_per_client", "replace_idle_s"):
             if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 0 (0 = no limit)")
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 0")
         try:
             blocks = _ints(self.max_kv_blocks_per_client)
         except ValueError:

@@ -80,6 +80,9 @@ class ClientQuotas:
     max_sessions: int = 0  # attached sessions
     max_kv_blocks: tuple[int, ...] = ()  # KV blocks over its sessions: one value for every group, or one per group
     max_inflight: int = 0  # calls queued or running (ServiceCore.begin)
+    # a re-attach (same authenticated peer and client_name) replaces the old session once it has seen no
+    # call for this long: a live sibling sharing the name and certificate keeps its session (0: at once)
+    replace_idle_s: float = 30.0
 
     def kv_blocks_per_group(self, groups: int) -> tuple[int, ...]:
         """The block quota of each KV group (0 = none)."""
@@ -263,18 +266,23 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def replaceable(self, req: schema.AttachRequest, caller: Caller) -> Session | None:
-        """The session this attach replaces: the one the same authenticated peer attached under the same
-        non-empty client_name, when the request's layout is one this drafter serves (else it is refused
-        and the old session stays).  A target that restarts after dying without Detach so gets its blocks
-        back at once, instead of after the idle timeout.  Without auth nothing is replaced: a restarted
-        target comes on a new connection, and one connection may carry several clients' sessions (gRPC
-        channels of one process share it)."""
+    def replaceable(self, req: schema.AttachRequest, caller: Caller, now: float | None = None) -> Session | None:
+        """The session this attach replaces: one the same authenticated peer attached under the same
+        non-empty client_name and that has seen no call for ClientQuotas.replace_idle_s, when the
+        request's layout is one this drafter serves (else it is refused and the old session stays).  A
+        target that restarts after dying without Detach so gets its blocks back at once, instead of after
+        the idle timeout, while replicas that share a certificate and a name (vLLM names a session by
+        model and DP rank) do not take each other's sessions in use.  Without auth nothing is replaced:
+        a restarted target comes on a new connection, and one connection may carry several clients'
+        sessions (gRPC channels of one process share it)."""
         check_layout(req, self.eng)
         name = req.client_name[:128]
         if not name or not caller.peer:
             return None
-        return next((s for s in self.sessions.values() if s.owner == caller.peer and s.client_name == name), None)
+        now = time.monotonic() if now is None else now
+        quiet = self.quotas.replace_idle_s
+        return next((s for s in self.sessions.values() if s.owner == caller.peer and s.client_name == name
+                     and now - s.last_used >= quiet), None)
 
     def attach(self, req: schema.AttachRequest, caller: Caller | None = None) -> Session:
         """caller: who attaches.  Its authenticated peer (if any) alone may drive or detach the session; its

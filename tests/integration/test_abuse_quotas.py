@@ -57,7 +57,8 @@ def test_session_and_block_quotas_per_connection(eagle3, tmp_path, one_torch_thr
 
 @pytest.fixture(scope="module")
 def authed(eagle3, tmp_path_factory, one_torch_thread):
-    """mTLS and CURVE; a pool that holds one scenario session and not two."""
+    """mTLS and CURVE; a pool that holds one scenario session and not two; a re-attach replaces a session
+    however recently it was used (--replace-idle-s 0: the test need not wait for it to go quiet)."""
     d = tmp_path_factory.mktemp("pki-quotas")
     ca = CA(d, "drafter-ca")
     cert, key = ca.issue("drafter", server=True)
@@ -67,7 +68,7 @@ def authed(eagle3, tmp_path_factory, one_torch_thread):
     shutil.copy(keys["client"][0], clients)
     with DrafterServer(eagle3, "eagle3", log_path=d / "server.log", kv_blocks=SESSION_BLOCKS + 16, block_sizes=16,
                        tls_cert=cert, tls_key=key, tls_client_ca=ca.cert_path, curve_server_cert=keys["server"][1],
-                       curve_clients_dir=clients, **SERVER_SETTINGS) as server:
+                       curve_clients_dir=clients, replace_idle_s=0, **SERVER_SETTINGS) as server:
         yield server, ca, keys
 
 

@@ -189,22 +189,25 @@ def test_a_block_quota_per_group_must_match_the_groups():
         SessionTable(ENG, max_sessions=8, quotas=ClientQuotas(max_kv_blocks=(1, 2, 3)))
 
 
-def test_replaceable_is_the_same_clients_session_of_the_same_name():
-    table = SessionTable(ENG, max_sessions=8)
+def test_replaceable_is_the_same_peers_quiet_session_of_the_same_name():
+    table = SessionTable(ENG, max_sessions=8, quotas=ClientQuotas(replace_idle_s=30.0))
     old = table.attach(layout(client_name="dp0"), ALICE)
     table.attach(layout(client_name="dp1"), ALICE)
     table.attach(layout(client_name="dp0"), BOB)
-    assert table.replaceable(layout(client_name="dp0"), ALICE) is old
-    assert table.replaceable(layout(client_name="dp2"), ALICE) is None
-    assert table.replaceable(layout(client_name="dp0"), Caller(peer="x509:eve")) is None
-    assert table.replaceable(layout(client_name=""), ALICE) is None, "an unnamed session is never replaced"
+    later = old.last_used + 30.0
+    assert table.replaceable(layout(client_name="dp0"), ALICE, now=later) is old
+    assert table.replaceable(layout(client_name="dp0"), ALICE, now=later - 0.1) is None, \
+        "a session in use (a live replica sharing certificate and name) is not taken"
+    assert table.replaceable(layout(client_name="dp2"), ALICE, now=later) is None
+    assert table.replaceable(layout(client_name="dp0"), Caller(peer="x509:eve"), now=later) is None
+    assert table.replaceable(layout(client_name=""), ALICE, now=later) is None, "an unnamed session is never replaced"
+    with pytest.raises(DrafterError) as e:  # a layout it cannot serve is refused before anything is replaced
+        table.replaceable(layout(client_name="dp0", max_model_len=128), ALICE, now=later)
+    assert e.value.field == "max_model_len"
     conn = Caller(connection="grpc:ipv4:127.0.0.1:4000")
     table.release(table.detach(old.id, ALICE.peer))
     table.attach(layout(client_name="dp9"), conn)
-    assert table.replaceable(layout(client_name="dp9"), conn) is None, "without auth nothing is replaced"
-    with pytest.raises(DrafterError) as e:  # a layout it cannot serve is refused before anything is replaced
-        table.replaceable(layout(client_name="dp0", max_model_len=128), ALICE)
-    assert e.value.field == "max_model_len"
+    assert table.replaceable(layout(client_name="dp9"), conn, now=later) is None, "without auth nothing is replaced"
 
 
 def test_an_owned_session_does_not_exist_for_another_peer():
@@ -224,9 +227,10 @@ def test_quota_flags_are_validated_and_reach_the_core():
     cfg = ServerConfig(method="eagle3", model="/m", max_sessions_per_client=2, max_kv_blocks_per_client="64,32",
                        max_inflight_per_client=16)
     cfg.check()
-    assert cfg.client_quotas() == ClientQuotas(max_sessions=2, max_kv_blocks=(64, 32), max_inflight=16)
+    assert cfg.client_quotas() == ClientQuotas(max_sessions=2, max_kv_blocks=(64, 32), max_inflight=16,
+                                               replace_idle_s=30.0)
     assert ServerConfig().max_inflight_per_client > 0, "a cap by default: never unbounded queueing"
     for bad in (dict(max_inflight_per_client=-1), dict(max_sessions_per_client=-1),
-                dict(max_kv_blocks_per_client="many"), dict(max_kv_blocks_per_client="-3")):
-        with pytest.raises(ValueError, match="per-client"):
+                dict(max_kv_blocks_per_client="many"), dict(max_kv_blocks_per_client="-3"), dict(replace_idle_s=-1)):
+        with pytest.raises(ValueError, match="--" + next(iter(bad)).replace("_", "-")):
             ServerConfig(method="eagle3", model="/m", **bad).check()
