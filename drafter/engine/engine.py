@@ -49,6 +49,9 @@ class DraftEngine:
         self.spec = spec
         self.head = head
         self.device = torch.device(config.device)
+        if getattr(head, "shard", SINGLE).world > 1 and config.weights == "fp8":
+            raise ValueError("weights='fp8' (--weights fp8) with a tensor-parallel head: per-channel FP8 runs on "
+                             "the single-process fused path only; use bf16 or --tensor-parallel-size 1")
         if head is not None and config.weights == "fp8":  # before the fused path plans its kernels
             from drafter.models.fp8 import quantize_head
 

@@ -29,9 +29,10 @@ import torch
 from drafter.engine.config import EngineConfig
 from drafter.engine.inputs import as_group_list
 from drafter.engine.inputs import validate as check_inputs
+from drafter.service.logs import event
 from drafter.service.tp.channel import DRAFT, ZERO_BLOCKS, LeaderChannel
 from drafter.service.tp.steps import DraftOptions, draft_message
-from drafter.service.tp.worker import RankPlan, load_rank_engine, main as worker_main
+from drafter.service.tp.worker import RankPlan, init_group, load_rank_engine, main as worker_main
 from drafter.wire.records import DraftOutput, ProposeInputs
 
 log = logging.getLogger("drafter.service.tp")
@@ -194,24 +195,12 @@ def load_tp_engine(world: int, model: str, target: str | None, engine_cfg: Engin
         pipes.append(mine)
         procs.append(proc)
     try:
-        plans[0] = replace(plans[0], store_port=store.port)
-        _join_as_leader(plans[0], store)
+        init_group(plans[0], store)
         engine = load_rank_engine(plans[0])
         _await_workers(pipes, procs, timeout_s)
     except BaseException:
         for p in procs:
             p.kill()
         raise
-    from drafter.service.logs import event
-
     event("ranks", world=world, backend=plans[0].backend, worker_pids=[p.pid for p in procs])
     return TPEngine(engine, LeaderChannel(pipes, engine.device), procs, world)
-
-
-def _join_as_leader(plan: RankPlan, store) -> None:
-    import datetime
-
-    if plan.engine.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(plan.engine.device))
-    torch.distributed.init_process_group(plan.backend, store=store, rank=0, world_size=plan.world,
-                                         timeout=datetime.timedelta(seconds=plan.timeout_s))

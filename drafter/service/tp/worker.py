@@ -38,14 +38,21 @@ class RankPlan:
     torch_threads: int
 
 
-def init_group(plan: RankPlan, is_master: bool) -> None:
-    """Join the process group through the leader's TCPStore (loopback)."""
-    timeout = datetime.timedelta(seconds=plan.timeout_s)
-    store = torch.distributed.TCPStore(plan.store_host, plan.store_port, plan.world, is_master, timeout=timeout)
-    if plan.engine.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(plan.engine.device))
-    torch.distributed.init_process_group(plan.backend, store=store, rank=plan.rank, world_size=plan.world,
-                                         timeout=timeout)
+def join_group(rank: int, world: int, host: str, port: int, backend: str, timeout_s: float, device: str,
+               store=None) -> None:
+    """Join the process group through the TCPStore at host:port (the leader's, on loopback); the
+    leader passes its own store.  On CUDA the rank's device becomes the current one first (NCCL)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = torch.distributed.TCPStore(host, port, world, False, timeout=timeout)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def init_group(plan: RankPlan, store=None) -> None:
+    join_group(plan.rank, plan.world, plan.store_host, plan.store_port, plan.backend, plan.timeout_s,
+               plan.engine.device, store)
 
 
 def load_rank_engine(plan: RankPlan):
@@ -73,7 +80,7 @@ def main(plan: RankPlan, pipe) -> None:
     if plan.torch_threads > 0:
         torch.set_num_threads(plan.torch_threads)
     try:
-        init_group(plan, is_master=False)
+        init_group(plan)
         engine = load_rank_engine(plan)
     except BaseException as exc:  # noqa: BLE001 - reported to the leader, which names it in its failure
         _report(pipe, ("failed", f"rank {plan.rank}: {type(exc).__name__}: {exc}"))

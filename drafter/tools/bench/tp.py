@@ -1,0 +1,403 @@
+"""`drafter bench --tensor-parallel-size N`: one head's propose call split over N ranks, timed.
+
+    python -m drafter.tools.bench.tp --tensor-parallel-size 2 --out bench/results/tp2
+    drafter bench --tensor-parallel-size 1 --heads deepseek-v3-mtp --batches 1,8,64 --ks 1 --contexts 1024
+
+Spawns N rank processes (rank r on cuda:r with NCCL; on --device cpu, gloo ranks on the host) that
+join one process group through a TCPStore on loopback, the way `drafter serve
+--tensor-parallel-size N` does (drafter.service.tp), each building its shard of the head with
+random weights straight on its device (drafter.models.sharding / llama_shard / the DeepSeek
+Shard), then all ranks run the same decode calls in lockstep (every request verified k+1 tokens
+at position ctx - 1).  At N = 1 it is the same code with a process group of one.
+
+Heads:
+  deepseek-v3-mtp  DeepSeek-V3's MTP layer as released: hidden 7168, 128 MLA heads (q / kv ranks
+                   1536 / 512, rope 64), 256 experts top-8 in 8 groups, 1 shared, expert
+                   intermediate 2048, vocabulary 129280, FP8 128x128 blocks (--deepseek-weights bf16:
+                   dequantised); attention heads, experts and vocabulary split over ranks
+  eagle3-70b       an EAGLE-3 head for Llama-3.3-70B: hidden 8192, 64 heads / 8 KV heads of 128,
+                   intermediate 28672, draft vocabulary 32000 (target 128256), bf16
+  deepseek-tiny, eagle3-tiny   the same code at make-tiny sizes (a CPU smoke run)
+Per row (head, k, ctx, batch): propose_us (rank 0: the whole call, graphs where the engine has
+them, i.e. at N = 1 on a GPU), eager_us (graphs off), propose_max_us (the slowest rank),
+bcast_us (one broadcast of the call's tensors packed as serve's leader sends them), drafts_agree
+(every rank drafted the same tokens), weight_bytes and peak_bytes per rank (max over ranks), and
+floor_weights_us (a rank's weight bytes at the measured copy bandwidth; GPU only).
+Writes OUT/bench_tp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.models.layers import LayerShape
+from drafter.models.sharding import Shard
+from drafter.models.spec import ModelSpec
+
+BLOCK_SIZE = 16
+HEADS = ("deepseek-v3-mtp", "eagle3-70b", "deepseek-tiny", "eagle3-tiny")
+DEFAULT_HEADS = "deepseek-v3-mtp,eagle3-70b"
+
+
+def eagle3_spec(tiny: bool) -> ModelSpec:
+    if tiny:
+        layer = LayerShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                           rms_norm_eps=1e-5, rope_theta=500000.0)
+        return ModelSpec(method="eagle3", hidden_size=64, num_layers=1, vocab_size=512, layer_shapes=(layer,),
+                         draft_vocab_size=128, aux_layer_ids=(1, 2, 3), target_hidden_size=64)
+    layer = LayerShape(hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=28672,
+                       rms_norm_eps=1e-5, rope_theta=500000.0)
+    return ModelSpec(method="eagle3", hidden_size=8192, num_layers=1, vocab_size=128256, layer_shapes=(layer,),
+                     draft_vocab_size=32000, aux_layer_ids=(2, 40, 77), target_hidden_size=8192)
+
+
+def deepseek_config(tiny: bool, fp8: bool):
+    from drafter.models.deepseek_config import DEEPSEEK_V3, parse_deepseek
+
+    if tiny:
+        from drafter.models.tiny_deepseek import TinyDeepseekSizes
+        from drafter.models.tiny_deepseek import deepseek_config as tiny_config
+
+        cfg = parse_deepseek(tiny_config(TinyDeepseekSizes(fp8_block=(8, 16))))
+    else:
+        cfg = parse_deepseek(DEEPSEEK_V3)
+    return cfg if fp8 else replace(cfg, fp8_block=None)
+
+
+@torch.no_grad()
+def _init_llama_head(head: nn.Module, seed: int) -> None:
+    g = torch.Generator(device=next(head.parameters()).device).manual_seed(seed)
+    for name, p in head.named_parameters():
+        if p.dim() == 1:
+            p.fill_(1.0)  # norms
+        else:
+            p.normal_(0.0, p.shape[1] ** -0.5, generator=g)
+    for b in head.buffers():
+        b.zero_()  # d2t: draft id i is target id i
+
+
+@torch.no_grad()
+def _init_deepseek_head(head: nn.Module, seed: int) -> None:
+    from drafter.models.fp8 import FP8, FP8Linear
+
+    device = next(head.parameters()).device
+    g = torch.Generator(device=device).manual_seed(seed)
+    for module in head.modules():
+        if isinstance(module, FP8Linear):
+            w = torch.randn(module.weight.shape, device=device, dtype=torch.bfloat16, generator=g)
+            module.weight.copy_(w.to(FP8))
+            module.weight_scale_inv.fill_(module.in_features ** -0.5)
+        elif isinstance(module, nn.Linear):
+            module.weight.normal_(0, module.in_features ** -0.5, generator=g)
+    for name, p in head.named_parameters():
+        if name.endswith("embed_tokens.weight"):
+            p.normal_(generator=g)
+        elif "norm" in name:
+            p.fill_(1.0)
+        elif name.endswith("gate.weight"):
+            p.normal_(0, p.shape[1] ** -0.5, generator=g)
+    for layer in head.layers:
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.01, generator=g)
+
+
+def build_head(name: str, shard: Shard, device: torch.device, dtype: torch.dtype, fp8: bool):
+    """(head, the engine's spec for it): this rank's shard with random weights, made on `device`."""
+    tiny = name.endswith("-tiny")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        if name.startswith("eagle3"):
+            from drafter.models.heads import Eagle3Head
+            from drafter.models.llama_shard import shard_spec
+
+            spec = shard_spec(eagle3_spec(tiny), shard)
+            with torch.device(device):
+                head = Eagle3Head(spec, shard)
+            _init_llama_head(head, seed=1)
+            return head.eval(), spec
+        from drafter.models.deepseek_loader import deepseek_model_spec
+        from drafter.models.deepseek_v3 import DeepseekMTPHead
+
+        cfg = deepseek_config(tiny, fp8)
+        with torch.device(device):
+            head = DeepseekMTPHead(cfg, shard)
+        _init_deepseek_head(head, seed=1)
+        head.eval().prepare(dtype, kernels=device.type == "cuda")
+        head.spec = deepseek_model_spec(cfg)
+        return head, head.spec
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rank's orders (picklable: it crosses the spawn)."""
+
+    rank: int
+    world: int
+    port: int
+    device: str
+    heads: tuple[str, ...]
+    batches: tuple[int, ...]
+    ks: tuple[int, ...]
+    contexts: tuple[int, ...]
+    iters: int
+    eager: bool
+    deepseek_fp8: bool
+
+
+def rank_device(base: str, rank: int) -> str:
+    from drafter.service.tp.leader import rank_device as serve_rank_device
+
+    return serve_rank_device(base, rank)
+
+
+def _engine(head, spec, k: int, plan: Plan, device: torch.device, dtype: torch.dtype):
+    from drafter.engine.engine import DraftEngine
+
+    max_batch, max_ctx = max(plan.batches), max(plan.contexts)
+    per_req = -(-(max_ctx + k + 1) // BLOCK_SIZE)
+    cfg = EngineConfig(
+        method=spec.method, num_speculative_tokens=k, max_model_len=max_ctx + 64, max_num_seqs=max_batch,
+        max_num_batched_tokens=max_batch * (k + 1), kv_groups=(KVGroupSpec(BLOCK_SIZE, max_batch * per_req + 1),),
+        capture_sizes=plan.batches, token_capture_sizes=tuple(b * (k + 1) for b in plan.batches),
+        device=str(device), dtype=str(dtype).removeprefix("torch."), use_cuda_graphs=device.type == "cuda",
+        skinny_gemm="off")
+    engine = DraftEngine(head, spec, cfg)
+    g = torch.Generator(device=device).manual_seed(1)
+    for cache in engine.kv.layers:
+        cache.normal_(generator=g)  # random KV: never time on zeros
+    if engine.graphs is not None:
+        with torch.inference_mode():
+            engine.graphs.capture()
+    return engine
+
+
+def _timer(device: torch.device):
+    """Median microseconds of fn over iters calls (CUDA events on a GPU, the host clock on CPU)."""
+    def median_us(fn, iters: int) -> float:
+        fn()  # warm
+        torch.distributed.barrier()
+        if device.type == "cuda":
+            from drafter.tools.bench.grid import time_events
+
+            return statistics.median(time_events(fn, iters, warmup=1))
+        out = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(out)
+    return median_us
+
+
+def _bcast_us(call: dict, device: torch.device, timer, iters: int) -> float:
+    """One broadcast of the call's tensors, packed as serve's leader packs a step (drafter.service.tp.channel)."""
+    from drafter.service.tp.channel import comm_device, pack
+
+    tensors = [t for v in call.values() for t in (v if isinstance(v, list) else [v])]
+    _, buf = pack(tensors, comm_device(device))
+    return timer(lambda: torch.distributed.broadcast(buf, src=0), iters)
+
+
+def _rows_for_head(name: str, plan: Plan, shard: Shard, device: torch.device, dtype, timer) -> list[dict]:
+    from drafter.tools.bench.grid import decode_call, on_device
+
+    head, spec = build_head(name, shard, device, dtype, plan.deepseek_fp8)
+    weight_bytes = sum(t.numel() * t.element_size() for t in list(head.parameters()) + list(head.buffers()))
+    rows = []
+    for k in plan.ks:
+        engine = _engine(head, spec, k, plan, device, dtype)
+        for ctx in plan.contexts:
+            for b in plan.batches:
+                call = on_device(decode_call(b, k, ctx, engine.config.kv_groups[0].num_blocks, spec.vocab_size,
+                                             spec.hidden_input_width, dtype, seed=b * 7 + ctx), device)
+                row = dict(head=name, k=k, ctx=ctx, batch=b, world=plan.world, rank=plan.rank,
+                           graphs=engine.graphs is not None, weight_bytes=weight_bytes)
+                with torch.inference_mode():
+                    step = lambda: engine.propose(**call, validate=False)  # noqa: E731
+                    row["propose_us"] = timer(step, plan.iters)
+                    if plan.eager:
+                        graphs, engine.graphs = engine.graphs, None
+                        try:
+                            row["eager_us"] = timer(step, max(3, plan.iters // 2))
+                        finally:
+                            engine.graphs = graphs
+                    row["drafts"] = step().draft_token_ids.cpu().tolist()
+                row["bcast_us"] = _bcast_us(call, device, timer, plan.iters)
+                if device.type == "cuda":
+                    row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+                rows.append(row)
+        del engine
+    del head
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def rank_main(plan: Plan, pipe) -> None:
+    """One rank: join the group, run every head's rows in lockstep with the others, send them back."""
+    from drafter.service.tp.worker import join_group
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    device = torch.device(rank_device(plan.device, plan.rank))
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.world))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    try:
+        join_group(plan.rank, plan.world, "127.0.0.1", plan.port, backend, 600.0, str(device))
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        timer = _timer(device)
+        rows = []
+        for name in plan.heads:
+            rows += _rows_for_head(name, plan, Shard(plan.rank, plan.world), device, dtype, timer)
+        pipe.send(("rows", rows))
+        torch.distributed.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - said by the parent, which fails the run
+        import traceback
+
+        pipe.send(("failed", f"rank {plan.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+
+
+def merge(per_rank: list[list[dict]]) -> list[dict]:
+    """One row per (head, k, ctx, batch): rank 0's times, the slowest rank's, whether drafts agreed."""
+    out = []
+    for rows in zip(*per_rank):
+        first = dict(rows[0])
+        drafts = [r.pop("drafts") for r in rows]
+        first.pop("drafts", None)
+        first.pop("rank")
+        first["propose_max_us"] = max(r["propose_us"] for r in rows)
+        first["weight_bytes"] = max(r["weight_bytes"] for r in rows)
+        if "peak_bytes" in first:
+            first["peak_bytes"] = max(r["peak_bytes"] for r in rows)
+        first["drafts_agree"] = all(d == drafts[0] for d in drafts)
+        out.append(first)
+    return out
+
+
+def spawn_ranks(plan: Plan) -> list[list[dict]]:
+    """Run plan on plan.world spawned ranks; each rank's rows, in rank order."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, plan.world, True, wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    procs, pipes = [], []
+    for rank in range(plan.world):
+        mine, theirs = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=rank_main, args=(replace(plan, rank=rank, port=store.port), theirs),
+                        name=f"bench-tp-{rank}")
+        p.start()
+        theirs.close()
+        procs.append(p)
+        pipes.append(mine)
+    results = []
+    try:
+        for rank, pipe in enumerate(pipes):
+            try:
+                kind, payload = pipe.recv()
+            except EOFError:
+                kind, payload = "failed", f"rank {rank} exited with code {procs[rank].join() or procs[rank].exitcode}"
+            if kind != "rows":
+                raise SystemExit(f"drafter bench --tensor-parallel-size {plan.world}: {payload}")
+            results.append(payload)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _copy_bandwidth(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    from drafter.tools.bench.grid import copy_bandwidth
+
+    return copy_bandwidth(torch.device(device), nbytes=1 << 30)
+
+
+def run(args) -> dict:
+    world = args.tensor_parallel_size
+    heads = tuple(h for h in args.heads.split(",") if h)
+    unknown = [h for h in heads if h not in HEADS]
+    if unknown:
+        raise SystemExit(f"drafter bench --tensor-parallel-size: unknown heads {unknown}; choose from {HEADS}")
+    if args.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SystemExit(f"drafter bench --tensor-parallel-size: this torch ({torch.__version__}) sees no GPU; "
+                             "--device cpu runs the ranks on the host (gloo)")
+        base = int(args.device.partition(":")[2] or 0)
+        if base + world > torch.cuda.device_count():
+            raise SystemExit(f"drafter bench --tensor-parallel-size {world}: needs {world} GPUs from {args.device}, "
+                             f"{torch.cuda.device_count()} visible")
+    plan = Plan(0, world, 0, args.device, heads, tuple(args.batches), tuple(args.ks), tuple(args.contexts),
+                args.iters, not args.no_eager, args.deepseek_weights == "fp8")
+    bw = _copy_bandwidth(args.device)
+    rows = merge(spawn_ranks(plan))
+    for r in rows:
+        if bw:
+            r["floor_weights_us"] = r["weight_bytes"] * 1e6 / bw
+        print(fmt_row(r), flush=True)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "drafter bench " + " ".join(sys.argv[1:]), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
+            "tensor_parallel_size": world, "copy_bandwidth": bw,
+            "deepseek_weights": args.deepseek_weights}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"meta": meta, "rows": rows}
+    (out / "bench_tp.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out / 'bench_tp.json'} ({len(rows)} rows)")
+    return result
+
+
+def fmt_row(r: dict) -> str:
+    eager = f"{r['eager_us']:9.0f}" if "eager_us" in r else f"{'-':>9}"
+    peak = f"{r['peak_bytes'] / 2**30:6.1f}G" if "peak_bytes" in r else f"{'-':>7}"
+    return (f"{r['head']:16s} tp={r['world']} k={r['k']} ctx={r['ctx']:5d} b={r['batch']:3d}  "
+            f"propose {r['propose_us']:9.0f} us (max rank {r['propose_max_us']:9.0f})  eager {eager}  "
+            f"bcast {r['bcast_us']:7.0f}  weights {r['weight_bytes'] / 2**30:6.2f}G  peak {peak}  "
+            f"agree {r['drafts_agree']}")
+
+
+def add_arguments(p: argparse.ArgumentParser, *, with_size: bool = True) -> None:
+    if with_size:
+        p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the head over [1]")
+    p.add_argument("--out", default="bench/results/latest-tp", help="folder for bench_tp.json")
+    p.add_argument("--heads", default=DEFAULT_HEADS, help=f"comma-separated, from {HEADS} [{DEFAULT_HEADS}]")
+    p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes [1,2,...,64]")
+    p.add_argument("--ks", type=_ints, default=[1, 3], help="draft lengths k [1,3]")
+    p.add_argument("--contexts", type=_ints, default=[1024], help="context lengths [1024]")
+    p.add_argument("--iters", type=int, default=20, help="timed repetitions per measurement [20]")
+    p.add_argument("--no-eager", action="store_true", help="skip the graphs-off timings")
+    p.add_argument("--device", default="cuda", help="cuda (rank r on cuda:r) or cpu (gloo ranks) [cuda]")
+    p.add_argument("--deepseek-weights", default="fp8", choices=("fp8", "bf16"),
+                   help="deepseek heads: FP8 128x128 blocks as released, or dequantised bf16 [fp8]")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="drafter bench --tensor-parallel-size", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    run(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
