@@ -6,7 +6,12 @@
 # Carried when present: .whl/ (wheels the host lacks: pyzmq, msgspec, grpcio-health-checking,
 # grpcio-reflection, and grpcio + protobuf as new as the generated stubs need) and the generated
 # stubs drafter/_proto/drafter/v1/*_pb2*.py (`python -m drafter._proto.build` on any machine).
-# Knobs: SKIP_TESTS, SKIP_BENCH, SKIP_REMOTE, TEST_TIMEOUT, BENCH_TIMEOUT, REMOTE_TIMEOUT, REMOTE_ARGS.
+# Knobs: SKIP_TESTS, SKIP_BENCH, SKIP_REMOTE, TEST_TIMEOUT, BENCH_TIMEOUT, REMOTE_TIMEOUT, REMOTE_ARGS;
+# TESTS (the test files, default the GPU set below); BOUND=1 adds issue 18's bound-session run
+# (python -m drafter.tools.bench.bound: bound.json, bound.md, bound_log.txt), BOUND_TIMEOUT, BOUND_ARGS.
+# Issue 18 in one call (~8 min on a cold machine):
+#   SKIP_BENCH=1 SKIP_REMOTE=1 BOUND=1 TESTS=tests/gpu/test_bound_ipc.py TEST_TIMEOUT=180 BOUND_TIMEOUT=300 \
+#     OUT=$OUT bash bench/run_on_gpu.sh
 # On a fresh machine (cold Triton cache) the GPU tests alone take ~5-6 minutes: within one
 # 10-minute device call, run SKIP_BENCH=1 SKIP_REMOTE=1 first, then SKIP_TESTS=1 on the warm machine.
 # The bench's compiled peer (drafter/tools/bench/peer.py) compiles once per (head, k, batch), ~7 s each on a
@@ -26,8 +31,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider tests/gpu tests/unit/test_triton_kernels.py \
-    tests/unit/test_step_kernels.py tests/unit/test_graph_runner.py tests/unit/test_bound.py > "$OUT/gpu_tests.txt" 2>&1
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu tests/unit/test_triton_kernels.py \
+    tests/unit/test_step_kernels.py tests/unit/test_graph_runner.py tests/unit/test_bound.py} > "$OUT/gpu_tests.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests.txt" | tail -8
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
@@ -38,5 +43,10 @@ fi
 if [ -z "${SKIP_REMOTE:-}" ]; then
   timeout "${REMOTE_TIMEOUT:-300}" python3 -m drafter.tools.bench.remote --out "$OUT" ${REMOTE_ARGS:-} > "$OUT/remote_log.txt" 2>&1
   tail -20 "$OUT/remote_log.txt"
+fi
+if [ -n "${BOUND:-}" ]; then
+  timeout "${BOUND_TIMEOUT:-420}" python3 -m drafter.tools.bench.bound --out "$OUT" ${BOUND_ARGS:-} > "$OUT/bound_stdout.txt" 2>&1
+  echo "bound bench exit $?"
+  tail -25 "$OUT/bound_stdout.txt"
 fi
 ls -la "$OUT"

@@ -85,7 +85,8 @@ class StepGuard:
             self.run()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: another thread's CUDA call during the capture (a client's staging) is not an error
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.run()
         self.graph = graph
 
