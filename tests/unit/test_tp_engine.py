@@ -39,17 +39,21 @@ def write_heads(root: Path) -> None:
             write_tiny(method, root / method, seed=3)
 
 
-def engine_config(method: str) -> EngineConfig:
+def engine_config(method: str, device: str = "cpu") -> EngineConfig:
     return EngineConfig(method=method, num_speculative_tokens=K, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                        max_num_batched_tokens=256, kv_groups=(KVGroupSpec(BLOCK_SIZE, NUM_BLOCKS),), seed=11)
+                        max_num_batched_tokens=256, kv_groups=(KVGroupSpec(BLOCK_SIZE, NUM_BLOCKS),), seed=11,
+                        device=device)
 
 
-def drafts_of(rank: int, world: int, root: str) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per method: (drafts, logits) of every call of the plan on one rank (world 1: unsharded)."""
+def drafts_of(rank: int, world: int, root: str, device: str = "cpu"
+              ) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per method: (drafts, logits) of every call of the plan on one rank (world 1: unsharded);
+    tests/gpu/test_tp_gpu.py runs it on NCCL ranks, one GPU each."""
     out = {}
     for method in METHODS:
         d = Path(root) / method
-        engine = DraftEngine.from_dirs(d / "head", d / "target", engine_config(method), shard=Shard(rank, world))
+        engine = DraftEngine.from_dirs(d / "head", d / "target", engine_config(method, device),
+                                       shard=Shard(rank, world))
         spec = engine.spec
         scn = Scenario(block_sizes=(BLOCK_SIZE,), num_blocks=(NUM_BLOCKS,), vocab_size=spec.vocab_size,
                        hidden_width=spec.hidden_input_width, k=K, max_model_len=MAX_MODEL_LEN, seed=7)
