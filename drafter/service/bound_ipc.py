@@ -64,6 +64,8 @@ class IpcBoundSession(BoundSession):
         if support is not None and ref.device_uuid not in support.device_uuids:
             raise invalid(f"{SLAB}.device_uuid", f"GPU {ref.device_uuid[:64]} is not one this drafter reads")
         self.device = torch.device(engine.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.slab = self.backend.open(ref, self.device, SLAB)  # [total] uint8, the target's memory
         self.ring = torch.empty(0, dtype=torch.uint8)  # no bytes arrive on the data socket
         self.views = {sl.name: _view(self.slab, sl) for sl in slots}
