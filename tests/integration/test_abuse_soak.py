@@ -24,12 +24,14 @@ from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, referenc
 from tests.integration.test_abuse_grpc_memory import _big_refused_request, rss_mib
 from tests.integration.test_service_parity import plans, scenario
 from tests.support.engines import tiny_dirs
+from tests.support.requests import to_frames
 from tests.support.servers import DrafterServer, layout_for
 
 MiB = 1024 * 1024
 MAX_MESSAGE = 16 * MiB
 ROUNDS = 2  # passes over plans() per valid client and phase
-FLOODS = 4  # bursts of the unread flood (each 1000 requests whose replies are never read)
+FLOODS = 4  # bursts of each unread flood (each 1000 requests whose replies are never read)
+BOUNDED = ("zmq-unread-flood", "zmq-propose-flood")  # attacks repeated FLOODS times, the others until the end
 _ENC = msgspec.msgpack.Encoder()
 
 
@@ -95,20 +97,22 @@ def _run_valid(server, tiny_root, expected) -> list:
 class _Attacks:
     """Each attack in its own thread, repeated until stop; every refusal is checked."""
 
-    def __init__(self, server):
+    def __init__(self, server, tiny_root):
         self.server, self.stop, self.counts, self.errors = server, threading.Event(), {}, []
+        self.flood_call = scenario(reference_engine(tiny_root), 99).call(next(plans())).kwargs
         self.threads = [threading.Thread(target=self._loop, args=(name, fn), daemon=True)
                         for name, fn in self._attacks().items()]
 
     def _attacks(self) -> dict:
         return {"grpc-million-fields": self._grpc_fields, "grpc-large-refused": self._grpc_large,
                 "zmq-frames": self._zmq_frames, "zmq-bytes": self._zmq_bytes, "zmq-bad-utf8": self._zmq_utf8,
-                "zmq-made-up-fields": self._zmq_fields, "zmq-unread-flood": self._zmq_flood}
+                "zmq-made-up-fields": self._zmq_fields, "zmq-unread-flood": self._zmq_flood,
+                "zmq-propose-flood": self._zmq_propose_flood}
 
     def _loop(self, name, fn):
         ctx = zmq.Context()
         try:
-            while not self.stop.is_set() and not (name == "zmq-unread-flood" and self.counts.get(name, 0) >= FLOODS):
+            while not self.stop.is_set() and not (name in BOUNDED and self.counts.get(name, 0) >= FLOODS):
                 fn(ctx)
                 self.counts[name] = self.counts.get(name, 0) + 1
         except BaseException as exc:  # noqa: BLE001
@@ -175,6 +179,18 @@ class _Attacks:
             sock.send_multipart(info)
         sock.close(linger=0)
 
+    def _zmq_propose_flood(self, ctx):
+        """Valid Propose messages on its own session without reading the replies (past
+        --max-inflight-per-client they are refused at once), then Detach."""
+        with ZmqDrafterClient(self.server.zmq_endpoint, timeout_s=60, context=ctx) as c:
+            c.attach(layout_for(c.info(), SESSION_BLOCKS, client_name="flooder"))
+            header, frames = to_frames(c.session.session_id, c.session.epoch, 1, self.flood_call)
+            msg = [b"", _ENC.encode(schema.Envelope(call_id=1, method="Propose")), _ENC.encode(header),
+                   *[bytes(f) for f in frames]]
+            for _ in range(1000):
+                c.sock.send_multipart(msg)  # blocks at the high-water mark: paced by the server's reads
+            c.detach()  # past the flood's replies (other call ids)
+
     def __enter__(self):
         for t in self.threads:
             t.start()
@@ -196,7 +212,7 @@ def test_soak_valid_clients_under_every_attack(server, tiny_root):
     unloaded = _run_valid(server, tiny_root, expected)
     rss_before = rss_mib(pid)
     t0 = time.monotonic()
-    with _Attacks(server) as attacks:
+    with _Attacks(server, tiny_root) as attacks:
         loaded = _run_valid(server, tiny_root, expected)
     seconds = time.monotonic() - t0
     rss_after = rss_mib(pid)
