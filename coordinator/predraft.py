@@ -25,8 +25,8 @@ import torch
 from coordinator.inprocess import InProcessTransport
 from coordinator.session import SessionInfo, SessionSpec
 from drafter.engine.engine import DraftEngine
-from drafter.wire.predraft import PreDrafts, lookup, outcomes_of_call
-from drafter.wire.records import INPUT_FIELDS, ProposeInputs
+from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call
+from drafter.wire.records import INPUT_FIELDS, ProposeInputs, ProposeRequest
 
 
 @dataclass
@@ -76,6 +76,10 @@ class PreDraftPicker:
         self.stats.rows_offered += pre.batch_size
         return True
 
+    def has(self, step: int) -> bool:
+        """Whether pre-drafts of `step` are here (and still usable)."""
+        return step in self.pending
+
     def pick(self, step: int, inputs: ProposeInputs,
              accepted_counts: torch.Tensor | None,  # [batch] int, -1 = nothing verified
              ) -> list[torch.Tensor | None]:  # per row: [k'] int64 drafts, or None
@@ -95,20 +99,6 @@ class PreDraftPicker:
                     self.stats.hits[outcome.accepted] = self.stats.hits.get(outcome.accepted, 0) + 1
             out.append(drafts)
         return out
-
-
-def merge(exact: torch.Tensor,  # [batch, k] int64: the drafter's exact drafts for this call
-          hits: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[bool]]:
-    """The drafts the target verifies: a hit's pre-draft in its row, the exact drafts elsewhere."""
-    used = exact.clone()
-    k = used.shape[1]
-    flags = []
-    for r, h in enumerate(hits):
-        flags.append(h is not None)
-        if h is not None:
-            n = min(k, h.shape[0])
-            used[r, :n] = h[:n].to(used.device, used.dtype)
-    return used, flags
 
 
 def call_inputs(kwargs: dict) -> ProposeInputs:
@@ -167,3 +157,93 @@ class InProcessPreDrafting:
         if engine is None:
             return
         self.picker.offer(engine.predraft(call_inputs(kwargs), used, step))
+
+
+class PushedPreDrafting:
+    """A RemoteProposer whose ZMQ drafter (`drafter serve --predraft-outcomes N`) pushes pre-drafts.
+
+    Same call shape as the proposer (propose / request_drafts, generation, last_batch_padded).
+    Each call asks for pre-drafts (want_predrafts, request_id = this wrapper's step count), reads
+    what was pushed since the last call, and picks for its rows.  Every row a hit: the call goes
+    out without waiting for its reply (the drafter still writes the KV and pre-drafts the next
+    step) and the pre-drafts are returned at once; otherwise it waits as before and a hit's row
+    gets its pre-draft.  A drafter that later answers an unawaited call with an error may lack that
+    call's KV: `generation` then moves on, so the target resends every context (as after a restart).
+    Pushes travel on the unbound Propose path: bound sessions push nothing (no hits, exact drafts).
+    """
+
+    def __init__(self, proposer, *, wait_on_hit: bool = False, push_wait_s: float = 0.0):
+        """push_wait_s: how long a call may wait for the previous call's push before it picks (0: a
+        push not here yet is a miss; a target whose verification outlasts pre-drafting waits 0)."""
+        self.proposer = proposer
+        self.wait_on_hit = wait_on_hit
+        self.push_wait_s = push_wait_s
+        self.picker = PreDraftPicker()
+        self.steps = 0
+        self.unawaited = 0  # calls sent without waiting (every row a hit)
+        self._lost = 0  # unawaited calls the drafter failed: each is a new generation
+        self._seen: int | None = None
+
+    @property
+    def generation(self) -> int:
+        return self.proposer.generation + self._lost
+
+    @property
+    def last_batch_padded(self):
+        return self.proposer.last_batch_padded
+
+    @property
+    def stats(self):
+        return self.proposer.stats
+
+    def start(self) -> bool:
+        return self.proposer.start()
+
+    def close(self, *a, **kw) -> None:
+        self.proposer.close(*a, **kw)
+
+    def propose(self, **keywords) -> torch.Tensor | None:
+        return self.request_drafts(ProposeRequest.from_keywords(**keywords))
+
+    def _client(self):
+        """The ZMQ client under the proposer's current transport, if it has one."""
+        t = self.proposer.transports.get(self.proposer.endpoint)
+        client = getattr(t, "client", None) or getattr(getattr(t, "inner", None), "client", None)
+        return client if hasattr(client, "poll_pushes") else None
+
+    def _read_pushes(self, client) -> None:
+        """What was pushed since the last call, waiting up to push_wait_s for the last call's set."""
+        client.poll_pushes(self.push_wait_s if self.steps else 0.0, until=lambda: self.picker.has(self.steps))
+
+    def request_drafts(self, request: ProposeRequest) -> torch.Tensor | None:  # [batch, k] int64 | None
+        client = self._client()
+        if client is not None:
+            client.on_push = self.picker.offer
+            self._read_pushes(client)
+            if client.nowait_failed:
+                self._lost += client.nowait_failed
+                client.nowait_failed = 0
+        if self.generation != self._seen:  # a new session, or KV we cannot trust: old pre-drafts are void
+            self.picker.reset()
+            self._seen = self.generation
+        self.steps += 1
+        request = replace(request, request_id=self.steps, want_predrafts=True)
+        hits = self.picker.pick(self.steps, request.inputs, request.accepted_counts)
+        k = self.proposer.spec.num_speculative_tokens
+        if (not self.wait_on_hit and client is not None and hits and self.proposer.session is not None
+                and all(h is not None and h.shape[0] >= k for h in hits) and _send_nowait(client, request)):
+            self.unawaited += 1
+            return torch.stack([h[:k] for h in hits]).to(request.inputs.next_token_ids.device)
+        exact = self.proposer.request_drafts(request)
+        if exact is None:
+            return None
+        used, _ = merge(exact, hits)
+        return used
+
+
+def _send_nowait(client, request: ProposeRequest) -> bool:
+    """client.send_nowait, False on any failure (the call then goes the awaited way)."""
+    try:
+        return client.send_nowait(request)
+    except Exception:  # noqa: BLE001 - e.g. no session on this client yet
+        return False

@@ -304,7 +304,7 @@ class TargetEngine:
     def _use_predrafts(self, call: DraftCall, step: int, hits: list, result: DraftResult) -> DraftResult:
         """Verify a hit's pre-draft instead of the exact drafts of its row, then let the drafter
         pre-draft for the drafts now used.  Verification decides either way: output is unchanged."""
-        from coordinator.predraft import merge
+        from drafter.wire.predraft import merge
 
         for req in self.running:
             req.predrafted = False

@@ -8,13 +8,19 @@ Exceptions: every method raises drafter.wire.errors.DrafterError with the server
 field; DEADLINE_EXCEEDED when no reply came within the per-call timeout (ZMQ cannot tell a dead
 or unauthorised server from a slow one: with CURVE, a client without the server's key simply
 never connects).  Replies to calls that timed out are recognised by call_id and dropped.
+
+Pre-drafts (docs/predraft.md): a Propose sent with want_predrafts may be followed by a pushed
+PreDraftPush on this socket; whenever the client reads the socket (a round trip, poll_pushes) it
+hands each such push, decoded and checked, to `on_push` (None: dropped).  send_nowait sends a
+Propose whose reply nobody waits for: a failure of it is counted in `nowait_failed` when read.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import msgspec
 import zmq
@@ -25,6 +31,7 @@ from coordinator.transport.cuda_share import CudaShare
 from drafter.wire import probes, schema
 from drafter.wire.errors import Code, DrafterError
 from drafter.wire.ipc import check_client_path
+from drafter.wire.predraft import PreDrafts, push_from_frames
 from drafter.wire.zmqio import NOBLOCK, recv_frames, send_frames
 from drafter.wire.records import DraftOutput, ProposeRequest
 from drafter.wire.tensors import request_to_frames, tensor_from_frames
@@ -37,6 +44,7 @@ def _poll(sock: zmq.Socket, event: int, timeout_ms: int) -> bool:
     return bool(zmq.zmq_poll([(sock, event)], timeout_ms))
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _RESPONSES = {m: msgspec.msgpack.Decoder(resp) for m, (_, resp) in schema.METHODS.items()}
+_PUSH = msgspec.msgpack.Decoder(schema.PreDraftPush)
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,9 @@ class ZmqDrafterClient:
         self._probe = None  # the stage probe of the propose call in flight (drafter.wire.probes)
         self.session = SessionState()
         self.cuda = CudaShare(share_cuda)
+        self.on_push: Callable[[PreDrafts], None] | None = None  # pushed pre-drafts go here
+        self._nowait: set[int] = set()  # call ids of Propose calls sent with send_nowait, not answered yet
+        self.nowait_failed = 0  # of those, answered with an error
 
     def _roundtrip(self, method: str, body: msgspec.Struct, frames: list, timeout: float | None):
         timeout = self.timeout_s if timeout is None else timeout
@@ -115,12 +126,9 @@ class ZmqDrafterClient:
                 probe.mark("wait")
             if len(reply) < 3 or len(reply[0]) != 0:
                 continue  # not a reply of this protocol
-            try:
-                got = _ENVELOPE.decode(reply[1].buffer)
-            except (msgspec.ValidationError, msgspec.DecodeError):
-                continue
-            if got.call_id != call_id:
-                continue  # the late reply of a call that already timed out
+            got = self._unasked(reply)
+            if got is None or got.call_id != call_id:
+                continue  # a push, the reply of a send_nowait, or the late reply of a call that timed out
             if got.error is not None:
                 try:
                     code = Code(got.error.code)
@@ -131,6 +139,63 @@ class ZmqDrafterClient:
                 return _RESPONSES[method].decode(reply[2].buffer), reply[3:]
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise DrafterError(Code.INTERNAL, "body", f"undecodable reply: {exc}") from None
+
+    def _unasked(self, reply: list) -> schema.Envelope | None:
+        """The envelope of a received message; pushes and send_nowait replies are dealt with here (None)."""
+        try:
+            got = _ENVELOPE.decode(reply[1].buffer)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return None
+        if got.method == "PreDrafts":
+            self._take_push(reply)
+            return None
+        if got.call_id in self._nowait:
+            self._nowait.discard(got.call_id)
+            self.nowait_failed += got.error is not None
+            return None
+        return got
+
+    def _take_push(self, reply: list) -> None:
+        if self.on_push is None or len(reply) < 3:
+            return
+        try:
+            header = _PUSH.decode(reply[2].buffer)
+            if header.session_id != self.session.session_id or header.epoch != self.session.epoch:
+                return  # another session's (an old one): its KV is not ours
+            pre = push_from_frames(header, reply[3:])
+        except (msgspec.ValidationError, msgspec.DecodeError, DrafterError):
+            return  # a malformed push is no pre-draft; the step drafts exactly
+        self.on_push(pre)
+
+    def poll_pushes(self, timeout: float = 0.0, until: Callable[[], bool] | None = None) -> None:
+        """Read what has arrived: pushes go to on_push, stale replies are dropped.  With a timeout,
+        keep reading as messages come until until() is true or the timeout has passed."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if until is not None and until():
+                return
+            left = max(0.0, deadline - time.monotonic())
+            if not _poll(self.sock, zmq.POLLIN, int(left * 1000)):
+                return
+            reply = recv_frames(self.sock, NOBLOCK)
+            if len(reply) >= 3 and len(reply[0]) == 0:
+                self._unasked(reply)
+
+    def send_nowait(self, request: ProposeRequest) -> bool:
+        """Send one Propose on this client's session and return at once (its reply is read and
+        dropped later); False when the socket would not take it now."""
+        self.session.require()
+        request = replace(request, session_id=self.session.session_id, epoch=self.session.epoch,
+                          request_id=request.request_id or self.session.next_id())
+        header, frames = request_to_frames(request)
+        call_id = next(self._call_ids)
+        env = schema.Envelope(call_id=call_id, method="Propose", timeout_ms=max(1, int(self.timeout_s * 1000)))
+        try:
+            send_frames(self.sock, [b"", _ENCODER.encode(env), _ENCODER.encode(header), *frames], NOBLOCK)
+        except zmq.Again:
+            return False
+        self._nowait.add(call_id)
+        return True
 
     def attach(self, layout, *, timeout: float | None = None) -> schema.AttachResponse:
         resp, _ = self.cuda.ask(as_attach_request(layout), lambda req: self._roundtrip("Attach", req, [], timeout))

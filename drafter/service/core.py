@@ -140,6 +140,7 @@ class ServiceCore:
         self.sessions = SessionTable(self.desc, self.max_sessions, self.quotas)
         self.cuda_ipc = cuda_support.advertise(getattr(engine, "device", "cpu"), *self.allow_cuda_ipc)
         self.runner = EngineRunner(engine, self._on_engine_call, self._cuda_ipc_opener(engine))
+        self.runner.predrafts.on_record = self.metrics.record_predraft
         self.batcher = Batcher(self.runner, self.executor, self.batch_window_s)
         self.batcher.start()
         if self.session_idle_timeout_s > 0:
@@ -336,12 +337,12 @@ class ServiceCore:
         self.record_acceptance(call)
         return result
 
-    def serve_propose_nowait(self, call: ProposeRequest, on_done, reply=None) -> None:
+    def serve_propose_nowait(self, call: ProposeRequest, on_done, reply=None, push=None) -> None:
         """The same checks as serve_propose() (raising DrafterError here for what the event loop decides),
         then the call goes straight to the engine thread; reply(result), if given, runs there as soon
         as the drafts are on the host (successful calls only), and on_done(result or DrafterError)
         runs in this event loop after it.  Call record_acceptance(call) after answering."""
-        self.batcher.submit_nowait(self._admit(call), call, on_done, reply)
+        self.batcher.submit_nowait(self._admit(call), call, on_done, reply, push)
 
     def record_acceptance(self, call: ProposeRequest) -> None:
         report = accepted_from_report(call.accepted_counts, call.inputs.num_rejected_tokens,

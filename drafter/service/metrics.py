@@ -120,6 +120,15 @@ class Metrics:
         self.free_blocks = Gauge("drafter_kv_free_blocks", "Free blocks in the KV pool", ["group"], registry=r)
         self.state = Gauge("drafter_serving", "1 while serving, 0 while loading or draining", registry=r)
         self.info = Info("drafter", "What this drafter serves", registry=r)
+        # pre-drafting (--predraft-outcomes): per accepted length a of the verified step, the rows
+        # whose outcome the pushed pre-drafts had covered (the target's hits, as this side computes them)
+        self.predraft_rows = Counter("drafter_predraft_rows_total", "Rows of calls after pushed pre-drafts, by a",
+                                     ["a"], registry=r)
+        self.predraft_hits = Counter("drafter_predraft_hits_total", "Of those, rows a pre-draft covered, by a",
+                                     ["a"], registry=r)
+        self.predrafts = Counter("drafter_predrafts_total", "Pre-drafts pushed (outcomes over all rows)", registry=r)
+        self.predraft_calls = Counter("drafter_predraft_pushes_total", "Pre-draft sets pushed (one per call)",
+                                      registry=r)
         self._lock = threading.Lock()
         self._verified: dict[int, int] = {}
         self._accepted: dict[int, int] = {}
@@ -132,6 +141,14 @@ class Metrics:
         self.tokens.labels(m).observe(ec.tokens)
         self.padded_tokens.labels(m).observe(ec.tokens_padded)
         self.fused_sessions.labels(m).observe(ec.sessions)
+
+    def record_predraft(self, rows: dict[int, int], hits: dict[int, int], outcomes: int) -> None:
+        """One pushed set: rows / hits by accepted length a of the call it followed, outcomes pushed."""
+        for a, n in rows.items():
+            self.predraft_rows.labels(str(a)).inc(n)
+            self.predraft_hits.labels(str(a)).inc(hits.get(a, 0))
+        self.predrafts.inc(outcomes)
+        self.predraft_calls.inc()
 
     def record_acceptance(self, accepted: torch.Tensor, num_drafts: int) -> None:
         """accepted: [rows] int, drafts accepted per reported request (-1 = no report)."""

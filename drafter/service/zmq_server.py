@@ -39,6 +39,7 @@ from drafter.wire import probes, schema
 from drafter.service.core import ServiceCore
 from drafter.wire.errors import Code, DrafterError, invalid
 from drafter.wire.ipc import DEFAULT_MODE, bind_ipc, unlink_ipc
+from drafter.wire.predraft import push_to_frames
 from drafter.wire.records import Caller
 from drafter.wire.tensors import request_from_frames, result_to_frames
 from drafter.wire.zmqio import NOBLOCK, recv_frames_capped, send_frames
@@ -141,6 +142,11 @@ class _ProposeReply:
         if probe is not None:
             probe.mark("send")
             probe.finish()
+
+    def push(self, pre) -> None:  # engine thread, after every reply of the batch: the call's pre-drafts
+        header, tensors = push_to_frames(pre, self.call.session_id, self.call.epoch)
+        self.ep.send([*self.head, _ENCODER.encode(schema.Envelope(call_id=self.env.call_id, method="PreDrafts")),
+                      _ENCODER.encode(header), *tensors])
 
     def done(self, result) -> None:  # event loop, after reply(): answer what was not sent, then account
         try:
@@ -374,7 +380,7 @@ class ZmqServer:
             if env.timeout_ms:
                 call.deadline = time.monotonic() + env.timeout_ms / 1000
             state = _ProposeReply(self, ep, head, env, call, rec)
-            self.core.serve_propose_nowait(call, state.done, state.reply)
+            self.core.serve_propose_nowait(call, state.done, state.reply, state.push if call.want_predrafts else None)
         except BaseException as exc:
             raise self.core.finish(rec, exc) or exc from None
 

@@ -33,7 +33,8 @@ class PreDrafts:
     accepted: torch.Tensor  # [batch, outcomes] int64: a of each predicted outcome, -1 = no outcome
     next_tokens: torch.Tensor  # [batch, outcomes] int64: b of each predicted outcome
     drafts: torch.Tensor  # [batch, outcomes, k'] int64: the next step's drafts for that outcome
-    log_probs: torch.Tensor  # [batch, outcomes] float32: the head's joint log-probability (the rank)
+    # [batch, outcomes] float32: the head's joint log-probability (the rank); None once pushed
+    log_probs: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -101,3 +102,59 @@ def lookup(pre: PreDrafts | None, outcome: Outcome | None) -> torch.Tensor | Non
     if not match.numel():
         return None
     return pre.drafts[row, int(match[0, 0])]
+
+
+def merge(exact: torch.Tensor,  # [batch, k] int64: the drafter's exact drafts for the call
+          hits: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[bool]]:
+    """The drafts the target verifies: a hit's pre-draft in its row (cut to k), the exact drafts
+    elsewhere; and which rows were hits.  Both ends compute it, from the same pre-drafts."""
+    used = exact.clone()
+    k = used.shape[1]
+    flags = []
+    for r, h in enumerate(hits):
+        flags.append(h is not None)
+        if h is not None:
+            n = min(k, h.shape[0])
+            used[r, :n] = h[:n].to(used.device, used.dtype)
+    return used, flags
+
+
+# --------------------------------------------------------------------------- on the wire (ZMQ push)
+# field -> dimensions; every one int64 token ids or positions, batch first
+PUSH_FIELDS = {"block_ids": 1, "positions": 1, "conditioned_on": 2, "accepted": 2, "next_tokens": 2, "drafts": 3}
+
+
+def push_to_frames(pre: PreDrafts, session_id: str, epoch: int):
+    """(schema.PreDraftPush header, tensor frames): token ids only, no scores."""
+    from drafter.wire import schema
+    from drafter.wire.tensors import tensor_to_frames
+
+    frames: list = []
+    refs = {name: tensor_to_frames(getattr(pre, name).to(torch.int64).contiguous(), frames) for name in PUSH_FIELDS}
+    return schema.PreDraftPush(request_id=pre.step, session_id=session_id, epoch=epoch, **refs), frames
+
+
+def push_from_frames(header, frames: list) -> PreDrafts:
+    """A received push, every tensor checked (dtype, dimensions, bytes, one batch size); raises
+    InvalidInput naming the field."""
+    from drafter.wire.errors import invalid
+    from drafter.wire.tensors import INT, decode_tensor
+
+    values = {}
+    for name, ndim in PUSH_FIELDS.items():
+        ref = getattr(header, name)
+        if ref is None:
+            raise invalid(name, "missing")
+        if ref.frame >= len(frames):
+            raise invalid(name, f"frame {ref.frame} does not exist")
+        f = frames[ref.frame]
+        values[name] = decode_tensor(name, ref.dtype, ref.shape, f.buffer if hasattr(f, "buffer") else f, ndim,
+                                     INT).long()
+    batch = values["block_ids"].shape[0]
+    for name, t in values.items():
+        if t.shape[0] != batch:
+            raise invalid(name, f"{t.shape[0]} rows, block_ids has {batch}")
+    outcomes = values["accepted"].shape[1]
+    if values["next_tokens"].shape[1] != outcomes or values["drafts"].shape[1] != outcomes:
+        raise invalid("drafts", "accepted, next_tokens and drafts must list the same outcomes")
+    return PreDrafts(int(header.request_id), **values)

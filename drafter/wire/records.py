@@ -84,6 +84,7 @@ class ProposeRequest:
     deadline: float | None = None  # time.monotonic() after which the result is useless (server)
     probe: object = None  # drafter.wire.probes.Probe when stage timing is on
     caller: Caller | None = None  # who sent it, as the server's transport tells (server; None: unknown)
+    want_predrafts: bool = False  # ZMQ: push this call's pre-drafts after the reply (drafter.wire.predraft)
 
     @property
     def batch_size(self) -> int:

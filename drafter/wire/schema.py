@@ -141,6 +141,7 @@ class ProposeRequest(_Msg):
     batch_padded: U32 = 0
     tokens_padded: U32 = 0
     target_hidden_states_ipc: CudaIpcTensor | None = None
+    want_predrafts: bool = False
 
 
 class ProposeResponse(_Msg):
@@ -150,6 +151,20 @@ class ProposeResponse(_Msg):
     batch_padded: U32 = 0
     tokens_padded: U32 = 0
     error: Error | None = None
+
+
+class PreDraftPush(_Msg):
+    """proto PreDraftPush: pushed after a Propose's reply (ZMQ only; drafter.wire.predraft)."""
+
+    request_id: U64 = 0
+    session_id: str = ""
+    epoch: U64 = 0
+    block_ids: Tensor | None = None
+    positions: Tensor | None = None
+    conditioned_on: Tensor | None = None
+    accepted: Tensor | None = None
+    next_tokens: Tensor | None = None
+    drafts: Tensor | None = None
 
 
 class DetachRequest(_Msg):
@@ -191,7 +206,7 @@ class Envelope(_Msg):
     """What gRPC keeps in HTTP/2 (method path, deadline, status); ZMQ carries it in its own frame."""
 
     call_id: U64 = 0  # chosen by the client, echoed in the reply (several calls may be in flight)
-    method: str = ""  # Attach | Propose | Detach | Info
+    method: str = ""  # Attach | Propose | Detach | Info; PreDrafts: pushed by the drafter (PreDraftPush)
     timeout_ms: U32 = 0  # 0 = no deadline
     error: Error | None = None  # replies only
 
@@ -206,7 +221,7 @@ METHODS = {
 # proto message name -> Struct, for the schema-equality test and the generic proto conversion
 MESSAGES = {cls.__name__: cls for cls in (
     Error, Tensor, CudaIpcTensor, CudaIpcSupport, KVGroup, TreePath, AttachRequest, AttachResponse, Limits,
-    ProposeRequest, ProposeResponse,
+    ProposeRequest, ProposeResponse, PreDraftPush,
     DetachRequest, DetachResponse, InfoRequest, InfoResponse)}
 
 

@@ -231,9 +231,11 @@ def request_from_frames(header: schema.ProposeRequest, frames: list) -> ProposeR
         return [decode_tensor(f"{name}[{i}]", r.dtype, r.shape, buffer(f"{name}[{i}]", r), ndim, kind)
                 for i, r in enumerate(items)]
 
-    return _build_request(header.session_id, header.epoch, header.request_id, header.return_probs,
-                          header.batch_padded, header.tokens_padded, get_tensor, get_list,
-                          header.target_hidden_states_ipc)
+    request = _build_request(header.session_id, header.epoch, header.request_id, header.return_probs,
+                             header.batch_padded, header.tokens_padded, get_tensor, get_list,
+                             header.target_hidden_states_ipc)
+    request.want_predrafts = header.want_predrafts
+    return request
 
 
 def tensor_to_frames(t: torch.Tensor, frames: list) -> schema.Tensor:
@@ -274,7 +276,8 @@ def request_to_frames(request: ProposeRequest) -> tuple[schema.ProposeRequest, l
             values[name] = tensor_to_frames(value, frames)
     header = schema.ProposeRequest(session_id=request.session_id, epoch=request.epoch, request_id=request.request_id,
                                    return_probs=request.return_probs, batch_padded=request.batch_padded,
-                                   tokens_padded=request.tokens_padded, **values)
+                                   tokens_padded=request.tokens_padded, want_predrafts=request.want_predrafts,
+                                   **values)
     return header, frames
 
 

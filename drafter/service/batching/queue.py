@@ -39,6 +39,7 @@ class Pending:
     reply: Callable | None = None  # called in the ENGINE thread with a ProposeResult, before on_done: a
     # transport that can answer from there (ZMQ) does so at once, with no hop through the event loop
     client: str = ""  # whose request it is, for fair queueing (Caller.client; "": unknown, one shared FIFO)
+    push: Callable | None = None  # called in the ENGINE thread with the call's PreDrafts, after the replies
 
 
 _STOP = object()
@@ -214,12 +215,13 @@ class Batcher:
         self._submit(Pending(session, call, fut, loop=loop, client=_client_of(call)))
         return await fut
 
-    def submit_nowait(self, session: Session, call: ProposeRequest, on_done: Callable, reply: Callable | None = None
-                      ) -> None:
+    def submit_nowait(self, session: Session, call: ProposeRequest, on_done: Callable, reply: Callable | None = None,
+                      push: Callable | None = None) -> None:
         """From the event loop: on_done(result or DrafterError) runs in this loop once the engine is done;
-        reply(result), if given, runs in the engine thread before that, for successful results only."""
+        reply(result), if given, runs in the engine thread before that, for successful results only;
+        push(pre_drafts), if given, after every reply of the batch (drafter.service.predraft)."""
         self._submit(Pending(session, call, None, on_done=on_done, loop=asyncio.get_running_loop(), reply=reply,
-                             client=_client_of(call)))
+                             client=_client_of(call), push=push))
 
     # ------------------------------------------------------------------ the engine thread
     def collect(self, first: Pending | None, q: queue.SimpleQueue) -> tuple[list[Pending], object]:
@@ -257,5 +259,6 @@ class Batcher:
                     it.reply(r)
                 except Exception:  # noqa: BLE001 - on_done still runs and answers what was not sent
                     log.exception("reply from the engine thread failed")
+        self.runner.predrafts.after_batch(items, results)  # pre-drafts only once every reply is out
         deliver_from_thread(items, results)
         self.runner.flush_records()

@@ -16,6 +16,7 @@ import torch
 from drafter.service.batching.checks import check_finite, engine_validate
 from drafter.service.batching.fuse import fuse
 from drafter.service.batching.stage import HostStager
+from drafter.service.predraft import PreDraftService
 from drafter.service.sessions import offset_inputs
 from drafter.wire import probes
 from drafter.wire.cuda_ref import FIELD as IPC_FIELD
@@ -62,6 +63,7 @@ class EngineRunner:
         self.hidden_dtype = cfg.torch_dtype
         self.on_engine_call = on_engine_call or (lambda ec: None)
         self.busy_since: float | None = None  # for the liveness check
+        self.predrafts = PreDraftService(engine)  # --predraft-outcomes: pushed after the replies
         # True (the Batcher sets it): engine-call records wait in `deferred` until the replies are out
         self.defer_records = False
         self.deferred: list[EngineCall] = []
@@ -153,6 +155,7 @@ class EngineRunner:
         """Engine thread: release what the session opened (CUDA IPC storages and events)."""
         if self.cuda_ipc is not None:
             self.cuda_ipc.forget(session_id)
+        self.predrafts.forget(session_id)
 
     def _plan(self, items, ready) -> list[list[tuple[int, ProposeInputs]]]:
         """Greedy packing up to the engine's limits; agreed padded sizes (DP) run alone."""
