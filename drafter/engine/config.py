@@ -78,6 +78,11 @@ class EngineConfig:
     # The Triton path's weight GEMMs for <= 64 rows: "auto" times drafter's skinny kernel
     # against cuBLAS per weight at start-up and keeps the faster; "on" / "off" force it.
     skinny_gemm: str = "auto"
+    # The head's GEMM weights (fc, q/k/v, o, gate/up, down, lm_head): "bf16" keeps them as loaded
+    # (the checkpoint's values in `dtype`); "fp8" quantises them at load to per-output-channel
+    # float8_e4m3fn with a float32 scale per row (drafter.models.fp8.quantize_head), dequantised in
+    # the GEMM kernels: half the weight bytes per step, drafts no longer vLLM's.  Embeddings stay.
+    weights: str = "bf16"
     # Pre-drafting (drafter.engine.predraft): after each draft, the next step's drafts for this many
     # likeliest verification outcomes per request (0 = off), each predraft_tokens long (0 = k).
     predraft_outcomes: int = 0
@@ -107,6 +112,12 @@ class EngineConfig:
             raise ValueError(f"combined_graphs must be a bool, got {self.combined_graphs!r}")
         if self.skinny_gemm not in ("auto", "on", "off"):
             raise ValueError(f"skinny_gemm must be auto, on or off, got {self.skinny_gemm!r}")
+        if self.weights not in ("bf16", "fp8"):
+            raise ValueError(f"weights must be bf16 or fp8, got {self.weights!r}")
+        if self.weights == "fp8" and self.method in ("deepseek_mtp", "extract_hidden_states"):
+            why = ("its checkpoint is FP8 block-quantised already and runs as shipped"
+                   if self.method == "deepseek_mtp" else "it has no draft head")
+            raise ValueError(f"weights='fp8' (--weights fp8) is not supported for method {self.method}: {why}")
         _check_predraft(self)
         object.__setattr__(self, "capture_sizes", _sizes(self.capture_sizes, self.max_num_seqs, "capture_sizes"))
         object.__setattr__(

@@ -39,7 +39,7 @@ from drafter.kernels.weight_gemm import WeightGemm, plan_gemm
 def _concat_weights(linears: list[nn.Linear], name: str = "weight") -> torch.Tensor | None:
     """One [sum(out), in] matrix (name="bias": one [sum(out)] vector) whose row blocks are the given
     layers' parameters (now views of it); None where the layers have no such parameter."""
-    params = [getattr(lin, name) for lin in linears]
+    params = [getattr(lin, name, None) for lin in linears]  # "weight_scale": FP8 layers only
     if any(p is None for p in params):
         return None
     fused = torch.cat([p.detach() for p in params], dim=0).contiguous()
@@ -51,19 +51,34 @@ def _concat_weights(linears: list[nn.Linear], name: str = "weight") -> torch.Ten
     return fused
 
 
+def _scale(linear: nn.Module) -> torch.Tensor | None:
+    """A per-channel FP8 linear's row scales [out] float32 (drafter.models.fp8.ChannelFP8Linear), else None."""
+    return getattr(linear, "weight_scale", None)
+
+
 def fuse_head(head: DraftHead, skinny: str = "auto") -> DraftHead:
     """Switch a head (already on its device and dtype) to the fused path; returns it.
-    skinny: "auto" (time the skinny kernel against cuBLAS per weight), "on" or "off".
+    skinny: "auto" (time the skinny kernel against cuBLAS per weight), "on" or "off"; per-channel
+    FP8 weights always take drafter.kernels.fp8_channel, with tiles timed per weight under "auto".
     Idempotent: engines sharing one head (several k in a benchmark) fuse it once."""
     if getattr(head, "fused", False):
         return head
     head.fused = True
+    act_dtype = next((p.dtype for p in head.parameters()), torch.float32)  # FP8 payloads are buffers
 
-    def gemm(weight, normed=False, **fused_work):
+    def gemm(weight, normed=False, scale=None, **fused_work):
         """A normed GEMM's input is what residual_and_norm hands on: a NormedInput with x * norm
         weight after the skinny kernel (planned as scaled_configs), normed rows after cuBLAS
-        (planned as plain input)."""
+        (planned as plain input).  scale [N]: the weight is per-channel FP8 (--weights fp8), whose
+        kernel dequantises it (drafter.kernels.fp8_channel)."""
         timings = {}
+        if scale is not None:
+            from drafter.kernels.fp8_channel import ChannelFP8Gemm, plan_channel_gemm
+
+            plan = plan_channel_gemm(weight, scale, silu_mul=fused_work.get("silu_mul", False),
+                                     residual=fused_work.get("residual", False), dtype=act_dtype,
+                                     timed=skinny == "auto", timings=timings)
+            return ChannelFP8Gemm(weight, plan, plan_us=timings, scale=scale)
         plan = plan_gemm(weight, mode=skinny, timings=timings, **fused_work)
         scaled = {}
         if normed:
@@ -76,21 +91,26 @@ def fuse_head(head: DraftHead, skinny: str = "auto") -> DraftHead:
         if isinstance(m, Attention):
             m.qkv_weight = _concat_weights([m.q_proj, m.k_proj, m.v_proj])
             m.qkv_bias = _concat_weights([m.q_proj, m.k_proj, m.v_proj], "bias")  # [q + 2 kv widths] or None
-            m.qkv_gemm = gemm(m.qkv_weight)
-            m.o_gemm = gemm(m.o_proj.weight, residual=True)
+            m.qkv_gemm = gemm(m.qkv_weight, scale=_concat_weights([m.q_proj, m.k_proj, m.v_proj], "weight_scale"))
+            m.o_gemm = gemm(m.o_proj.weight, residual=True, scale=_scale(m.o_proj))
             m.rope_tables = m.rope.tables(m.qkv_weight.device)  # the inverse frequencies apply_rope uses
         elif isinstance(m, MLP):
             m.gate_up_weight = _concat_weights([m.gate_proj, m.up_proj])
             m.gate_up_bias = _concat_weights([m.gate_proj, m.up_proj], "bias")
             # with biases the SiLU waits for the bias add: its own launch after a plain GEMM
-            m.gate_up_gemm = gemm(m.gate_up_weight, silu_mul=m.gate_up_bias is None, normed=True)
-            m.down_gemm = gemm(m.down_proj.weight, residual=True)
+            m.gate_up_gemm = gemm(m.gate_up_weight, silu_mul=m.gate_up_bias is None, normed=True,
+                                  scale=_concat_weights([m.gate_proj, m.up_proj], "weight_scale"))
+            m.down_gemm = gemm(m.down_proj.weight, residual=True, scale=_scale(m.down_proj))
         for cls, fn in _FORWARDS:
             if isinstance(m, cls):
                 m.forward = types.MethodType(fn, m)
                 break
+    fc = getattr(head, "fc", None)
+    if _scale(fc) is not None:  # an FP8 fc keeps its module forward, through a planned kernel
+        fc.gemm = gemm(fc.weight, scale=fc.weight_scale)
     if isinstance(head, (EagleHead, Eagle3Head)):
-        head.lm_head_gemm = gemm(head.lm_head.weight, normed=isinstance(head, Eagle3Head), argmax=True)
+        head.lm_head_gemm = gemm(head.lm_head.weight, normed=isinstance(head, Eagle3Head), argmax=True,
+                                 scale=_scale(head.lm_head))
         head.compute_logits = types.MethodType(compute_logits, head)
     head.greedy_draft = types.MethodType(greedy_draft, head)
     if isinstance(head, Eagle3Head) and len(head.layers) == 1:

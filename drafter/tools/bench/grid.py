@@ -26,6 +26,10 @@ and the floor: bytes of weights and KV each step must read / the device-to-devic
 bandwidth measured at the start of the same run (bytes read + written per second).
   first pass      fc + layer + KV of every request (lm_head is in the loop graph)
   decode step     layer + lm_head + KV (EAGLE-1 also its fc), plus the embedding rows
+With --weights fp8 every head runs twice in one process, its bf16 weights and then the same
+weights quantised to per-channel FP8 (EngineConfig.weights="fp8"; rows "<head> fp8"): the FP8 rows'
+floors count FP8 bytes, and each FP8 row carries fp8/bf16 of propose_us and loop_us (a summary
+table at batch 1, 16, 64).
 Writes bench.json (every number, device, versions, date, command) and bench.png.
 """
 
@@ -95,13 +99,17 @@ def random_head(spec: ModelSpec, device, dtype, seed: int = 0):
 
 # ---------------------------------------------------------------------- floor
 def weight_bytes(head, spec: ModelSpec) -> dict[str, int]:
+    """Bytes of each part's weights: parameters and buffers (an FP8 head's payloads and scales).
+    bytes_per_weight: 1 for an FP8 head (--weights fp8), else 2 (bf16)."""
     def nbytes(module):
-        return sum(p.numel() * p.element_size() for p in module.parameters())
+        tensors = list(module.parameters()) + list(module.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     layer = sum(nbytes(m) for m in head.layers)
     if spec.method == "eagle3":
         layer -= nbytes(head.layers[0].input_layernorm) + nbytes(head.layers[0].hidden_norm)  # 2 x 8 KB, noise
-    return {"layer": layer, "fc": nbytes(head.fc), "lm_head": nbytes(head.lm_head)}
+    per_weight = 1 if getattr(head, "fp8_weights", False) else 2
+    return {"layer": layer, "fc": nbytes(head.fc), "lm_head": nbytes(head.lm_head), "bytes_per_weight": per_weight}
 
 
 def floors(w: dict[str, int], spec: ModelSpec, batch: int, ctx: int, k: int, bw: float) -> dict[str, float]:
@@ -130,7 +138,7 @@ def compute_floors(w: dict[str, int], spec: ModelSpec, batch: int, ctx: int, k: 
     """Microseconds the matrix work alone must take at `peak` FLOP/s (2 FLOP per weight per row,
     plus q.k and p.v over the context); at large batch this, not memory, bounds the first pass."""
     shape = spec.layer_shapes[0]
-    params = {key: v / 2 for key, v in w.items()}  # bf16
+    params = {key: v / w.get("bytes_per_weight", 2) for key, v in w.items()}  # bf16 or fp8 payloads
     attn = 4 * ctx * shape.num_heads * shape.head_dim
     tokens = batch * (k + 1)
     first = 2 * (params["fc"] + params["layer"]) * tokens + attn * tokens
@@ -260,7 +268,8 @@ def bind_call(engine, call: dict):
 
 
 # ---------------------------------------------------------------------- one engine
-def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, skinny_gemm: str = "auto"):
+def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, skinny_gemm: str = "auto",
+                 weights: str = "bf16"):
     from drafter.engine.engine import DraftEngine
 
     max_batch = max(batches)
@@ -270,7 +279,7 @@ def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, s
         max_num_batched_tokens=max_batch * (k + 1), kv_groups=(KVGroupSpec(BLOCK_SIZE, max_batch * per_req + 1),),
         capture_sizes=tuple(batches), token_capture_sizes=tuple(b * (k + 1) for b in batches),
         device=str(device), dtype="bfloat16", attention_backend="triton", use_cuda_graphs=True,
-        skinny_gemm=skinny_gemm)
+        skinny_gemm=skinny_gemm, weights=weights)
     engine = DraftEngine(head, spec, cfg)
     g = torch.Generator(device=device).manual_seed(1)
     for cache in engine.kv.layers:
@@ -619,6 +628,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-sweep", action="store_true", help="time the decode attention kernel alone")
     p.add_argument("--gemm-sweep", action="store_true", help="time the step's weight GEMMs alone, two layouts")
     p.add_argument("--device", default="cuda", help="the CUDA device to time [cuda]")
+    p.add_argument("--no-peer", action="store_true", help="skip the torch.compile'd peer (drafter.tools.bench.peer)")
+    p.add_argument("--weights", default="bf16", choices=("bf16", "fp8"),
+                   help="fp8: each head with bf16 weights and then per-channel FP8 ones (EngineConfig.weights), "
+                        "fp8 / bf16 per row; the peer runs for the bf16 rows only")
     p.add_argument("--skinny-gemm", default="auto", choices=("auto", "on", "off"),
                    help="the step GEMMs: drafter's skinny kernel where faster (auto), always, or cuBLAS only")
     p.add_argument("--replot", metavar="JSON", help="only redraw bench.png beside JSON from a bench.json (no GPU "
@@ -667,7 +680,7 @@ def run(args) -> dict:
         "command": "drafter bench " + " ".join(sys.argv[1:]), "torch": torch.__version__,
         "triton": triton.__version__, "python": platform.python_version(),
         "copy_bandwidth_GBps": bw / 1e9, "block_size": BLOCK_SIZE, "dtype": "bfloat16",
-        "skinny_gemm": args.skinny_gemm,
+        "skinny_gemm": args.skinny_gemm, "weights": args.weights,
     }
     log(f"{meta['device']} ({meta['sms']} SMs), torch {meta['torch']}, triton {meta['triton']}: "
         f"device copy {bw / 1e9:.0f} GB/s (read + write)")
@@ -677,17 +690,24 @@ def run(args) -> dict:
     rows, profiles, host = [], {}, {}
     sweep = attention_sweep(device, args.contexts, [1, 16, 64, 256], bw, log) if args.attention_sweep else []
     gemms = gemm_sweep(device, bw, log) if args.gemm_sweep else []
-    for head_name in args.heads.split(","):
+    weight_kinds = ("bf16", "fp8") if args.weights == "fp8" else ("bf16",)
+    for head_name, weights in [(h, w) for h in args.heads.split(",") for w in weight_kinds]:
         spec = SPECS[head_name]
-        head = random_head(spec, device, torch.bfloat16)
+        head = random_head(spec, device, torch.bfloat16)  # the same seed: fp8 quantises the bf16 run's weights
+        if weights == "fp8":
+            from drafter.models.fp8 import quantize_head
+
+            quantize_head(head)
+        label = head_name if weights == "bf16" else f"{head_name} fp8"
         wbytes = weight_bytes(head, spec)
-        log(f"{head_name}: weights per decode step {(wbytes['layer'] + wbytes['lm_head']) / 1e6:.0f} MB "
+        log(f"{label}: weights per decode step {(wbytes['layer'] + wbytes['lm_head']) / 1e6:.0f} MB "
             f"(layer {wbytes['layer'] / 1e6:.0f}, lm_head {wbytes['lm_head'] / 1e6:.0f}, fc {wbytes['fc'] / 1e6:.0f})")
         for k in args.ks:
             t0 = time.perf_counter()
-            engine = build_engine(head, spec, k, args.batches, max(args.contexts), device, args.skinny_gemm)
+            engine = build_engine(head, spec, k, args.batches, max(args.contexts), device, args.skinny_gemm,
+                                  weights)
             log(f" k={k}: engine built in {time.perf_counter() - t0:.1f}s")
-            meta.setdefault("gemm_plans", {})[f"{head_name} k={k}"] = plans = gemm_plans(head)
+            meta.setdefault("gemm_plans", {})[f"{label} k={k}"] = plans = gemm_plans(head)
             for name, plan in plans.items():
                 log(f"  GEMM plan {name} (row bucket: picked; us of cuBLAS and of each"
                     " block_n/block_k/warps/stages[ swap][+tma]): "
@@ -696,8 +716,8 @@ def run(args) -> dict:
                                  for b, t in plan["timings_us"].items()))
             from drafter.tools.bench.peer import make_peer
 
-            peer = None if args.no_peer else make_peer(head, spec, engine, log)
-            rows += bench_engine(engine, head_name, spec, wbytes, k, args.batches, args.contexts, bw, peak,
+            peer = None if args.no_peer or weights == "fp8" else make_peer(head, spec, engine, log)
+            rows += bench_engine(engine, label, spec, wbytes, k, args.batches, args.contexts, bw, peak,
                                  args.iters, not args.no_eager, log, peer)
             if peer is not None:
                 peer.close()
@@ -706,8 +726,8 @@ def run(args) -> dict:
                 for b in (1, 16, 64):
                     if b in args.batches:
                         hb = host_breakdown(engine, steady_state_call(engine, b, min(args.contexts), seed=3))
-                        host[f"{head_name} k={k} b={b}"] = hb
-                        log(f"  host {head_name} k={k} b={b}: " + ", ".join(
+                        host[f"{label} k={k} b={b}"] = hb
+                        log(f"  host {label} k={k} b={b}: " + ", ".join(
                             f"{key} {v:.1f}" for key, v in hb.items() if key.endswith("_us")))
                         if b == 16 and k == 3:
                             log("\n".join("    " + line for line in hb["cprofile_top"]))
@@ -717,8 +737,8 @@ def run(args) -> dict:
                         call = steady_state_call(engine, b, min(args.contexts), seed=5)
                         for mode in ("eager", "graph"):
                             prof = kernel_profile(engine, call, mode == "graph")
-                            profiles[f"{head_name} k={k} b={b} ctx={min(args.contexts)} {mode}"] = prof
-                            log(f"  profile {head_name} b={b} {mode}: " + "; ".join(
+                            profiles[f"{label} k={k} b={b} ctx={min(args.contexts)} {mode}"] = prof
+                            log(f"  profile {label} b={b} {mode}: " + "; ".join(
                                 f"{p['kernel'][:48]} x{p['count']} {p['us_per_call']:.0f}us" for p in prof[:14]))
             # what is measured so far survives a timeout
             (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows, "profiles": profiles,
@@ -728,8 +748,9 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
         del head
         torch.cuda.empty_cache()
+    fp8_table = fp8_comparison(rows) if args.weights == "fp8" else []
     result = {"meta": meta, "rows": rows, "profiles": profiles, "host": host, "attention_sweep": sweep,
-              "gemm_sweep": gemms}
+              "gemm_sweep": gemms, "fp8_vs_bf16": fp8_table}
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     (out / "bench.log").write_text("\n".join(lines) + "\n")
     try:
@@ -737,7 +758,42 @@ def run(args) -> dict:
     except Exception as exc:  # the numbers matter more than the picture
         log(f"plot failed: {exc!r}")
     summary(rows, log)
+    if fp8_table:
+        log_fp8(fp8_table, log)
+        (out / "bench.log").write_text("\n".join(lines) + "\n")
     return result
+
+
+def fp8_comparison(rows: list[dict]) -> list[dict]:
+    """Give every "<head> fp8" row its bf16 twin's times (same head, k, ctx, batch) and the ratios
+    fp8 / bf16 of the whole propose call and of the draft loop; returns those rows' summaries."""
+    bf16 = {(r["head"], r["k"], r["ctx"], r["batch"]): r for r in rows}
+    table = []
+    for r in rows:
+        if not r["head"].endswith(" fp8"):
+            continue
+        twin = bf16.get((r["head"][:-len(" fp8")], r["k"], r["ctx"], r["batch"]))
+        if twin is None:
+            continue
+        r["bf16_propose_us"], r["bf16_loop_us"] = twin["propose_us"], twin["loop_us"]
+        r["ratio_bf16_propose"] = r["propose_us"] / twin["propose_us"]
+        r["ratio_bf16_loop"] = r["loop_us"] / twin["loop_us"]
+        table.append({key: r[key] for key in ("head", "k", "ctx", "batch", "propose_us", "bf16_propose_us",
+                                              "ratio_bf16_propose", "loop_us", "bf16_loop_us", "ratio_bf16_loop",
+                                              "floor_propose_us", "ratio_propose")}
+                     | {"bf16_ratio_propose": twin["ratio_propose"]})
+    return table
+
+
+def log_fp8(table: list[dict], log) -> None:
+    log("\nFP8 weights (per-channel e4m3) against bf16, graphs, same process (floors: each run's own weight bytes)")
+    log(f"  {'head':14} {'k':>2} {'ctx':>5} {'b':>3} | propose us fp8 / bf16 = ratio | loop us fp8 / bf16 = ratio"
+        " | propose/floor fp8, bf16")
+    for t in table:
+        log(f"  {t['head']:14} {t['k']:2} {t['ctx']:5} {t['batch']:3} | {t['propose_us']:8.0f} / "
+            f"{t['bf16_propose_us']:8.0f} = {t['ratio_bf16_propose']:.3f} | {t['loop_us']:7.0f} / "
+            f"{t['bf16_loop_us']:7.0f} = {t['ratio_bf16_loop']:.3f} | {t['ratio_propose']:.2f}, "
+            f"{t['bf16_ratio_propose']:.2f}")
 
 
 def summary(rows: list[dict], log) -> None:
