@@ -274,7 +274,7 @@ class SessionTable:
         the idle timeout, while replicas that share a certificate and a name (vLLM names a session by
         model and DP rank) do not take each other's sessions in use.  Without auth nothing is replaced:
         a restarted target comes on a new connection, and one connection may carry several clients'
-        sessions (gRPC channels of one process share it)."""
+        sessions (gRPC channels of one process may share it)."""
         check_layout(req, self.eng)
         name = req.client_name[:128]
         if not name or not caller.peer:

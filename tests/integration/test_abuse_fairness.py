@@ -9,6 +9,8 @@ asserted (no timing asserts): the good client's p99 step unloaded and under the 
 
 from __future__ import annotations
 
+import queue
+import signal
 import threading
 import time
 
@@ -24,7 +26,7 @@ from drafter.wire.errors import Code
 from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_parity import plans, scenario
 from tests.support.engines import tiny_dirs
-from tests.support.requests import to_frames
+from tests.support.requests import to_frames, to_raw
 from tests.support.servers import DrafterServer, layout_for
 
 CAP = 8  # --max-inflight-per-client
@@ -136,3 +138,66 @@ def test_a_flooding_client_is_capped_and_another_keeps_its_drafts(server, tiny_r
     assert flooder.codes.get(Code.OK, 0) >= 1, "the flooder's calls within the cap are served"
     assert flooder.codes.get(Code.RESOURCE_EXHAUSTED, 0) >= 1, "beyond the cap: refused at once"
     assert all(f"--max-inflight-per-client {CAP}" in m for m in flooder.messages), flooder.messages
+
+
+@pytest.fixture(scope="module")
+def held_server(tiny_root, tmp_path_factory, one_torch_thread):
+    """With the test hooks: SIGUSR1 holds the engine thread before its next engine call, SIGUSR2 lets it go."""
+    _, model = tiny_dirs(tiny_root, "eagle3")
+    log = tmp_path_factory.mktemp("logs") / "held-server.log"
+    with DrafterServer(model, "eagle3", log_path=log, kv_blocks=2 * SESSION_BLOCKS, block_sizes=16,
+                       max_inflight_per_client=CAP, test_hooks="true", **SERVER_SETTINGS) as s:
+        yield s
+
+
+def _zmq_codes(sock, n: int) -> list[tuple[Code, str]]:
+    out = []
+    for _ in range(n):
+        assert sock.poll(60_000, zmq.POLLIN), "every message gets a reply"
+        env = msgspec.msgpack.decode(sock.recv_multipart()[1], type=schema.Envelope)
+        out.append((Code(env.error.code), env.error.message) if env.error is not None else (Code.OK, ""))
+    return out
+
+
+def test_the_cap_counts_queued_and_running_calls_on_both_transports(held_server, tiny_root):
+    """With the engine held, a client's first CAP calls stay in flight and every further one is refused at once;
+    once the engine runs again the CAP held calls are served."""
+    import grpc
+
+    server, extra = held_server, 3
+    with ZmqDrafterClient(server.zmq_endpoint, timeout_s=30) as c:
+        c.attach(layout_for(c.info(), SESSION_BLOCKS, client_name="held"))
+        kw = scenario(reference_engine(tiny_root), 3).call(next(plans())).kwargs
+        sid, epoch = c.session.session_id, c.session.epoch
+        header, frames = to_frames(sid, epoch, 1, kw)
+        msg = [b"", _ENC.encode(schema.Envelope(call_id=1, method="Propose")), _ENC.encode(header),
+               *[bytes(f) for f in frames]]
+
+        server.signal(signal.SIGUSR1)
+        server.wait_for("paused")
+        for _ in range(CAP + extra):
+            c.sock.send_multipart(msg)
+        refused = _zmq_codes(c.sock, extra)  # while the engine is held only the refusals can come back
+        assert [code for code, _ in refused] == [Code.RESOURCE_EXHAUSTED] * extra, refused
+        assert all(f"--max-inflight-per-client {CAP}" in m for _, m in refused)
+        server.signal(signal.SIGUSR2)
+        server.wait_for("resumed")
+        assert [code for code, _ in _zmq_codes(c.sock, CAP)] == [Code.OK] * CAP
+
+        server.signal(signal.SIGUSR1)
+        server.wait_for("paused")
+        raw = bytes(to_raw(sid, epoch, 2, kw).data)
+        with grpc.insecure_channel(server.grpc_target) as ch:
+            propose = ch.unary_unary("/drafter.v1.Drafter/Propose", lambda b: b, lambda b: b)
+            finished: queue.Queue = queue.Queue()
+            futs = [propose.future(raw, timeout=120) for _ in range(CAP + extra)]
+            for f in futs:
+                f.add_done_callback(finished.put)
+            done = [finished.get(timeout=60) for _ in range(extra)]  # only refusals complete while held
+            assert [f.exception().code() for f in done] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * extra
+            assert all(f"--max-inflight-per-client {CAP}" in f.exception().details() for f in done)
+            server.signal(signal.SIGUSR2)
+            server.wait_for("resumed")
+            held = [f for f in futs if f not in done]
+            assert [f.exception() for f in held] == [None] * CAP, "the held calls are served"
+        c.detach()
