@@ -58,6 +58,9 @@ class ServerConfig:
     use_cuda_graphs: bool = _opt(_bool, True, "capture the draft loop in CUDA graphs on a GPU")
     skinny_gemm: str = _opt(str, "auto", "step GEMMs of <= 64 rows: drafter's skinny kernel where timed faster "
                             "at start-up (auto), always (on) or cuBLAS (off)", choices=("auto", "on", "off"))
+    weights: str = _opt(str, "bf16", "the head's GEMM weights: bf16 (as the checkpoint has them, in --dtype) or fp8 "
+                                     "(per-output-channel e4m3, quantised at load: half the weight bytes, drafts "
+                                     "no longer vLLM's; docs/fp8.md)", choices=("bf16", "fp8"))
     seed: int = _opt(int, 0, "seed of the sampling generator")
     predraft_outcomes: int = _opt(int, 0, "after each ZMQ call that asks, pre-draft the next step for this many "
                                           "likeliest verification outcomes per request and push them (0 = off; "

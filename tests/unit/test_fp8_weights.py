@@ -214,3 +214,23 @@ def test_fused_fp8_path_drafts_the_eager_fp8_engines_tokens(tiny_root):
         call = {k: ([t.to(device) for t in v] if isinstance(v, list) else v.to(device))
                 for k, v in s_fast.call(plan).kwargs.items()}
         assert torch.equal(fast.propose(**call).draft_token_ids.cpu(), want)
+
+
+def test_serve_flag_and_environment_reach_the_engine_config(tiny_root):
+    """`drafter serve --weights fp8` (or DRAFTER_WEIGHTS=fp8) sets EngineConfig.weights; bf16 by default."""
+    import argparse
+
+    from drafter.service.config import add_arguments, from_args
+    from drafter.service.server import engine_config
+    from tests.support.engines import tiny_dirs
+
+    _, out = tiny_dirs(tiny_root, "eagle3")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--method", "eagle3", "--model", str(out / "head"), "--target-model", str(out / "target"),
+            "--device", "cpu"]
+    assert engine_config(from_args(parser.parse_args(argv), environ={})).weights == "bf16"
+    assert engine_config(from_args(parser.parse_args(argv + ["--weights", "fp8"]), environ={})).weights == "fp8"
+    assert engine_config(from_args(parser.parse_args(argv), environ={"DRAFTER_WEIGHTS": "fp8"})).weights == "fp8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv + ["--weights", "int4"])
