@@ -36,6 +36,7 @@ import zmq
 from drafter.wire import bound as wb
 from drafter.wire import schema
 from drafter.wire.errors import Code, DrafterError
+from drafter.wire.ipc import check_client_path
 from drafter.wire.tensors import DTYPES
 
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
@@ -44,9 +45,12 @@ REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)  # the drafter forgot the se
 
 
 def connect_socket(ctx: zmq.Context, endpoint: str, *, data: bool) -> zmq.Socket:
-    """A DEALER to endpoint.  data: a binding's data socket, which queues only on a live
-    connection (a step to a gone drafter fails at once) and never reconnects: a restarted drafter
-    may give the same tcp port to another session's binding, which must never get our steps."""
+    """A DEALER to endpoint (an ipc path checked as the ZMQ client checks its own).  data: a
+    binding's data socket, which queues only on a live connection (a step to a gone drafter fails
+    at once) and never reconnects: a restarted drafter may give the same tcp port to another
+    session's binding, which must never get our steps."""
+    if endpoint.startswith("ipc://"):
+        check_client_path(endpoint)  # IpcPathError (a ValueError): a path others could replace
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if data:

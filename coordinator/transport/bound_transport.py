@@ -238,7 +238,10 @@ class BoundTransport:
                 self._bind_refused(pending, env.error, session)
                 continue
             resp = wb.BIND_RESPONSE_DECODER.decode(frames[1])
-            self._connecting = (BoundLink(self.ctx, self.ring, resp, self.cfg.plane), pending.session_id)
+            try:
+                self._connecting = (BoundLink(self.ctx, self.ring, resp, self.cfg.plane), pending.session_id)
+            except ValueError as exc:  # an ipc data socket in a directory others may write
+                self._refuse(pending.session_id, str(exc))
         if self._connecting is not None:
             link, session_id = self._connecting
             try:

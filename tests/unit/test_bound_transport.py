@@ -128,3 +128,38 @@ def test_only_zmq_transports_are_bound_and_mode_off_binds_nothing():
 def test_bound_config_refuses_what_it_cannot_do(kw):
     with pytest.raises(ValueError):
         BoundConfig(**kw)
+
+
+def test_a_data_socket_never_reconnects_to_whatever_listens_on_its_port_next():
+    """A restarted drafter may give the old binding's tcp port to another session's binding: the
+    data socket must stay dead while an ordinary socket to the same port reconnects."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    from coordinator.transport.bound_client import connect_socket
+
+    ctx = zmq.Context()
+    socks = [ctx.socket(zmq.ROUTER)]
+    try:
+        server = socks[0]
+        server.setsockopt(zmq.LINGER, 0)
+        endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
+        data = connect_socket(ctx, endpoint, data=True)
+        control = connect_socket(ctx, endpoint, data=False)
+        socks += [data, control]
+        control.setsockopt(zmq.IMMEDIATE, 1)  # writable only while connected, as the data socket
+        assert data.poll(10000, zmq.POLLOUT) and control.poll(10000, zmq.POLLOUT)
+        monitor = control.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        socks.append(monitor)
+        server.close(linger=0)
+        assert monitor.poll(10000) and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        again = ctx.socket(zmq.ROUTER)
+        socks.append(again)
+        again.setsockopt(zmq.LINGER, 0)
+        again.bind(endpoint)
+        assert control.poll(10000, zmq.POLLOUT), "an ordinary socket reconnects"
+        assert not data.poll(0, zmq.POLLOUT), "the data socket connected to a new listener"
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+        ctx.term()
