@@ -35,6 +35,7 @@ class DrafterSpec:
     block_size: int
     max_sessions: int = 16
     torch_threads: int = 1  # a small CPU host: one thread per process beats OpenMP spinning
+    predraft_outcomes: int = 0  # --predraft-outcomes: pre-drafts pushed to ZMQ calls that ask (0 = off)
 
 
 class DrafterProcess:
@@ -58,7 +59,7 @@ class DrafterProcess:
                 str(s.num_speculative_tokens), "--max-model-len", str(s.max_model_len), "--max-num-seqs",
                 str(s.max_num_seqs), "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--kv-blocks",
                 str(s.kv_blocks), "--block-sizes", str(s.block_size), "--max-sessions", str(s.max_sessions),
-                "--torch-threads", str(s.torch_threads)]
+                "--torch-threads", str(s.torch_threads), "--predraft-outcomes", str(s.predraft_outcomes)]
 
     def launch(self) -> "DrafterProcess":
         """Start the process without waiting for it (wait_ready() does)."""
