@@ -32,3 +32,14 @@ def test_ranks_that_draft_differently_are_reported():
     same = tp.merge([[{**row, "rank": 0, "drafts": [[1]]}], [{**row, "rank": 1, "drafts": [[1]]}]])
     differ = tp.merge([[{**row, "rank": 0, "drafts": [[1]]}], [{**row, "rank": 1, "drafts": [[2]]}]])
     assert same[0]["drafts_agree"] and not differ[0]["drafts_agree"]
+
+
+def test_drafter_bench_hands_the_flag_to_the_tp_bench(tmp_path):
+    from drafter.tools.bench import grid
+
+    p = argparse.ArgumentParser()
+    grid._arguments(p)
+    ns = p.parse_args(["--tensor-parallel-size", "1", "--device", "cpu", "--heads", "eagle3-tiny", "--batches", "1",
+                       "--ks", "1", "--contexts", "20", "--iters", "1", "--no-eager", "--out", str(tmp_path)])
+    rows = grid.run(ns)["rows"]
+    assert [(r["head"], r["world"], r["drafts_agree"]) for r in rows] == [("eagle3-tiny", 1, True)]

@@ -634,6 +634,10 @@ def _arguments(p: argparse.ArgumentParser) -> None:
                         "fp8 / bf16 per row; the peer runs for the bf16 rows only")
     p.add_argument("--skinny-gemm", default="auto", choices=("auto", "on", "off"),
                    help="the step GEMMs: drafter's skinny kernel where faster (auto), always, or cuBLAS only")
+    p.add_argument("--tensor-parallel-size", type=int, default=0,
+                   help="N >= 1: time drafter.tools.bench.tp's heads (deepseek-v3-mtp, eagle3-70b) split over N "
+                        "spawned ranks instead (--heads defaults to those; --batches, --ks, --contexts, --iters, "
+                        "--no-eager, --device, --out apply)")
     p.add_argument("--replot", metavar="JSON", help="only redraw bench.png beside JSON from a bench.json (no GPU "
                                                     "needed), e.g. bench/results/2026-11-22-h100-skinny-gemm/bench.json")
 
@@ -659,6 +663,10 @@ def _replot(src: Path) -> dict:
 def run(args) -> dict:
     if args.replot:
         return _replot(Path(args.replot))
+    if getattr(args, "tensor_parallel_size", 0):
+        from drafter.tools.bench.tp import run_from_grid
+
+        return run_from_grid(args)
     if not torch.cuda.is_available():
         raise SystemExit(NO_GPU.format(torch=torch.__version__))
     import triton

@@ -2,6 +2,7 @@
 
     python -m drafter.tools.bench.tp --tensor-parallel-size 2 --out bench/results/tp2
     drafter bench --tensor-parallel-size 1 --heads deepseek-v3-mtp --batches 1,8,64 --ks 1 --contexts 1024
+(`drafter bench` takes its own defaults for batches, k and contexts: pass them.)
 
 Spawns N rank processes (rank r on cuda:r with NCCL; on --device cpu, gloo ranks on the host) that
 join one process group through a TCPStore on loopback, the way `drafter serve
@@ -362,6 +363,15 @@ def run(args) -> dict:
     (out / "bench_tp.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out / 'bench_tp.json'} ({len(rows)} rows)")
     return result
+
+
+def run_from_grid(args) -> dict:
+    """`drafter bench --tensor-parallel-size N`: grid's flags, this module's heads unless --heads names them."""
+    if args.weights != "bf16":
+        raise SystemExit("drafter bench --tensor-parallel-size: --weights fp8 (per-channel FP8) runs on the "
+                         "single-process path only; the DeepSeek head keeps its released FP8 blocks")
+    heads = args.heads if all(h in HEADS for h in args.heads.split(",") if h) else DEFAULT_HEADS
+    return run(argparse.Namespace(**{**vars(args), "heads": heads, "deepseek_weights": "fp8"}))
 
 
 def fmt_row(r: dict) -> str:
