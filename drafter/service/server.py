@@ -6,6 +6,9 @@ Lifecycle (each step is a JSON line on stdout):
   draining   SIGTERM/SIGINT: health NOT_SERVING, new calls UNAVAILABLE on both transports, open
              streams end with UNAVAILABLE after their current message, in-flight calls finish
   stopped    everything closed; exit 0 (within drain_timeout_s)
+With --tensor-parallel-size N > 1 also (drafter.service.tp):
+  ranks        every worker rank has loaded its shard (world, backend, worker_pids), before ready
+  rank_failed  a worker rank exited: health NOT_SERVING (serving and liveness), calls UNAVAILABLE
 The process is PID 1 in its container, so it installs its own signal handlers.
 """
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import traceback
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ def run_step(engine, header, tensors) -> None:
 def main(plan: RankPlan, pipe) -> None:
     """The worker process: join, load, report, serve steps.  Exit code 0 only on an orderly STOP."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # the leader alone reacts to Ctrl-C (it drains, then its exit closes this rank's pipe)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if plan.torch_threads > 0:
         torch.set_num_threads(plan.torch_threads)
     try:
