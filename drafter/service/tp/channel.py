@@ -10,7 +10,7 @@ that dies closes the pipe: the worker's recv() ends with EOFError and it exits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +37,7 @@ class TensorSpec:
 @dataclass(frozen=True)
 class Header:
     op: str
-    options: dict = field(default_factory=dict)
+    options: object = None  # the step's typed record (steps.DraftOptions, steps.BlockWipe), picklable
     tensors: tuple[TensorSpec | None, ...] = ()  # None: that slot carries no tensor
 
     @property
@@ -88,9 +88,9 @@ class LeaderChannel:
         self.pipes = pipes
         self.device = comm_device(device)
 
-    def send(self, op: str, options: dict | None = None, tensors: list[torch.Tensor | None] = ()) -> None:
+    def send(self, op: str, options: object = None, tensors: list[torch.Tensor | None] = ()) -> None:
         specs, buf = pack(list(tensors), self.device)
-        header = Header(op, dict(options or {}), specs)
+        header = Header(op, options, specs)
         for pipe in self.pipes:
             pipe.send(header)
         if header.tensors:

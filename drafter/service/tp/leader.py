@@ -31,7 +31,7 @@ from drafter.engine.inputs import as_group_list
 from drafter.engine.inputs import validate as check_inputs
 from drafter.service.logs import event
 from drafter.service.tp.channel import DRAFT, ZERO_BLOCKS, LeaderChannel
-from drafter.service.tp.steps import DraftOptions, draft_message
+from drafter.service.tp.steps import BlockWipe, DraftOptions, draft_tensors
 from drafter.service.tp.worker import RankPlan, init_group, load_rank_engine, main as worker_main
 from drafter.wire.records import DraftOutput, ProposeInputs
 
@@ -79,8 +79,7 @@ class TPEngine:
             check_inputs(inp, self.limits)
         b_pad, t_pad = self.engine.padded_sizes(inp.batch_size, inp.num_tokens, batch_padded, tokens_padded)
         opts = DraftOptions(groups, return_probs, return_logits, b_pad, t_pad)
-        options, tensors = draft_message(inp, opts)
-        self.channel.send(DRAFT, options, tensors)
+        self.channel.send(DRAFT, opts, draft_tensors(inp))
         return self.engine.draft(inp, return_probs=return_probs, return_logits=return_logits, batch_padded=b_pad,
                                  tokens_padded=t_pad, validate=False)
 
@@ -139,7 +138,7 @@ class _SharedKV:
 
     def zero_blocks(self, group: int, block_ids: torch.Tensor) -> None:  # [n] int
         ids = block_ids.to(torch.int64)
-        self.channel.send(ZERO_BLOCKS, {"group": group}, [ids])
+        self.channel.send(ZERO_BLOCKS, BlockWipe(group), [ids])
         self.kv.zero_blocks(group, ids)
 
     def __getattr__(self, name):

@@ -26,19 +26,24 @@ class DraftOptions:
     tokens_padded: int
 
 
-def draft_message(inp: ProposeInputs, opts: DraftOptions) -> tuple[dict, list[torch.Tensor | None]]:
-    """(options, tensors) of a draft step: the single tensors in _SINGLE order, then each KV group's
-    block table, then each group's slot mapping."""
+@dataclass(frozen=True)
+class BlockWipe:
+    """A released session's blocks of one KV group (their ids are the step's one tensor)."""
+
+    group: int
+
+
+def draft_tensors(inp: ProposeInputs) -> list[torch.Tensor | None]:
+    """A draft step's tensors: the single ones in _SINGLE order, then each KV group's block table,
+    then each group's slot mapping."""
     tensors = [getattr(inp, name) for name in _SINGLE]
-    tensors += list(inp.block_tables) + list(inp.slot_mappings)
-    return vars(opts).copy(), tensors
+    return tensors + list(inp.block_tables) + list(inp.slot_mappings)
 
 
-def draft_inputs(options: dict, tensors: list[torch.Tensor | None]) -> tuple[ProposeInputs, DraftOptions]:
-    """The ProposeInputs and options a draft step's message carries (the worker's side)."""
-    opts = DraftOptions(**options)
+def draft_inputs(opts: DraftOptions, tensors: list[torch.Tensor | None]) -> ProposeInputs:
+    """The ProposeInputs a draft step's tensors carry (the worker's side)."""
     n = len(_SINGLE)
     single = dict(zip(_SINGLE, tensors[:n]))
     tables = list(tensors[n: n + opts.groups])
     slots = list(tensors[n + opts.groups: n + 2 * opts.groups])
-    return ProposeInputs(block_tables=tables, slot_mappings=slots, **single), opts
+    return ProposeInputs(block_tables=tables, slot_mappings=slots, **single)

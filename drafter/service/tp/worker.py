@@ -66,11 +66,12 @@ def load_rank_engine(plan: RankPlan):
 def run_step(engine, header, tensors) -> None:
     """One step the leader sent: a draft (drafts are the leader's; this rank's are dropped) or a block wipe."""
     if header.op == DRAFT:
-        inp, opts = draft_inputs(header.options, tensors)
+        opts = header.options
+        inp = draft_inputs(opts, tensors)
         engine.draft(inp, return_probs=opts.return_probs, return_logits=opts.return_logits,
                      batch_padded=opts.batch_padded, tokens_padded=opts.tokens_padded, validate=False)
     elif header.op == ZERO_BLOCKS:
-        engine.kv.zero_blocks(int(header.options["group"]), tensors[0])
+        engine.kv.zero_blocks(header.options.group, tensors[0])
     else:
         raise ValueError(f"unknown tensor-parallel step {header.op!r}")
 

@@ -161,12 +161,14 @@ class Plan:
 
 
 def rank_device(base: str, rank: int) -> str:
+    """Rank r's device, as serve places ranks (cuda:i -> cuda:i+r; cpu stays cpu)."""
     from drafter.service.tp.leader import rank_device as serve_rank_device
 
     return serve_rank_device(base, rank)
 
 
 def _engine(head, spec, k: int, plan: Plan, device: torch.device, dtype: torch.dtype):
+    """A DraftEngine over the rank's head sized for the plan's grid, random KV, graphs captured (N = 1, GPU)."""
     from drafter.engine.engine import DraftEngine
 
     max_batch, max_ctx = max(plan.batches), max(plan.contexts)
@@ -323,6 +325,7 @@ def spawn_ranks(plan: Plan) -> list[list[dict]]:
 
 
 def _copy_bandwidth(device: str) -> float | None:
+    """Device-to-device copy bytes per second on the first GPU (None on CPU): the floors' bandwidth."""
     if not device.startswith("cuda"):
         return None
     from drafter.tools.bench.grid import copy_bandwidth
