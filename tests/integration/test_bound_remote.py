@@ -49,8 +49,8 @@ from tests.support.servers import layout_for  # noqa: E402
 
 K, MAX_MODEL_LEN, MAX_TOKENS, MAX_BATCH = 3, 48, 32, 4
 TOKENS_PADDED = 16  # every step is padded to (16 tokens, batch 4): the only graphs captured
-SESSION_BLOCKS = 16  # four sessions of 16 blocks in a pool of 64: the second starts at block 16
-SESSIONS = 4
+SESSION_BLOCKS = 16  # five sessions of 16 blocks in a pool of 80: the second starts at block 16
+SESSIONS = 5
 _GRAPH_ENGINES: dict = {}  # method -> the drafter's engine, its graphs captured once per module
 
 
@@ -178,7 +178,7 @@ class Target:
         assert torch.equal(got, expected), plan
 
     def close(self) -> None:
-        try:  # the drafter's pool holds four sessions: give the blocks back
+        try:  # the drafter's pool holds five sessions: give the blocks back
             self.client.detach()
         except DrafterError:
             pass  # the drafter restarted under it: the session is gone already
@@ -322,6 +322,19 @@ def test_a_step_the_ring_cannot_hold_exactly_goes_unbound_on_the_bound_session(d
     assert p.step(PLANS[1], temperatures=[0.0, 0.0, 0.0]) is not None
     assert p.transport.steps == {"bound": before["bound"], "unbound": before["unbound"] + 1}
     assert p.transport.link.alive, "the binding stays for the next step"
+
+
+def test_the_remote_proposer_over_the_gloo_channel(tiny_root, drafters):
+    """BoundConfig(plane="gloo_channel"): the RemoteProposer joins the binding's gloo group at bind
+    and ships the ring by a point-to-point send; its drafts are the in-process engine's."""
+    g = ProposerTarget(tiny_root, "eagle3", drafters.sessions("eagle3").drafter, seed=8, plane=wb.GLOO_CHANNEL)
+    try:
+        assert g.proposer.start()
+        assert g.transport.link.channel is not None
+        assert g.step(PLANS[0]) is not None
+        assert g.transport.steps == {"bound": 1, "unbound": 0}
+    finally:
+        g.close()
 
 
 def _corrupt(views, field: str, n: int, b: int, engine) -> None:
