@@ -1,10 +1,12 @@
-"""DraftEngine at tensor-parallel 2 and 4 (gloo ranks in fresh processes): EAGLE-3, Llama-style MTP
-and DeepSeek-V3 MTP heads sharded by head, MLP column and vocabulary draft on every rank what the
+"""DraftEngine at tensor-parallel 2 and 4 (gloo ranks in fresh processes): EAGLE-3, Llama-style MTP,
+DeepSeek-V3 MTP and EAGLE-1 (biases on q/k/v, o and the MLP; a full-attention and a sliding-window
+layer in two KV groups) heads sharded by head, MLP column and vocabulary draft on every rank what the
 single-process engine drafts (greedy and sampled), with the same logits; sizes that do not split are
 refused naming their config key."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from drafter.models.llama_shard import shard_spec
 from drafter.models.loader import load_head
 from drafter.models.sharding import Shard
 from drafter.models.spec import parse_head, read_config
-from drafter.models.tiny import write_tiny
+from drafter.models.tiny import TinySizes, write_tiny
 from drafter.models.tiny_deepseek import TinyDeepseekSizes, write_tiny_deepseek
 from tests.support.mtp_engine import plans
 from tests.support.ranks import run_ranks
@@ -26,7 +28,10 @@ K = 3
 MAX_MODEL_LEN = 96
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
-METHODS = ("eagle3", "mtp", "deepseek_mtp")
+METHODS = ("eagle3", "mtp", "deepseek_mtp", "eagle")
+EAGLE_SIZES = replace(TinySizes(), attention_bias=True, mlp_bias=True,
+                      head_layer_types=("full_attention", "sliding_attention"))
+BLOCK_SIZES = {"eagle": (BLOCK_SIZE, 8)}  # two KV groups, block sizes 16 and 8
 # 8 x 16 FP8 blocks: the tiny DeepSeek head's heads, experts and vocabulary cut on block edges at 2 and 4 ranks
 DEEPSEEK_SIZES = TinyDeepseekSizes(fp8_block=(8, 16))
 
@@ -35,14 +40,16 @@ def write_heads(root: Path) -> None:
     for method in METHODS:
         if method == "deepseek_mtp":
             write_tiny_deepseek(root / method, seed=5, sizes=DEEPSEEK_SIZES)
+        elif method == "eagle":
+            write_tiny(method, root / method, seed=4, sizes=EAGLE_SIZES)
         else:
             write_tiny(method, root / method, seed=3)
 
 
 def engine_config(method: str, device: str = "cpu") -> EngineConfig:
     return EngineConfig(method=method, num_speculative_tokens=K, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                        max_num_batched_tokens=256, kv_groups=(KVGroupSpec(BLOCK_SIZE, NUM_BLOCKS),), seed=11,
-                        device=device)
+                        max_num_batched_tokens=256, seed=11, device=device,
+                        kv_groups=tuple(KVGroupSpec(bs, NUM_BLOCKS) for bs in BLOCK_SIZES.get(method, (BLOCK_SIZE,))))
 
 
 def drafts_of(rank: int, world: int, root: str, device: str = "cpu"
@@ -55,7 +62,8 @@ def drafts_of(rank: int, world: int, root: str, device: str = "cpu"
         engine = DraftEngine.from_dirs(d / "head", d / "target", engine_config(method, device),
                                        shard=Shard(rank, world))
         spec = engine.spec
-        scn = Scenario(block_sizes=(BLOCK_SIZE,), num_blocks=(NUM_BLOCKS,), vocab_size=spec.vocab_size,
+        sizes = BLOCK_SIZES.get(method, (BLOCK_SIZE,))
+        scn = Scenario(block_sizes=sizes, num_blocks=(NUM_BLOCKS,) * len(sizes), vocab_size=spec.vocab_size,
                        hidden_width=spec.hidden_input_width, k=K, max_model_len=MAX_MODEL_LEN, seed=7)
         calls = []
         for i, plan in enumerate(plans(K)):
