@@ -55,8 +55,8 @@ def servers(heads, tmp_path_factory, one_torch_thread):
             out[method] = server
         yield out
     finally:
-        for server in out.values():
-            server.stop()
+        codes = {method: server.stop() for method, server in out.items()}
+    assert codes == {method: 0 for method in out}, f"a TP server did not drain cleanly: {codes}"
 
 
 def health(target: str, service: str = "") -> int:
