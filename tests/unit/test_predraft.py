@@ -107,6 +107,34 @@ def test_all_accepted_predraft_continues_the_longer_chain(pair, greedy_runs):
     assert checked >= 1
 
 
+def _first_request_of(call) -> dict:
+    """The propose keywords of a recorded call cut to its first request (a small call)."""
+    kw = call.kwargs
+    end = int(kw["query_start_loc"][1])
+    one = {n: kw[n][:end] for n in ("target_token_ids", "target_positions", "target_hidden_states")}
+    one.update({n: kw[n][:1] for n in ("next_token_ids", "seq_lens", "token_indices_to_sample",
+                                       "num_rejected_tokens")})
+    one.update(query_start_loc=kw["query_start_loc"][:2], block_tables=[t[:1] for t in kw["block_tables"]],
+               slot_mappings=[t[:end] for t in kw["slot_mappings"]])
+    return one
+
+
+def test_predraft_on_the_triton_path_equals_the_reference_path(pair, greedy_runs):
+    """The GPU engine's backend and fused head (Triton, interpreted on CPU here) pre-draft what
+    the reference backend pre-drafts (one request's prompt: interpreted kernels are slow)."""
+    _, _, (plain, _), _ = greedy_runs
+    kwargs = _first_request_of(plain.calls[0])
+    out = []
+    for backend in ("reference", "triton"):
+        engine = _engine(pair, outcomes=3, attention_backend=backend)
+        drafts = engine.propose(**kwargs).draft_token_ids
+        out.append((drafts, engine.predraft(call_inputs(kwargs), drafts, step=1)))
+    (d_ref, p_ref), (d_tri, p_tri) = out
+    assert torch.equal(d_ref, d_tri)
+    for name in ("accepted", "next_tokens", "drafts"):
+        assert torch.equal(getattr(p_ref, name), getattr(p_tri, name)), name
+
+
 def test_predraft_refusals(pair):
     off = _engine(pair, outcomes=0)
     inp = call_inputs(dict(
