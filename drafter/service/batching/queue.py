@@ -63,6 +63,9 @@ class EngineThread(concurrent.futures.Executor):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._shutdown = False
         self.batcher: Batcher | None = None
+        # held while a job or a batch runs: a bound session's data thread takes it to run its step
+        # on its own thread (drafter.service.bound_ipc), without a hop to this one and back
+        self.engine_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
@@ -100,7 +103,8 @@ class EngineThread(concurrent.futures.Executor):
             batcher = self.batcher
             if carry is None and batcher is not None and batcher.fair:  # a backlog: the next batch at once
                 items, carry = batcher.collect(None, self._q)
-                batcher.answer_batch(items)
+                with self.engine_lock:
+                    batcher.answer_batch(items)
                 continue
             item = carry if carry is not None else self._q.get()
             carry = None
@@ -112,7 +116,9 @@ class EngineThread(concurrent.futures.Executor):
             if isinstance(item, _Job):
                 if item.future.set_running_or_notify_cancel():
                     try:
-                        item.future.set_result(item.fn(*item.args, **item.kwargs))
+                        with self.engine_lock:
+                            result = item.fn(*item.args, **item.kwargs)
+                        item.future.set_result(result)
                     except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                         item.future.set_exception(exc)
                 continue
@@ -121,7 +127,8 @@ class EngineThread(concurrent.futures.Executor):
                 _abandon([item])
                 continue
             items, carry = batcher.collect(item, self._q)
-            batcher.answer_batch(items)
+            with self.engine_lock:
+                batcher.answer_batch(items)
 
 
 def _abandon(items: list) -> None:
