@@ -79,6 +79,10 @@ class CudaIpcBoundClient:
         self._steps = itertools.count(1)
         self.host_ns = 0  # the last cuda_ipc step's host time on this side, the wait for the reply excluded
         self._waited_ns = 0
+        # the last cuda_ipc step's perf_counter_ns on both sides (CLOCK_MONOTONIC, one host): "sent",
+        # the drafter's wb.STAMPS, "answered" (the reply read), and after step() "read" (drafts on the host)
+        self.stamps: dict[str, int] = {}
+        self._host_out: torch.Tensor | None = None  # [max_batch * width + 1] int64, pinned: step()'s read-back
 
     # ------------------------------------------------------------------ control
     def _socket(self, endpoint: str, data: bool) -> zmq.Socket:
@@ -215,9 +219,21 @@ class CudaIpcBoundClient:
         if self.plane == wb.HOST_RING:
             return self._ring_step(num_tokens, batch, batch_padded, tokens_padded)
         self.step_async(num_tokens, batch, batch_padded, tokens_padded)
-        host = self.output.cpu()  # [max_batch * width + 1]: the drafts and the error word, one copy
+        host = self._read_back()  # [max_batch * width + 1]: the drafts and the error word, one copy
+        self.stamps["read"] = time.perf_counter_ns()
         self._raise_for(int(host[-1]))
-        return host[:batch * self.width].view(batch, self.width)
+        return host[:batch * self.width].view(batch, self.width).clone()  # the buffer is the next step's
+
+    def _read_back(self) -> torch.Tensor:
+        """The output (drafts and error word) copied into a pinned host buffer on the current
+        stream, which then is synchronised: no allocation per step."""
+        if self.device.type != "cuda":
+            return self.output.clone()
+        if self._host_out is None or self._host_out.shape != self.output.shape:
+            self._host_out = torch.empty(self.output.shape, dtype=torch.int64, pin_memory=True)
+        self._host_out.copy_(self.output, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return self._host_out
 
     def step_async(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0) -> torch.Tensor:
         """The cuda_ipc step without a host read: [batch, width] int64 on the GPU, which the current
@@ -231,12 +247,14 @@ class CudaIpcBoundClient:
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
                              tokens_padded=tokens_padded)
         self.slabs.record(self._inputs_event, self.device)
+        sent = time.perf_counter_ns()
         try:
             self.data.send(wb.encode(head), flags=zmq.NOBLOCK)
         except zmq.Again:  # no live connection: the drafter went away (a restart)
             self.unbind()
             self._bind_in_step()
-        self._reply(step)
+        done = self._reply(step)
+        self.stamps = {"sent": sent, **dict(zip(wb.STAMPS, done.stamps)), "answered": time.perf_counter_ns()}
         self.slabs.wait(self._drafts_event, self.device)
         drafts = self.output[:batch * self.width].view(batch, self.width)
         self.host_ns = time.perf_counter_ns() - start - self._waited_ns
@@ -259,7 +277,7 @@ class CudaIpcBoundClient:
             raise DrafterError(Code.FAILED_PRECONDITION, "session",
                                "bound again (the drafter restarted or forgot the session): resend the context")
 
-    def _reply(self, step: int) -> None:
+    def _reply(self, step: int) -> wb.StepDone:
         deadline = time.monotonic() + self.timeout_s
         self._waited_ns = 0
         while True:
@@ -279,7 +297,7 @@ class CudaIpcBoundClient:
                 if code in _REBIND:
                     self.unbind()
                 raise DrafterError(code, done.field, done.message)
-            return
+            return done
 
     def _ring_step(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int) -> torch.Tensor:
         """The fallback: the slab's used prefix to the ring's pinned slab (one copy), then its step."""

@@ -24,6 +24,11 @@ wrote.  The fields found out of range set bits of one int64 error word (drafter.
 guard_fields order), written to `error`, which the target reads back with the drafts and turns
 into INVALID_ARGUMENT naming the first.  Every op has a static shape and the sizes come from a
 device word, so the same code runs eagerly on CPU tensors (the tests) and captured on a GPU.
+
+Two implementations of the same rules: run_reference, ~150 torch ops (each a kernel of a few
+microseconds in the captured graph: a few hundred microseconds a step on an H100), and
+drafter.kernels.step_guard, one Triton launch per buffer (the default on a GPU; `fused`
+chooses; the tests compare both, the fused one under the Triton interpreter on CPU).
 """
 
 from __future__ import annotations
@@ -55,9 +60,11 @@ class GuardLimits:
 
 
 class StepGuard:
-    def __init__(self, src: dict[str, torch.Tensor], limits: GuardLimits, error: torch.Tensor):
+    def __init__(self, src: dict[str, torch.Tensor], limits: GuardLimits, error: torch.Tensor,
+                 fused: bool | None = None):
         """src: the target's buffers by field name (1-D int, block_tables[g] 2-D int, the hidden
-        states [tokens, width] float), all on one device; error: [1] int64 on that device."""
+        states [tokens, width] float), all on one device; error: [1] int64 on that device;
+        fused: the Triton kernels (default: on a GPU, where every buffer is contiguous)."""
         self.src, self.limits, self.error = src, limits, error
         self.device = src[HIDDEN].device
         self.fields = guard_fields(limits.groups)
@@ -65,6 +72,9 @@ class StepGuard:
         self.sizes = torch.zeros(1, dtype=torch.int64, device=self.device)  # [1]: num_tokens | batch << 32
         self._rows: dict[int, torch.Tensor] = {}
         self.graph = None
+        contiguous = all(t.is_contiguous() for t in src.values())
+        self.fused = (self.device.type == "cuda" and contiguous) if fused is None else (fused and contiguous)
+        self._nonfinite = torch.zeros(src[HIDDEN].shape[0], dtype=torch.int8, device=self.device)  # [rows]
 
     # ------------------------------------------------------------------ per step
     def step(self, num_tokens: int, batch: int) -> None:
@@ -92,7 +102,59 @@ class StepGuard:
 
     # ------------------------------------------------------------------ the checks
     def run(self) -> None:
-        """The whole guard in static-shape tensor ops (no host read)."""
+        """The whole guard, no host read: the Triton kernels or the torch reference."""
+        if self.fused:
+            self._run_fused()
+        else:
+            self.run_reference()
+
+    def _ranges(self):
+        """(name, by batch, low, high, masked, padding, high is num_tokens) of each 1-D range check."""
+        lim = self.limits
+        yield "target_token_ids", False, 0, lim.vocab_size, 0, 0, False
+        yield "target_positions", False, 0, lim.max_model_len, 0, 0, False
+        yield "next_token_ids", True, 0, lim.vocab_size, 0, 0, False
+        yield "seq_lens", True, 1, lim.max_model_len + 1, 1, 0, False
+        if "token_indices_to_sample" in self.src:
+            yield "token_indices_to_sample", True, 0, 0, 0, 0, True
+        if "num_rejected_tokens" in self.src:
+            yield "num_rejected_tokens", True, 0, lim.num_speculative_tokens + 1, 0, 0, False
+
+    def _run_fused(self) -> None:
+        """drafter.kernels.step_guard: the error word zeroed, then one launch per buffer."""
+        import triton
+
+        from drafter.kernels import step_guard as k
+
+        src, out, lim, sizes, err = self.src, self.out, self.limits, self.sizes, self.error
+        bit = {name: 1 << i for i, name in enumerate(self.fields)}
+        err.zero_()
+        hidden = src[HIDDEN]  # [rows, width]
+        k.finite_kernel[(hidden.shape[0],)](hidden, hidden.stride(0), hidden.shape[1], self._nonfinite, sizes, err,
+                                            bit[HIDDEN], BLOCK=min(1024, triton.next_power_of_2(hidden.shape[1])))
+        for name, by_batch, low, high, masked, padding, high_is_n in self._ranges():
+            t = src[name]  # [capacity]
+            k.range_kernel[(triton.cdiv(t.numel(), k.BLOCK),)](
+                t, out[name], t.numel(), sizes, err, bit[name], low, high, masked, padding,
+                BY_BATCH=by_batch, HIGH_IS_TOKENS=high_is_n, BLOCK=k.BLOCK)
+        qsl = src["query_start_loc"]  # [capacity + 1]
+        k.query_start_kernel[(1,)](qsl, out["query_start_loc"], qsl.numel(), sizes, err, bit["query_start_loc"],
+                                   BLOCK=triton.next_power_of_2(qsl.numel()))
+        for g in range(lim.groups):
+            name = f"block_tables[{g}]"
+            t = src[name]  # [capacity, columns]
+            k.table_kernel[(triton.cdiv(t.numel(), k.BLOCK),)](
+                t, out[name], t.numel(), t.shape[1], sizes, err, bit[name], lim.num_blocks[g], lim.bases[g],
+                BLOCK=k.BLOCK)
+        for g in range(lim.groups):
+            name = f"slot_mappings[{g}]"
+            t = src[name]  # [capacity]
+            k.slots_kernel[(triton.cdiv(t.numel(), k.BLOCK),)](
+                t, out[name], t.numel(), self._nonfinite, self._nonfinite.numel(), sizes, err, bit[name],
+                lim.num_blocks[g] * lim.block_sizes[g], lim.bases[g] * lim.block_sizes[g], BLOCK=k.BLOCK)
+
+    def run_reference(self) -> None:
+        """The whole guard in static-shape torch ops (no host read)."""
         word = self.sizes[0]
         n, b = word & _LOW32, word >> 32
         lim, src, out = self.limits, self.src, self.out

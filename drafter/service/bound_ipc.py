@@ -6,12 +6,15 @@
         the step guard (drafter.engine.step_guard) over views of the slab, captured once
         the engine bound ONCE: the guard's outputs, the slab's hidden states in place, the drafts
             at the start of this binding's output buffer, which is shared back with the event
-    each step ([identity, StepHeader] on the session's data socket), on the engine thread:
+    each step ([identity, StepHeader] on the session's data socket), on the data thread holding the
+    engine's lock (EngineThread.engine_lock: no hop to the engine thread and back; an executor
+    without that lock gets the step submitted instead):
         the sizes checked on the host
         the stream waits for the target's event (no host sync)
         guard.step: checks and masks every field on the GPU, the error word into the output
         bound.propose: the replay, drafts into the output
-        the "drafts ready" event recorded; [identity, StepDone] at once (no host read)
+        the "drafts ready" event recorded; [identity, StepDone] at once (no host read), stamped
+        with the drafter's perf_counter_ns at wb.STAMPS' points (the bench's breakdown)
 
 The target reads the drafts and the error word together after its stream waited on the event,
 and turns a set word into INVALID_ARGUMENT naming the first bad field (coordinator.transport.
@@ -110,6 +113,7 @@ class IpcBoundSession(BoundSession):
     # ------------------------------------------------------------------ data socket
     def _receive_and_run(self, sock: zmq.Socket, ring) -> tuple[wb.StepDone, bytes]:
         """[StepHeader] only: anything more is refused."""
+        received = time.perf_counter_ns()
         header_frame = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
         extra = 0
         while sock.getsockopt(zmq.RCVMORE):
@@ -122,7 +126,7 @@ class IpcBoundSession(BoundSession):
         if extra:
             return self._refused(head, invalid("frames", "a cuda_ipc step is [StepHeader] alone")), b""
         try:
-            self.core.executor.submit(self.step, head, 0).result()
+            started, queued = self._run(head)
         except DrafterError as exc:
             return self._refused(head, exc), b""
         except Exception as exc:  # noqa: BLE001 - a bug of ours: the step still gets its answer
@@ -130,7 +134,25 @@ class IpcBoundSession(BoundSession):
 
             logging.getLogger("drafter.service.bound").exception("cuda_ipc bound step failed")
             return wb.StepDone(step=head.step, code=int(Code.INTERNAL), message=repr(exc)), b""
-        return wb.StepDone(step=head.step), b""
+        return wb.StepDone(step=head.step, stamps=[received, started, queued, time.perf_counter_ns()]), b""
+
+    def _run(self, head: wb.StepHeader) -> tuple[int, int]:
+        """The step on this thread under the engine's lock (or on the engine thread where the
+        executor has none); perf_counter_ns when it began and when its GPU work was queued."""
+        lock = getattr(self.core.executor, "engine_lock", None)
+        if lock is None:
+            return self.core.executor.submit(self._timed, head).result()
+        if not getattr(self, "_on_device", False):  # the current device is per thread
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self._on_device = True
+        with lock:
+            return self._timed(head)
+
+    def _timed(self, head: wb.StepHeader) -> tuple[int, int]:
+        started = time.perf_counter_ns()
+        self.step(head, 0)
+        return started, time.perf_counter_ns()
 
     # ------------------------------------------------------------------ one step (engine thread)
     def step(self, head: wb.StepHeader, nbytes: int) -> bytes:

@@ -102,6 +102,9 @@ class StepDone(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     code: int = 0
     field: str = ""
     message: str = ""
+    # the drafter's time.perf_counter_ns() (CLOCK_MONOTONIC: comparable with the target's on one
+    # host) at STAMPS' points; empty where the plane does not stamp (the host ring, the gloo channel)
+    stamps: list[int] = []
 
 
 class Slot(msgspec.Struct, frozen=True):
@@ -161,6 +164,7 @@ def first_bad_guard_field(word: int, groups: int) -> str | None:
 _ENC = msgspec.msgpack.Encoder()
 STEP_DECODER = msgspec.msgpack.Decoder(StepHeader)
 DONE_DECODER = msgspec.msgpack.Decoder(StepDone)
+STAMPS = ("received", "started", "queued", "replied")  # header read; step began (lock held); GPU work queued; reply encoded
 BIND_DECODER = msgspec.msgpack.Decoder(BindRequest)
 BIND_RESPONSE_DECODER = msgspec.msgpack.Decoder(BindResponse)
 

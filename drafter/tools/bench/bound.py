@@ -17,6 +17,12 @@ per batch these clients attach a session and time the same decode step:
   * unbound: today's ZmqDrafterClient over tcp (the CPU tensors encoded per call), and with the
     hidden states as a per-step CUDA IPC reference (unbound_cuda_ipc).
 
+In-process also: the bound call behind the cuda_ipc plane's step guard (drafter.engine.step_guard
+captured over a device slab laid out as the remote target's, the engine bound to its outputs),
+and the guard's replay alone (CUDA events): what the guard adds without any second process.
+The cuda_ipc steps are stamped on both sides (perf_counter_ns, CLOCK_MONOTONIC: one clock for
+both processes): the medians of each stage, "where the microseconds go", in bound.md.
+
 Reported: p50 / p99 of each, remote p50 / in-process p50 (against the trusted propose and against
 the in-process bound call), the cuda_ipc host time p50 / p99; bound.json and bound.md in --out,
 rewritten after every batch (a run cut short keeps what it measured).
@@ -106,12 +112,60 @@ def in_process(model_dir: str, args, log) -> tuple[dict, int]:
         out[b] = {"trusted_propose": trusted, "bound_propose": bound_t}
         log(f"batch {b}: in-process propose p50 {trusted['p50_us']:.0f} us (p99 {trusted['p99_us']:.0f}), "
             f"bound {bound_t['p50_us']:.0f} us (p99 {bound_t['p99_us']:.0f})")
+        if engine.graphs is not None:
+            out[b].update(guarded(engine, args, b))
+            log(f"batch {b}: in-process guarded bound p50 {out[b]['guarded_bound']['p50_us']:.0f} us, "
+                f"guard replay alone {out[b]['guard_gpu_us']:.1f} us (GPU)")
     width = engine.config.max_blocks_per_req[0]
     del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out, width
+
+
+def guarded(engine, args, batch: int) -> dict:
+    """The bound call behind the step guard, in this process (a slab laid out as the remote
+    target's; the guard's outputs and the slab's hidden states bound): its time with the drafts
+    on the host, and the guard's replay alone on the GPU (CUDA events, mean of args.iters)."""
+    from drafter.engine.step_guard import GuardLimits, StepGuard
+    from drafter.wire import bound as wb
+    from drafter.wire.tensors import DTYPES
+
+    columns = engine.config.max_blocks_per_req[0]
+    slots, total = wb.ring_layout(buffers(args, batch, columns), lambda d: DTYPES[d].itemsize)
+    slab = torch.zeros(total, dtype=torch.uint8, device=engine.device)  # [total]: the target's buffers
+    views = {sl.name: slab[sl.offset:sl.offset + sl.nbytes].view(DTYPES[sl.dtype]).view(sl.shape) for sl in slots}
+    n, b = fill(views, _call(args, batch))
+    limits = GuardLimits(vocab_size=args.head["vocab_size"], max_model_len=engine.config.max_model_len,
+                         num_speculative_tokens=args.k, num_blocks=(args.session_blocks,),
+                         block_sizes=(engine.config.kv_groups[0].block_size,), bases=(0,))
+    error = torch.zeros(1, dtype=torch.int64, device=engine.device)  # [1]
+    guard = StepGuard(views, limits, error)
+    guard.capture()
+    o = guard.out
+    drafts = torch.zeros(batch, engine.graphs.width, dtype=torch.int64, device=engine.device)  # [batch, width]
+    bound = engine.bind(target_token_ids=o["target_token_ids"], target_positions=o["target_positions"],
+                        target_hidden_states=views[wb.HIDDEN], next_token_ids=o["next_token_ids"],
+                        query_start_loc=o["query_start_loc"], seq_lens=o["seq_lens"],
+                        block_tables=[o["block_tables[0]"]], slot_mappings=[o["slot_mappings[0]"]],
+                        num_rejected_tokens=o["num_rejected_tokens"], drafts=drafts)
+
+    def step():
+        guard.step(n, b)
+        return bound.propose(n, b)[:b].cpu()
+
+    timed = _time(step, args.iters)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(args.iters):
+        guard.step(n, b)
+    end.record()
+    end.synchronize()
+    if int(error.item()):
+        raise RuntimeError(f"the guard flagged the bench's own step: word {int(error.item())}")
+    return {"guarded_bound": timed, "guard_gpu_us": start.elapsed_time(end) * 1e3 / args.iters}
 
 
 def start_server(model_dir: str, args, log):
@@ -191,6 +245,7 @@ def bound_client(endpoint: str, args, batch: int, columns: int, plane: str) -> d
         torch.cuda.synchronize()
         result = {"rtt": _time(lambda: client.step(n, b), args.iters), "drafts": client.step(n, b).tolist()}
         if plane == "cuda_ipc":
+            result["stages"] = stages(client, n, b, args.iters)
             host = []
             stream = torch.cuda.current_stream()
             for i in range(WARMUP + args.iters):
@@ -204,6 +259,32 @@ def bound_client(endpoint: str, args, batch: int, columns: int, plane: str) -> d
         return result
     finally:
         client.close()
+
+
+STAGES = (  # (name, from stamp, to stamp): the cuda_ipc step's path, target -> drafter -> target
+    ("target: header to socket", "sent", "received"),
+    ("drafter: header read to step start", "received", "started"),
+    ("drafter: step start to GPU work queued", "started", "queued"),
+    ("drafter: queued to reply encoded", "queued", "replied"),
+    ("reply to target", "replied", "answered"),
+    ("target: reply to drafts on host", "answered", "read"),
+    ("GPU tail: queued to drafts on host", "queued", "read"),
+    ("whole step", "sent", "read"))
+
+
+def stages(client, n: int, b: int, iters: int) -> dict:
+    """Medians (and p99) of each stage of the cuda_ipc step from the two sides' stamps."""
+    rows: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    for _ in range(WARMUP):
+        client.step(n, b)
+    for _ in range(iters):
+        client.step(n, b)
+        st = client.stamps
+        if not all(k in st for _, a, z in STAGES for k in (a, z)):
+            return {"error": f"unstamped reply: {sorted(st)}"}
+        for name, a, z in STAGES:
+            rows[name].append((st[z] - st[a]) / 1e3)
+    return {name: _stats(xs) for name, xs in rows.items()}
 
 
 def unbound_client(endpoint: str, args, batch: int, share_cuda: bool) -> dict:
@@ -244,7 +325,38 @@ def table(result: dict) -> str:
             host_text = f"{host['p50_us']:.1f} / {host['p99_us']:.1f}" if host else ""
             lines.append(f"| {b} | {name} | {r['rtt']['p50_us']:.0f} | {r['rtt']['p99_us']:.0f} | "
                          f"{r['ratio']:.2f} ({r['ratio_bound']:.2f}) | {host_text} |")
+    lines += _guard_lines(result)
+    lines += _stage_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def _guard_lines(result: dict) -> list[str]:
+    rows = [(b, r["in_process"]) for b, r in result["batches"].items() if "guarded_bound" in r["in_process"]]
+    if not rows:
+        return []
+    out = ["", "In-process, one process: the bound call alone, behind the step guard, and the guard's replay on "
+               "the GPU (CUDA events)", "", "| batch | bound p50 | guarded bound p50 / p99 | guard GPU us |",
+           "|---|---|---|---|"]
+    for b, r in rows:
+        g = r["guarded_bound"]
+        out.append(f"| {b} | {r['bound_propose']['p50_us']:.0f} | {g['p50_us']:.0f} / {g['p99_us']:.0f} | "
+                   f"{r['guard_gpu_us']:.1f} |")
+    return out
+
+
+def _stage_lines(result: dict) -> list[str]:
+    """Where the cuda_ipc step's microseconds go: a column per batch, p50 (p99) per stage."""
+    rows = {b: r["remote"]["cuda_ipc"].get("stages") for b, r in result["batches"].items()
+            if "stages" in r.get("remote", {}).get("cuda_ipc", {})}
+    rows = {b: st for b, st in rows.items() if st and "error" not in st}
+    if not rows:
+        return []
+    out = ["", "cuda_ipc step stages (perf_counter_ns on both sides, one host clock): p50 (p99) us", "",
+           "| stage | " + " | ".join(f"batch {b}" for b in rows) + " |", "|---|" + "---|" * len(rows)]
+    for name, _, _ in STAGES:
+        out.append(f"| {name} | " + " | ".join(f"{st[name]['p50_us']:.0f} ({st[name]['p99_us']:.0f})"
+                                              for st in rows.values()) + " |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
