@@ -131,7 +131,8 @@ def bucket_of(m: int) -> int:
     return BIG if m > 64 else max(16, triton.next_power_of_2(m))
 
 
-# per row bucket, the first entry is the CPU's (and the untimed GPU's) choice; the rest won at least
+# per row bucket, the first entry that fits the device's shared memory is the CPU's and the untimed GPU's
+# choice (a silu_mul epilogue stages two weight tiles: some tiles fit only without it); the rest won at least
 # one Llama-8B EAGLE-3 step GEMM on an H100 (bench/results/2026-11-25-h100-fp8-weights, GEMM plans)
 CANDIDATES: dict[int, tuple[ChannelConfig, ...]] = {
     16: (ChannelConfig(16, 32, 512, 4, 3), ChannelConfig(16, 32, 256, 4, 4)),
@@ -171,16 +172,35 @@ def channel_fp8_gemm(
         raise ValueError(f"channel_fp8_gemm: residual must be a [{m}, {n}] tensor with contiguous rows")
     if not m:
         return out
-    cfg = config or CANDIDATES[bucket_of(m)][0]
-    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     epilogue = EPILOGUE_SILU_MUL if silu_mul else EPILOGUE_RESIDUAL if residual is not None else EPILOGUE_NONE
     res = residual if residual is not None else out
+    if config is not None:
+        _launch(x, weight, scale, out, res, m, n, k, epilogue, config)
+        return out
+    fitting = _FITS.get((bucket_of(m), epilogue, x.dtype, x.device.type))
+    if fitting is not None:
+        _launch(x, weight, scale, out, res, m, n, k, epilogue, fitting)
+        return out
+    for cfg in CANDIDATES[bucket_of(m)]:  # the bucket's first candidate that fits this GPU's shared memory
+        try:
+            _launch(x, weight, scale, out, res, m, n, k, epilogue, cfg)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        _FITS[(bucket_of(m), epilogue, x.dtype, x.device.type)] = cfg
+        return out
+    raise RuntimeError(f"channel_fp8_gemm: no candidate tile of the {bucket_of(m)}-row bucket fits this device")
+
+
+_FITS: dict[tuple, ChannelConfig] = {}  # (bucket, epilogue, dtype, device type) -> the default tile that compiled
+
+
+def _launch(x, weight, scale, out, res, m: int, n: int, k: int, epilogue: int, cfg: ChannelConfig) -> None:
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     channel_fp8_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
         x, x.stride(0), weight, weight.stride(0), scale, out, out.stride(0), res, res.stride(0), m, n, k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, EPILOGUE=epilogue,
         SWAP=cfg.swap, DOT_F32=x.device.type != "cuda", PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         DTYPE=_TL_DTYPES[x.dtype], num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return out
 
 
 @dataclass
@@ -188,7 +208,7 @@ class ChannelFP8Gemm(WeightGemm):
     """WeightGemm's interface over an FP8 weight [N, K] with its per-row scale [N] (`scale`).
     configs: row bucket (bucket_of) -> the launch it takes; plan_us: the start-up timings."""
     scale: torch.Tensor | None = None  # [N] float32
-    configs: dict = field(default_factory=dict)
+    configs: dict = field(default_factory=dict)  # a bucket absent: its first candidate that fits
 
     def __post_init__(self):
         if self.weight.dtype != FP8 or self.scale is None:
@@ -221,10 +241,11 @@ def plan_channel_gemm(weight: torch.Tensor, scale: torch.Tensor, *, silu_mul: bo
                       candidates: dict[int, tuple[ChannelConfig, ...]] = CANDIDATES) -> dict[int, ChannelConfig]:
     """Row bucket -> the fastest candidate launch on this GPU (CUDA-graph replays over three copies
     of the weight, so that none is read from L2), with the layer's epilogue; on the CPU, or
-    without `timed` (EngineConfig.skinny_gemm other than auto), each bucket's first candidate.
+    without `timed` (EngineConfig.skinny_gemm other than auto) none: each bucket then takes its first
+    candidate that fits (channel_fp8_gemm without a config).
     dtype: the activations'.  timings: filled with {bucket: {config label: device us}}."""
     if weight.device.type != "cuda" or not timed:
-        return {b: c[0] for b, c in candidates.items()}
+        return {}  # every bucket: its first candidate that fits this device (channel_fp8_gemm without config)
     from drafter.kernels.cuda_timing import graph_time_us
 
     k = weight.shape[1]
@@ -243,7 +264,9 @@ def plan_channel_gemm(weight: torch.Tensor, scale: torch.Tensor, *, silu_mul: bo
             except triton.runtime.errors.OutOfResources:  # more shared memory than this GPU has
                 us = float("inf")
             seen[cfg] = us
-        plan[bucket] = min(seen, key=seen.get)
+        best = min(seen, key=seen.get)
+        if seen[best] < float("inf"):  # else the bucket takes its first candidate that fits
+            plan[bucket] = best
         if timings is not None:
             timings[bucket] = {c.label: us for c, us in seen.items()}
     return plan

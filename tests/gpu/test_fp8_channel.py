@@ -38,6 +38,8 @@ def test_channel_kernel_matches_the_dequantised_reference_for_every_candidate(ro
     (without an epilogue: every compile here costs a cold machine a second or two)."""
     if not _fp8_capable():
         pytest.skip("float8_e4m3fn needs compute capability >= 8.9")
+    import triton
+
     from drafter.kernels.fp8_channel import CANDIDATES, bucket_of, channel_fp8_gemm
     from drafter.models.fp8 import dequantize_rows, quantize_rows
 
@@ -54,10 +56,16 @@ def test_channel_kernel_matches_the_dequantised_reference_for_every_candidate(ro
         elif epilogue == "silu_mul":
             gate, up = ref.chunk(2, dim=-1)
             ref = F.silu(gate) * up
-        for cfg in CANDIDATES[bucket_of(rows)] if k == 4096 else CANDIDATES[bucket_of(rows)][:1]:
-            got = channel_fp8_gemm(x, w, scale, residual=res, silu_mul=epilogue == "silu_mul", config=cfg)
+        # None: the bucket's first candidate that fits (what an untimed plan runs)
+        for cfg in (None, *CANDIDATES[bucket_of(rows)]) if k == 4096 else (None,):
+            try:
+                got = channel_fp8_gemm(x, w, scale, residual=res, silu_mul=epilogue == "silu_mul", config=cfg)
+            except triton.runtime.errors.OutOfResources:
+                assert cfg is not None
+                print(f"\n{cfg.label} {epilogue}: more shared memory than this GPU has (the plan skips it)")
+                continue
             assert got.shape == ref.shape and got.dtype == torch.bfloat16
-            assert _rel(got, ref) < 1e-2, f"{cfg.label} k={k}: rel {_rel(got, ref):.2e}"
+            assert _rel(got, ref) < 1e-2, f"{cfg and cfg.label} k={k}: rel {_rel(got, ref):.2e}"
 
 
 def test_planned_gemm_keeps_fp8_bytes_and_answers_in_place():
