@@ -27,6 +27,7 @@ from dataclasses import replace
 import torch
 
 from drafter.engine.config import EngineConfig
+from drafter.engine.engine import drop_rejected_tokens
 from drafter.engine.inputs import as_group_list
 from drafter.engine.inputs import validate as check_inputs
 from drafter.service.logs import event
@@ -77,6 +78,8 @@ class TPEngine:
             as_group_list("block_tables", inp.block_tables, groups)
             as_group_list("slot_mappings", inp.slot_mappings, groups)
             check_inputs(inp, self.limits)
+        if inp.num_rejected_tokens is not None and not self.config.padded_drafter_batch:
+            inp = drop_rejected_tokens(inp)  # first, as DraftEngine.draft does: the padding counts what is left
         b_pad, t_pad = self.engine.padded_sizes(inp.batch_size, inp.num_tokens, batch_padded, tokens_padded)
         opts = DraftOptions(groups, return_probs, return_logits, b_pad, t_pad)
         self.channel.send(DRAFT, opts, draft_tensors(inp))
