@@ -1,0 +1,36 @@
+"""drafter.tools.bench.predraft: its model's arithmetic, and a tiny smoke run on CPU (the GPU run
+is the lead's; this keeps the tool runnable)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafter.tools.bench.predraft import Model, main
+from tests.support.pair import one_torch_thread  # noqa: F401 (fixture)
+
+
+def test_model_arithmetic():
+    m = Model(acceptance=(0.5,), hit_by_a=(0.2,), hit_all=1.0, predraft_factor=1.0, remote_overhead_us=1000.0,
+              push_overhead_us=0.0)
+    assert m.tau(2) == pytest.approx(1 + 0.5 + 0.25)
+    # P(a=0) = 0.5, P(a=1) = 0.25, P(a=2) = 0.25
+    assert m.hit_rate(2) == pytest.approx(0.5 * 0.2 + 0.25 * 0.2 + 0.25 * 1.0)
+    fast = m.rates(batch=2, k=2, v_us=10_000, d_us=1000, p_us=1000)
+    assert fast["fits"] and fast["in_process"] == pytest.approx(2e6 * 1.75 / 11_000)
+    assert fast["exact_remote"] == pytest.approx(2e6 * 1.75 / 12_000)
+    h = m.hit_rate(2)
+    assert fast["predraft_remote"] == pytest.approx(2e6 * 1.75 / (10_000 + (1 - h) * 2000))
+    late = m.rates(batch=2, k=2, v_us=10_000, d_us=1000, p_us=9500)  # pre-drafts cannot be in time
+    assert not late["fits"] and late["predraft_remote"] == pytest.approx(late["exact_remote"])
+
+
+def test_tiny_smoke_run_writes_its_table(tmp_path):
+    assert main(["--out", str(tmp_path), "--tiny", "--device", "cpu", "--batches", "2", "--ks", "3", "--iters", "1",
+                 "--ctx", "32"]) == 0
+    data = json.loads((tmp_path / "predraft.json").read_text())
+    row = data["rows"][0]
+    assert row["batch"] == 2 and row["k"] == 3 and row["draft_us"] > 0 and row["predraft_us"] > 0
+    assert {t["verify_ms"] for t in data["table"]} == {10.0, 25.0}
+    assert "Assumptions" in (tmp_path / "predraft.md").read_text()
