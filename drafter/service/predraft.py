@@ -23,7 +23,9 @@ log = logging.getLogger("drafter.service.predraft")
 class PreDraftService:
     def __init__(self, engine, on_record: Callable | None = None):
         self.engine = engine
-        self.enabled = bool(getattr(getattr(engine, "config", None), "predraft_outcomes", 0))
+        # a tensor-parallel leader (drafter.service.tp) has no predraft verb: the config refuses that pairing
+        self.enabled = bool(getattr(getattr(engine, "config", None), "predraft_outcomes", 0)) and \
+            hasattr(engine, "predraft")
         self.latest: dict[str, PreDrafts] = {}  # session id -> the last set pushed (the client's block ids)
         # on_record(rows_by_a, hits_by_a, outcomes): metrics (ServiceCore sets it)
         self.on_record = on_record or (lambda rows, hits, outcomes: None)

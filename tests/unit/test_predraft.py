@@ -17,6 +17,7 @@ from coordinator.target.request import random_requests
 from coordinator.target.verify import ks_uniform
 from drafter.engine.config import EngineConfig, KVGroupSpec
 from drafter.engine.engine import DraftEngine
+from drafter.service.config import ServerConfig
 from drafter.wire.errors import InvalidInput
 from drafter.wire.predraft import PreDrafts, lookup, outcomes_of_call
 from tests.support.pair import one_torch_thread, trained_pair  # noqa: F401 (fixture)
@@ -155,6 +156,10 @@ def test_predraft_refusals(pair):
     assert e.value.field == "drafts"
     with pytest.raises(ValueError, match="predraft_outcomes"):
         EngineConfig(method="mtp", predraft_outcomes=2)
+    serve = dict(method="eagle3", model=str(pair / "head"), target_model=str(pair / "target"))
+    ServerConfig(**serve, predraft_outcomes=2).check()
+    with pytest.raises(ValueError, match="--predraft-outcomes"):
+        ServerConfig(**serve, predraft_outcomes=2, tensor_parallel_size=2).check()
 
 
 # --------------------------------------------------------------------------- the target's pick
