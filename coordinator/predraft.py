@@ -54,6 +54,8 @@ class PickerStats:
 
 
 class PreDraftPicker:
+    """The target's store of pushed pre-draft sets, keyed by the step (call) each one follows."""
+
     def __init__(self):
         self.pending: dict[int, PreDrafts] = {}
         self.floor: int | None = None  # the step of the latest pick: older pre-drafts are no use now
