@@ -97,6 +97,34 @@ def test_two_ranks_serve_the_single_process_drafts(servers, heads, method):
         client.close()
 
 
+def listening_addresses(pid: int) -> set[str]:
+    """Local addresses of the TCP sockets process `pid` listens on (from /proc: no tool needed)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.add(fields[1].rsplit(":", 1)[0])
+    return found
+
+
+def test_every_rank_listens_on_loopback_only(servers):
+    server = servers["eagle3"]
+    # 127.0.0.1, ::1 and ::ffff:127.0.0.1 as /proc spells them
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    for pid in [server.proc.pid] + server.ranks["worker_pids"]:
+        addresses = listening_addresses(pid)
+        assert addresses and addresses <= loopback, (pid, addresses)
+
+
 def test_a_killed_rank_takes_the_server_out_of_service(servers, heads):
     server = servers["deepseek_mtp"]
     client = ZmqDrafterClient(server.zmq_endpoint, timeout_s=60)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import threading
 from dataclasses import replace
 
@@ -33,7 +32,8 @@ from drafter.engine.inputs import validate as check_inputs
 from drafter.service.logs import event
 from drafter.service.tp.channel import DRAFT, ZERO_BLOCKS, LeaderChannel
 from drafter.service.tp.steps import BlockWipe, DraftOptions, draft_tensors
-from drafter.service.tp.worker import RankPlan, init_group, load_rank_engine, main as worker_main
+from drafter.service.tp.worker import (RankPlan, init_group, load_rank_engine, loopback_collectives,
+                                       loopback_store, main as worker_main)
 from drafter.wire.records import DraftOutput, ProposeInputs
 
 log = logging.getLogger("drafter.service.tp")
@@ -64,6 +64,7 @@ class TPEngine:
         self.graphs = None
         self.graph_replays = 0
         self.failed: str | None = None
+        self.rendezvous = None  # (TCPStore, its listening socket) of the process group
         self._watch: threading.Thread | None = None
 
     # ------------------------------------------------------------------ steps
@@ -183,9 +184,8 @@ def _await_workers(pipes: list, procs: list, timeout_s: float) -> None:
 def load_tp_engine(world: int, model: str, target: str | None, engine_cfg: EngineConfig, *,
                    timeout_s: float = 120.0, torch_threads: int = 0) -> TPEngine:
     """Spawn ranks 1 .. world-1, load rank 0 here, wait for all; the leader's TPEngine."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # port 0: the OS picks; loopback only; the workers connect while the leader loads
-    store = torch.distributed.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False)
+    loopback_collectives()
+    store, listening = loopback_store(world, timeout_s)  # the workers connect while the leader loads
     plans = _plans(world, engine_cfg.device, engine_cfg, model, target, store.port, timeout_s, torch_threads)
     ctx = multiprocessing.get_context("spawn")
     pipes, procs = [], []
@@ -205,4 +205,6 @@ def load_tp_engine(world: int, model: str, target: str | None, engine_cfg: Engin
             p.kill()
         raise
     event("ranks", world=world, backend=plans[0].backend, worker_pids=[p.pid for p in procs])
-    return TPEngine(engine, LeaderChannel(pipes, engine.device), procs, world)
+    tp = TPEngine(engine, LeaderChannel(pipes, engine.device), procs, world)
+    tp.rendezvous = (store, listening)  # served while the group lives
+    return tp

@@ -39,6 +39,25 @@ class RankPlan:
     torch_threads: int
 
 
+def loopback_store(world: int, timeout_s: float):
+    """(the process group's TCPStore served on 127.0.0.1 only, its listening socket: keep it open).
+    TCPStore binds every interface when it opens its own socket; this one is bound first and handed over."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    store = torch.distributed.TCPStore("127.0.0.1", sock.getsockname()[1], world, True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+    return store, sock
+
+
+def loopback_collectives() -> None:
+    """gloo's and NCCL's own sockets on the loopback interface (one host; a setting already made wins)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
 def join_group(rank: int, world: int, host: str, port: int, backend: str, timeout_s: float, device: str,
                store=None) -> None:
     """Join the process group through the TCPStore at host:port (the leader's, on loopback); the
@@ -78,7 +97,7 @@ def run_step(engine, header, tensors) -> None:
 
 def main(plan: RankPlan, pipe) -> None:
     """The worker process: join, load, report, serve steps.  Exit code 0 only on an orderly STOP."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    loopback_collectives()
     # the leader alone reacts to Ctrl-C (it drains, then its exit closes this rank's pipe)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if plan.torch_threads > 0:

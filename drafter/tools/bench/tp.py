@@ -253,9 +253,9 @@ def _rows_for_head(name: str, plan: Plan, shard: Shard, device: torch.device, dt
 
 def rank_main(plan: Plan, pipe) -> None:
     """One rank: join the group, run every head's rows in lockstep with the others, send them back."""
-    from drafter.service.tp.worker import join_group
+    from drafter.service.tp.worker import join_group, loopback_collectives
 
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    loopback_collectives()
     device = torch.device(rank_device(plan.device, plan.rank))
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.world))
@@ -295,7 +295,10 @@ def merge(per_rank: list[list[dict]]) -> list[dict]:
 
 def spawn_ranks(plan: Plan) -> list[list[dict]]:
     """Run plan on plan.world spawned ranks; each rank's rows, in rank order."""
-    store = torch.distributed.TCPStore("127.0.0.1", 0, plan.world, True, wait_for_workers=False)
+    from drafter.service.tp.worker import loopback_collectives, loopback_store
+
+    loopback_collectives()
+    store, listening = loopback_store(plan.world, 600.0)
     ctx = multiprocessing.get_context("spawn")
     procs, pipes = [], []
     for rank in range(plan.world):
@@ -321,6 +324,7 @@ def spawn_ranks(plan: Plan) -> list[list[dict]]:
             p.join(60)
             if p.is_alive():
                 p.kill()
+        listening.close()
     return results
 
 
