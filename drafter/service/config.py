@@ -241,6 +241,9 @@ class ServerConfig:
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: must be at least 1")
         if self.tensor_parallel_size > 1 and self.method == "extract_hidden_states":
             raise ValueError("--tensor-parallel-size: extract_hidden_states has no head to split; use 1")
+        if self.tensor_parallel_size > 1 and self.weights == "fp8":
+            raise ValueError("--weights fp8: per-channel FP8 runs on a single-process head; use "
+                             "--tensor-parallel-size 1 or --weights bf16")
         if self.predraft_outcomes < 0:
             raise ValueError(f"--predraft-outcomes {self.predraft_outcomes}: must be >= 0 (0 = off)")
         if self.predraft_outcomes and self.tensor_parallel_size > 1:

@@ -157,9 +157,10 @@ def test_a_size_that_does_not_divide_the_head_is_refused_naming_flag_and_key(hea
         preflight(cfg)
 
 
-@pytest.mark.parametrize("size, method", [(0, "eagle3"), (2, "extract_hidden_states")])
-def test_the_flag_is_checked_at_the_edge(size, method):
+@pytest.mark.parametrize("size, method, other", [(0, "eagle3", {}), (2, "extract_hidden_states", {}),
+                                                 (2, "eagle3", {"weights": "fp8"})])
+def test_the_flag_is_checked_at_the_edge(size, method, other):
     from drafter.service.config import ServerConfig
 
     with pytest.raises(ValueError, match="--tensor-parallel-size"):
-        ServerConfig(method=method, model="m", tensor_parallel_size=size).check()
+        ServerConfig(method=method, model="m", tensor_parallel_size=size, **other).check()
