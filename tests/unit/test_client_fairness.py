@@ -234,3 +234,27 @@ def test_quota_flags_are_validated_and_reach_the_core():
                 dict(max_kv_blocks_per_client="many"), dict(max_kv_blocks_per_client="-3"), dict(replace_idle_s=-1)):
         with pytest.raises(ValueError, match="--" + next(iter(bad)).replace("_", "-")):
             ServerConfig(method="eagle3", model="/m", **bad).check()
+
+
+def test_a_backlog_is_answered_when_the_batcher_stops_and_the_thread_shuts_down_at_once():
+    """core.close(): Batcher.stop() then shutdown(cancel_futures=True), which drops the queue's jobs."""
+    runner, engine = _Runner(), EngineThread("test-engine")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        batcher = Batcher(runner, engine, window_s=0.0)
+        batcher.start()
+        gate, entered = threading.Event(), threading.Event()
+        blocked = loop.run_in_executor(engine, lambda: (entered.set(), gate.wait()))
+        assert entered.wait(30), "the engine thread is held (so shutdown cannot cancel the holding job)"
+        left = loop.create_future()
+        batcher.fair.push(Pending(None, _call(9, "x"), left, loop=loop, client="x"))
+        await batcher.stop()
+        engine.shutdown(wait=False, cancel_futures=True)
+        gate.set()
+        await blocked
+        with pytest.raises(DrafterError) as e:
+            await asyncio.wait_for(left, 60)  # a backlog left unanswered would hang its callers
+        return e.value.code
+
+    assert asyncio.run(main()) == Code.UNAVAILABLE

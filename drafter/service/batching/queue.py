@@ -43,6 +43,7 @@ class Pending:
 
 
 _STOP = object()
+_WAKE = object()  # wakes the engine thread to answer a stopped Batcher's backlog
 
 
 @dataclass
@@ -63,6 +64,7 @@ class EngineThread(concurrent.futures.Executor):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._shutdown = False
         self.batcher: Batcher | None = None
+        self._retired: list[Batcher] = []  # stopped Batchers whose backlog the engine thread still answers
         # held while a job or a batch runs: a bound session's data thread takes it to run its step
         # on its own thread (drafter.service.bound_ipc), without a hop to this one and back
         self.engine_lock = threading.Lock()
@@ -78,6 +80,18 @@ class EngineThread(concurrent.futures.Executor):
 
     def post(self, item: Pending) -> None:
         self._q.put(item)
+
+    def retire(self, batcher: Batcher) -> None:
+        """The batcher stopped: its backlog (engine-thread state) is answered UNAVAILABLE in the engine
+        thread, before anything else it does, also when shutdown(cancel_futures=True) drops the queue."""
+        if self.batcher is batcher:
+            self.batcher = None
+        self._retired.append(batcher)
+        self._q.put(_WAKE)
+
+    def _answer_retired(self) -> None:
+        while self._retired:
+            self._retired.pop().abandon_backlog()
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         if not self._shutdown:
@@ -100,6 +114,7 @@ class EngineThread(concurrent.futures.Executor):
     def _main(self) -> None:
         carry = None
         while True:
+            self._answer_retired()
             batcher = self.batcher
             if carry is None and batcher is not None and batcher.fair:  # a backlog: the next batch at once
                 items, carry = batcher.collect(None, self._q)
@@ -111,8 +126,11 @@ class EngineThread(concurrent.futures.Executor):
             if item is _STOP:
                 if self.batcher is not None:
                     self.batcher.abandon_backlog()
+                self._answer_retired()
                 self._drain_queue()
                 return
+            if item is _WAKE:
+                continue
             if isinstance(item, _Job):
                 if item.future.set_running_or_notify_cancel():
                     try:
@@ -176,11 +194,7 @@ class Batcher:
     async def stop(self) -> None:
         if isinstance(self.executor, EngineThread):
             if self.executor.batcher is self:
-                self.executor.batcher = None
-                try:  # the backlog is the engine thread's: answered there, after what runs now
-                    self.executor.submit(self.abandon_backlog)
-                except RuntimeError:  # shut down already: its _STOP answered the backlog
-                    pass
+                self.executor.retire(self)  # the backlog is the engine thread's: answered there
         elif self._job is not None:
             self._own_queue.put(_STOP)
             await asyncio.wrap_future(self._job)
@@ -266,6 +280,8 @@ class Batcher:
                     it.reply(r)
                 except Exception:  # noqa: BLE001 - on_done still runs and answers what was not sent
                     log.exception("reply from the engine thread failed")
-        self.runner.predrafts.after_batch(items, results)  # pre-drafts only once every reply is out
+        predrafts = getattr(self.runner, "predrafts", None)  # a runner without pre-drafting (test doubles)
+        if predrafts is not None:
+            predrafts.after_batch(items, results)  # pre-drafts only once every reply is out
         deliver_from_thread(items, results)
         self.runner.flush_records()
