@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in fresh processes (127.0.0.1 only) and collect what each returns."""
+"""Run a function on N gloo ranks in fresh processes (gloo on the loopback interface, the rendezvous through a file) and collect what each returns."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from coordinator.demo.fleet import _context, free_port
+from coordinator.demo.fleet import _context
 
 
 def _entry(rank: int, world: int, init: str, out: str, fn, args) -> None:
@@ -31,7 +31,7 @@ def _entry(rank: int, world: int, init: str, out: str, fn, args) -> None:
 def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
     ctx = _context()
     with tempfile.TemporaryDirectory() as out:
-        init = f"tcp://127.0.0.1:{free_port()}"
+        init = f"file://{out}/store"  # a FileStore: no listening socket at all (a TCPStore binds every interface)
         procs = [ctx.Process(target=_entry, args=(r, world, init, out, fn, args), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
