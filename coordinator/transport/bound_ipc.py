@@ -50,12 +50,15 @@ _ENVIRONMENT = ("slab.handle", "slab.device_uuid", "slab.step_event_handle", "ou
 class CudaIpcBoundClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, device="cuda", transport: str = "tcp", timeout_s: float = 5.0,
-                 allow_fallback: bool = True, force_ring: bool = False, slabs=None):
+                 allow_fallback: bool = True, force_ring: bool = False, slabs=None, host_wait: bool = False):
         """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests);
-        force_ring: bind the host ring even where CUDA IPC would do (to compare the planes)."""
+        force_ring: bind the host ring even where CUDA IPC would do (to compare the planes);
+        host_wait: step() waits for the drafter's event on the host (cudaEventSynchronize) before
+        queueing its read, so nothing of this context waits on the GPU while the drafter's kernels
+        run (two contexts time-slice one GPU), instead of making the stream wait on it."""
         self.endpoint, self.layout, self.buffers = endpoint, layout, list(buffers)
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
-        self.allow_fallback, self.force_ring = allow_fallback, force_ring
+        self.allow_fallback, self.force_ring, self.host_wait = allow_fallback, force_ring, host_wait
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -217,8 +220,13 @@ class CudaIpcBoundClient:
         if not self.plane:
             self._bind_in_step()
         if self.plane == wb.HOST_RING:
+            self.stamps = {}
             return self._ring_step(num_tokens, batch, batch_padded, tokens_padded)
-        self.step_async(num_tokens, batch, batch_padded, tokens_padded)
+        if self.host_wait:
+            self._exchange(num_tokens, batch, batch_padded, tokens_padded)
+            self.slabs.synchronize(self._drafts_event)
+        else:
+            self.step_async(num_tokens, batch, batch_padded, tokens_padded)
         host = self._read_back()  # [max_batch * width + 1]: the drafts and the error word, one copy
         self.stamps["read"] = time.perf_counter_ns()
         self._raise_for(int(host[-1]))
@@ -242,6 +250,14 @@ class CudaIpcBoundClient:
             self._bind_in_step()
         if self.plane != wb.CUDA_IPC:
             raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"bound over {self.plane}: use step()")
+        start = self._exchange(num_tokens, batch, batch_padded, tokens_padded)
+        self.slabs.wait(self._drafts_event, self.device)
+        drafts = self.output[:batch * self.width].view(batch, self.width)
+        self.host_ns = time.perf_counter_ns() - start - self._waited_ns
+        return drafts
+
+    def _exchange(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int) -> int:
+        """Inputs event recorded, header sent, StepDone read (stamps kept); perf_counter_ns at the start."""
         start = time.perf_counter_ns()
         step = next(self._steps)
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
@@ -255,10 +271,7 @@ class CudaIpcBoundClient:
             self._bind_in_step()
         done = self._reply(step)
         self.stamps = {"sent": sent, **dict(zip(wb.STAMPS, done.stamps)), "answered": time.perf_counter_ns()}
-        self.slabs.wait(self._drafts_event, self.device)
-        drafts = self.output[:batch * self.width].view(batch, self.width)
-        self.host_ns = time.perf_counter_ns() - start - self._waited_ns
-        return drafts
+        return start
 
     def check(self) -> None:
         """Read the last step's error word (a host sync); INVALID_ARGUMENT naming its first field."""

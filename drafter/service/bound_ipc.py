@@ -24,6 +24,13 @@ blocks: the guard moved each block id and slot there or to the padding slot.
 The slabs' backend is TorchSlabs (CUDA IPC) on a drafter that serves CUDA IPC (--allow-cuda-ipc,
 the GPU the target names); the tests replace BACKEND with cuda_slab.LocalSlabs to run the same
 plane on CPU within one process.
+
+GuardedRingSession is the host ring on a drafter whose engine is on a GPU: the step's frame lands
+in the pinned ring as before (recv_into), then one host-to-device copy of its used prefix into a
+device slab, and the same GPU guard and bound graphs as above; the drafts and the error word come
+back in one copy.  No per-field pass on the CPU (the CPU drafter keeps bound_sessions' checks,
+which refuse a corrupt step before the engine; here a corrupt step runs masked, as on cuda_ipc,
+and is answered INVALID_ARGUMENT naming the first bad field).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from drafter.wire.errors import Code, DrafterError, InvalidInput, invalid
 
 BACKEND = None  # None: cuda_slab.TorchSlabs (the tests put a LocalSlabs here)
 SLAB = "slab"
+GUARDED_RING = None  # None: the host ring is guarded on the GPU where the engine is on one; the tests force it
 
 
 def _backend(core):
@@ -54,37 +62,40 @@ def _backend(core):
     return cuda_slab.TorchSlabs(), core.cuda_ipc
 
 
-class IpcBoundSession(BoundSession):
-    """One session bound over CUDA IPC: the target's slab, the guard, the engine binding, the events."""
+def on_engine(session, fn, *args):
+    """fn(*args) on the calling (data) thread under the engine's lock, EngineThread.engine_lock: no
+    hop to the engine thread and back; on the engine thread where the executor has no such lock."""
+    lock = getattr(session.core.executor, "engine_lock", None)
+    if lock is None:
+        return session.core.executor.submit(fn, *args).result()
+    if not getattr(session, "_on_device", False):  # the current device is per thread
+        if session.device.type == "cuda":
+            torch.cuda.set_device(session.device)
+        session._on_device = True
+    with lock:
+        return fn(*args)
 
-    def __init__(self, plane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
-        self.plane, self.session, self.slots = plane, s, slots
-        self.core = plane.core
-        engine = self.core.engine
-        self.bind_id = secrets.token_hex(16)
-        self.backend, support = _backend(self.core)
-        ref = cuda_slab.check_ref(req.slab, SLAB, total)
-        if support is not None and ref.device_uuid not in support.device_uuids:
-            raise invalid(f"{SLAB}.device_uuid", f"GPU {ref.device_uuid[:64]} is not one this drafter reads")
-        self.device = torch.device(engine.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.slab = self.backend.open(ref, self.device, SLAB)  # [total] uint8, the target's memory
-        self.ring = torch.empty(0, dtype=torch.uint8)  # no bytes arrive on the data socket
-        self.views = {sl.name: _view(self.slab, sl) for sl in slots}
-        self.groups = len(s.num_blocks)
-        self.inputs_event = self.backend.open_event(ref.step_event_handle, self.device, SLAB)
-        self.done_event, self.done_handle = self.backend.new_event(self.device)
-        self._bind_engine(engine, s, req.max_batch)
-        self.plane_name = req.plane
-        self.sock: zmq.Socket | None = None
-        self.endpoint = ""
-        self.store, self.store_endpoint, self.channel = None, "", None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+
+def ring_session_class(engine):
+    """The host ring's session class for this engine: GuardedRingSession on a GPU (or as
+    GUARDED_RING says), else None (bound_sessions' own, its checks on the CPU)."""
+    use = torch.device(engine.device).type == "cuda" if GUARDED_RING is None else GUARDED_RING
+    return GuardedRingSession if use else None
+
+
+def _engine_device(engine) -> torch.device:
+    device = torch.device(engine.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class _Guarded:
+    """The guard over the session's views, the engine bound to its outputs, the output buffer
+    (drafts, then the error word)."""
 
     def _bind_engine(self, engine, s, max_batch: int) -> None:
-        """The output (drafts, then the error word) shared back, the guard captured, the engine bound."""
+        """The output allocated, the guard captured, the engine bound."""
         width = _width(engine)
         words = -(-(max_batch * width + 1) // 8) * 8  # whole 64-byte rows
         self.output = torch.zeros(words, dtype=torch.int64, device=self.device)  # [drafts..., error, pad]
@@ -108,7 +119,100 @@ class IpcBoundSession(BoundSession):
                 num_rejected_tokens=o.get("num_rejected_tokens"), drafts=self.drafts)
         except InvalidInput as exc:
             raise invalid(exc.field, str(exc)) from None
+
+    def _check_sizes(self, head: wb.StepHeader) -> None:
+        n, b, s = head.num_tokens, head.batch, self.session
+        if not 0 < b <= min(self.drafts.shape[0], s.max_num_seqs):
+            raise invalid("batch_size", f"{b} must lie in [1, {min(self.drafts.shape[0], s.max_num_seqs)}]")
+        if not b <= n <= min(s.max_num_batched_tokens, self.bound.max_tokens):
+            raise invalid("num_tokens", f"{n} must lie in [batch={b}, "
+                                        f"{min(s.max_num_batched_tokens, self.bound.max_tokens)}]")
+
+    def _guard_and_replay(self, head: wb.StepHeader) -> None:
+        """Queued on the stream: the guard, then the bound graphs (drafts into the output)."""
+        s = self.session
+        self.guard.step(head.num_tokens, head.batch)
+        s.calls += 1
+        s.last_used = time.monotonic()
+        try:
+            self.bound.propose(head.num_tokens, head.batch, head.batch_padded or None, head.tokens_padded or None)
+        except InvalidInput as exc:
+            raise invalid(exc.field, str(exc)) from None
+
+
+class GuardedRingSession(_Guarded, BoundSession):
+    """A host-ring session on a GPU drafter: pinned ring -> one copy to the GPU -> guard -> replay."""
+
+    def __init__(self, plane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
+        self.plane, self.session, self.slots = plane, s, slots
+        self.core = plane.core
+        engine = self.core.engine
+        self.bind_id = secrets.token_hex(16)
+        self.device = _engine_device(engine)
+        pinned = self.device.type == "cuda"
+        self.ring = torch.zeros(total, dtype=torch.uint8, pin_memory=pinned)  # [total]: the frames land here
+        self.slab = torch.zeros(total, dtype=torch.uint8, device=self.device)  # [total]: the step on the GPU
+        self.views = {sl.name: _view(self.slab, sl) for sl in slots}
+        self.groups = len(s.num_blocks)
+        self._bind_engine(engine, s, req.max_batch)
+        self._host_out = torch.zeros(self.output.shape, dtype=torch.int64, pin_memory=pinned)  # [words]
+        self.plane_name = req.plane
+        self.sock: zmq.Socket | None = None
+        self.endpoint = ""
+        self.store, self.store_endpoint, self.channel = None, "", None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run_step(self, head: wb.StepHeader, nbytes: int) -> bytes:
+        return on_engine(self, self.step, head, nbytes)
+
+    def step(self, head: wb.StepHeader, nbytes: int) -> bytes:
+        """The prefix to the GPU, guard, replay, drafts and error word back; the drafts' bytes or
+        INVALID_ARGUMENT naming the first field the guard masked."""
+        self._check_sizes(head)
+        want = wb.step_bytes(self.slots, head.num_tokens)
+        if nbytes != want:
+            raise invalid("ring", f"{nbytes} bytes for {head.num_tokens} tokens; the layout needs {want}")
+        self.slab[:nbytes].copy_(self.ring[:nbytes], non_blocking=True)
+        self._guard_and_replay(head)
+        self._host_out.copy_(self.output, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # also: the ring may take the next frame
+        word = int(self._host_out[self.drafts.numel()])
+        if word:
+            raise invalid(wb.first_bad_guard_field(word, self.groups),
+                          "out of range for this session (or not finite); the step's rows were masked, "
+                          "its drafts are void")
+        return self._host_out[:head.batch * self.drafts.shape[1]].numpy().tobytes()
+
+
+class IpcBoundSession(_Guarded, BoundSession):
+    """One session bound over CUDA IPC: the target's slab, the guard, the engine binding, the events."""
+
+    def __init__(self, plane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
+        self.plane, self.session, self.slots = plane, s, slots
+        self.core = plane.core
+        engine = self.core.engine
+        self.bind_id = secrets.token_hex(16)
+        self.backend, support = _backend(self.core)
+        ref = cuda_slab.check_ref(req.slab, SLAB, total)
+        if support is not None and ref.device_uuid not in support.device_uuids:
+            raise invalid(f"{SLAB}.device_uuid", f"GPU {ref.device_uuid[:64]} is not one this drafter reads")
+        self.device = _engine_device(engine)
+        self.slab = self.backend.open(ref, self.device, SLAB)  # [total] uint8, the target's memory
+        self.ring = torch.empty(0, dtype=torch.uint8)  # no bytes arrive on the data socket
+        self.views = {sl.name: _view(self.slab, sl) for sl in slots}
+        self.groups = len(s.num_blocks)
+        self.inputs_event = self.backend.open_event(ref.step_event_handle, self.device, SLAB)
+        self.done_event, self.done_handle = self.backend.new_event(self.device)
+        self._bind_engine(engine, s, req.max_batch)
         self.output_ref = self.backend.share(self.output.view(torch.uint8), self.done_handle)
+        self.plane_name = req.plane
+        self.sock: zmq.Socket | None = None
+        self.endpoint = ""
+        self.store, self.store_endpoint, self.channel = None, "", None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ data socket
     def _receive_and_run(self, sock: zmq.Socket, ring) -> tuple[wb.StepDone, bytes]:
@@ -137,42 +241,21 @@ class IpcBoundSession(BoundSession):
         return wb.StepDone(step=head.step, stamps=[received, started, queued, time.perf_counter_ns()]), b""
 
     def _run(self, head: wb.StepHeader) -> tuple[int, int]:
-        """The step on this thread under the engine's lock (or on the engine thread where the
-        executor has none); perf_counter_ns when it began and when its GPU work was queued."""
-        lock = getattr(self.core.executor, "engine_lock", None)
-        if lock is None:
-            return self.core.executor.submit(self._timed, head).result()
-        if not getattr(self, "_on_device", False):  # the current device is per thread
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            self._on_device = True
-        with lock:
-            return self._timed(head)
+        """The step (on_engine); perf_counter_ns when it began and when its GPU work was queued."""
+        return on_engine(self, self._timed, head)
 
     def _timed(self, head: wb.StepHeader) -> tuple[int, int]:
         started = time.perf_counter_ns()
         self.step(head, 0)
         return started, time.perf_counter_ns()
 
-    # ------------------------------------------------------------------ one step (engine thread)
+    # ------------------------------------------------------------------ one step (engine lock held)
     def step(self, head: wb.StepHeader, nbytes: int) -> bytes:
         """Wait for the target's writes, guard, replay, mark the drafts ready: all queued, no host read."""
-        n, b = head.num_tokens, head.batch
-        s = self.session
-        if not 0 < b <= min(self.drafts.shape[0], s.max_num_seqs):
-            raise invalid("batch_size", f"{b} must lie in [1, {min(self.drafts.shape[0], s.max_num_seqs)}]")
-        if not b <= n <= min(s.max_num_batched_tokens, self.bound.max_tokens):
-            raise invalid("num_tokens", f"{n} must lie in [batch={b}, "
-                                        f"{min(s.max_num_batched_tokens, self.bound.max_tokens)}]")
+        self._check_sizes(head)
         if head.nbytes:
             raise invalid("nbytes", "a cuda_ipc step ships no bytes")
         self.backend.wait(self.inputs_event, self.device)
-        self.guard.step(n, b)
-        s.calls += 1
-        s.last_used = time.monotonic()
-        try:
-            self.bound.propose(n, b, head.batch_padded or None, head.tokens_padded or None)
-        except InvalidInput as exc:
-            raise invalid(exc.field, str(exc)) from None
+        self._guard_and_replay(head)
         self.backend.record(self.done_event, self.device)
         return b""

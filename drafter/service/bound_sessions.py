@@ -99,6 +99,10 @@ class BoundPlane:
         cls = BoundSession
         if req.plane == wb.CUDA_IPC:  # the slab shared once over CUDA IPC (drafter.service.bound_ipc)
             from drafter.service.bound_ipc import IpcBoundSession as cls
+        elif req.plane == wb.HOST_RING:  # on a GPU: the checks there (drafter.service.bound_ipc)
+            from drafter.service.bound_ipc import ring_session_class
+
+            cls = ring_session_class(core.engine) or cls
         b = await loop.run_in_executor(core.executor, cls, self, s, req, slots, total)
         b.open(self.ctx, self._endpoint(req.transport, b.bind_id))
         self.sessions[s.id] = b
@@ -280,14 +284,18 @@ class BoundSession:
             return self._refused(head, invalid("frames", "a step is [StepHeader, ring prefix] "
                                                          "([StepHeader] on a gloo channel)")), b""
         try:
-            fut = self.core.executor.submit(self.step, head, nbytes)
-            drafts = fut.result()
+            drafts = self.run_step(head, nbytes)
         except DrafterError as exc:
             return self._refused(head, exc), b""
         except Exception as exc:  # noqa: BLE001 - a bug of ours: the step still gets its answer
             log.exception("bound step failed")
             return wb.StepDone(step=head.step, code=int(Code.INTERNAL), message=repr(exc)), b""
         return wb.StepDone(step=head.step), drafts
+
+    def run_step(self, head: wb.StepHeader, nbytes: int) -> bytes:
+        """self.step on the engine thread (drafter.service.bound_ipc's sessions run it on the data
+        thread under the engine's lock)."""
+        return self.core.executor.submit(self.step, head, nbytes).result()
 
     @staticmethod
     def _refused(head: wb.StepHeader, exc: DrafterError) -> wb.StepDone:

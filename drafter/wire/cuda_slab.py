@@ -112,6 +112,11 @@ class TorchSlabs:
     def wait(event, device: torch.device) -> None:
         torch.cuda.current_stream(device).wait_event(event)
 
+    @staticmethod
+    def synchronize(event) -> None:
+        """The host waits for the event (another process's work included)."""
+        event.synchronize()
+
     def _mapped_bytes(self, storage) -> int | None:
         """Bytes the driver maps from the storage's first byte to the end of its allocation."""
         if self._driver is None:
@@ -159,4 +164,8 @@ class LocalSlabs:
 
     @staticmethod
     def wait(event, device) -> None:
+        return None
+
+    @staticmethod
+    def synchronize(event) -> None:
         return None

@@ -34,25 +34,32 @@ def _local_slabs(monkeypatch):
 class IpcTarget:
     """One target bound over the (local) cuda_ipc plane, and an in-process reference engine."""
 
-    def __init__(self, root, method, drafter: Drafter, seed: int):
+    def __init__(self, root, method, drafter: Drafter, seed: int, host_wait: bool = False):
         self.ref = _engine(root, method, reference=True)
         self.s_ref, self.s_remote = _scenario(self.ref, seed), _scenario(self.ref, seed)
         info = drafter.core.info()
         layout = layout_for(info, SESSION_BLOCKS, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS)
         self.client = CudaIpcBoundClient(drafter.endpoint, layout, _buffers(drafter.engine), max_batch=MAX_BATCH,
-                                         device="cpu", timeout_s=60, allow_fallback=False, slabs=LocalSlabs())
+                                         device="cpu", timeout_s=60, allow_fallback=False, slabs=LocalSlabs(),
+                                         host_wait=host_wait)
 
     def step(self, plan) -> None:
         expected = self.ref.propose(**self.s_ref.call(plan).kwargs).draft_token_ids
         n, b = _fill(self.client.views, self.s_remote.call(plan).kwargs)
         got = self.client.step(n, b, **PADDING)
         assert torch.equal(got, expected), plan
+        if self.client.plane == wb.CUDA_IPC:  # both sides' perf_counter_ns, in the order the step passed them
+            stamps = self.client.stamps
+            order = ["sent", *wb.STAMPS, "answered", "read"]
+            assert [stamps[k] for k in order] == sorted(stamps[k] for k in order), stamps
+        else:
+            assert self.client.stamps == {}, "the host ring is not stamped"
 
 
 def test_cuda_ipc_plane_drafts_equal_in_process(tiny_root):
     with Drafter(_engine(tiny_root, "eagle3")) as drafter:
         a = IpcTarget(tiny_root, "eagle3", drafter, seed=1)
-        b = IpcTarget(tiny_root, "eagle3", drafter, seed=2)
+        b = IpcTarget(tiny_root, "eagle3", drafter, seed=2, host_wait=True)  # the host waits, not the stream
         replays = drafter.engine.graphs.replays  # the engine (and its graphs) serve the whole module
         try:
             for plan in PLANS:
@@ -130,3 +137,34 @@ def test_a_drafter_without_cuda_ipc_is_refused_by_field_and_the_client_falls_bac
             assert len(drafter.core.sessions.sessions) == 1, "the refused session was detached"
         finally:
             t.client.close()
+
+
+def test_the_guarded_host_ring_drafts_equal_and_names_a_corrupt_step(tiny_root, monkeypatch):
+    """The host ring as a GPU drafter serves it (bound_ipc.GuardedRingSession: the frame copied to
+    the engine's device, the step guard, the bound graphs; forced here on CPU): drafts equal the
+    in-process engine's; a slot out of the session's range is named and writes nothing into another
+    session's KV."""
+    from tests.integration.test_bound_remote import Target
+
+    monkeypatch.setattr(bound_ipc, "GUARDED_RING", True)
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        a = IpcTarget(tiny_root, "eagle3", drafter, seed=1)
+        b = Target(tiny_root, "eagle3", drafter, seed=2)
+        try:
+            a.step(PLANS[0])
+            b.step(PLANS[0])
+            session = drafter.server._bound_plane.sessions[b.client.session.session_id]
+            assert isinstance(session, bound_ipc.GuardedRingSession)
+            mine = _blocks_of_a(drafter.engine)
+            call = b.s_remote.call(PLANS[1]).kwargs
+            n, nb = _fill(b.client.views, call)
+            _corrupt(b.client.views, "slot_mappings[0]", n, nb)
+            with pytest.raises(DrafterError) as err:
+                b.client.step(n, nb, **PADDING)
+            assert err.value.code == Code.INVALID_ARGUMENT and err.value.field == "slot_mappings[0]", str(err.value)
+            assert all(torch.equal(x, y) for x, y in zip(mine, _blocks_of_a(drafter.engine))), "wrote into a's KV"
+            a.step(PLANS[1])
+            b.step(PLANS[1], call)  # the step made whole drafts as the reference does
+        finally:
+            a.client.close()
+            b.client.close()

@@ -12,6 +12,9 @@ per batch these clients attach a session and time the same decode step:
   * cuda_ipc: coordinator.transport.bound_ipc over CUDA IPC (header-only steps, drafts and the
     error word read back together); also its host time per step on the target side (the step
     without the wait for the reply, from step_async);
+  * cuda_ipc_host_wait: the same, the target's host waiting on the drafter's event before its
+    read instead of its stream (host_wait=True: no work of the target's context pending while
+    the drafter's kernels run);
   * host_ring: the same client forced onto the host ring over tcp (one device-to-host copy of the
     slab's prefix, one zero-copy frame);
   * unbound: today's ZmqDrafterClient over tcp (the CPU tensors encoded per call), and with the
@@ -47,7 +50,7 @@ import torch
 from drafter.tools.bench.grid import bind_call, decode_call
 from drafter.tools.bench.remote import HEAD_CONFIG, TINY, _build, server_args
 
-CLIENTS = ("cuda_ipc", "host_ring", "unbound", "unbound_cuda_ipc")
+CLIENTS = ("cuda_ipc", "cuda_ipc_host_wait", "host_ring", "unbound", "unbound_cuda_ipc")
 WARMUP = 30
 
 
@@ -106,6 +109,7 @@ def in_process(model_dir: str, args, log) -> tuple[dict, int]:
         if engine.graphs is not None:  # a bound call replays the engine's graphs: a GPU
             bound = bind_call(engine, gpu)
             bound_t = _time(lambda: bound.propose(n, b)[:b].cpu(), args.iters)
+            drafts = bound.propose(n, b)[:b].cpu()
             del bound
         else:  # a CPU smoke run of this script: no graphs, the trusted call stands in
             bound_t = trusted
@@ -113,9 +117,14 @@ def in_process(model_dir: str, args, log) -> tuple[dict, int]:
         log(f"batch {b}: in-process propose p50 {trusted['p50_us']:.0f} us (p99 {trusted['p99_us']:.0f}), "
             f"bound {bound_t['p50_us']:.0f} us (p99 {bound_t['p99_us']:.0f})")
         if engine.graphs is not None:
-            out[b].update(guarded(engine, args, b))
+            try:
+                out[b].update(guarded(engine, args, b, drafts))
+            except Exception as exc:  # noqa: BLE001 - the remote figures still come
+                log(f"batch {b}: guarded in-process FAILED {type(exc).__name__}: {exc}")
+                continue
             log(f"batch {b}: in-process guarded bound p50 {out[b]['guarded_bound']['p50_us']:.0f} us, "
-                f"guard replay alone {out[b]['guard_gpu_us']:.1f} us (GPU)")
+                f"guard replay alone {out[b]['guard_gpu_us']:.1f} us (GPU; fused {out[b]['fused_guard']}), "
+                f"the torch reference guard {out[b].get('reference_guard_gpu_us', 0):.1f} us")
     width = engine.config.max_blocks_per_req[0]
     del engine
     gc.collect()
@@ -124,10 +133,11 @@ def in_process(model_dir: str, args, log) -> tuple[dict, int]:
     return out, width
 
 
-def guarded(engine, args, batch: int) -> dict:
+def guarded(engine, args, batch: int, want: torch.Tensor) -> dict:  # want: [batch, width] the bound call's drafts
     """The bound call behind the step guard, in this process (a slab laid out as the remote
     target's; the guard's outputs and the slab's hidden states bound): its time with the drafts
-    on the host, and the guard's replay alone on the GPU (CUDA events, mean of args.iters)."""
+    on the host, and the guard's replay alone on the GPU (CUDA events, mean of args.iters); its
+    drafts must equal the unguarded bound call's."""
     from drafter.engine.step_guard import GuardLimits, StepGuard
     from drafter.wire import bound as wb
     from drafter.wire.tensors import DTYPES
@@ -156,16 +166,29 @@ def guarded(engine, args, batch: int) -> dict:
         return bound.propose(n, b)[:b].cpu()
 
     timed = _time(step, args.iters)
+    if not torch.equal(step(), want):
+        raise RuntimeError("the guarded bound call drafted other drafts than the bound call")
+    if engine.device.type != "cuda":  # a CPU check of this script: no GPU time to take
+        return {"guarded_bound": timed, "guard_gpu_us": 0.0, "fused_guard": guard.fused}
+    gpu_us = _replay_us(guard, n, b, args.iters)
+    if int(error.item()):  # the bench's call is in range: a set word is a bug of the guard
+        raise RuntimeError(f"the guard flagged the bench's own step: word {int(error.item())}")
+    reference = StepGuard(views, limits, torch.zeros(1, dtype=torch.int64, device=engine.device), fused=False)
+    reference.capture()  # the torch ops of run_reference, captured as the first cuda_ipc build did
+    return {"guarded_bound": timed, "guard_gpu_us": gpu_us, "fused_guard": guard.fused,
+            "reference_guard_gpu_us": _replay_us(reference, n, b, args.iters)}
+
+
+def _replay_us(guard, n: int, b: int, iters: int) -> float:
+    """Mean GPU time of guard.step over iters back-to-back steps (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
-    for _ in range(args.iters):
+    for _ in range(iters):
         guard.step(n, b)
     end.record()
     end.synchronize()
-    if int(error.item()):
-        raise RuntimeError(f"the guard flagged the bench's own step: word {int(error.item())}")
-    return {"guarded_bound": timed, "guard_gpu_us": start.elapsed_time(end) * 1e3 / args.iters}
+    return start.elapsed_time(end) * 1e3 / iters
 
 
 def start_server(model_dir: str, args, log):
@@ -229,14 +252,15 @@ def layout(endpoint: str, args):
                    for g in info.limits.kv_groups], client_name="bench-bound")
 
 
-def bound_client(endpoint: str, args, batch: int, columns: int, plane: str) -> dict:
-    """One bound session timed: p50/p99 of step() (drafts on the host), and for cuda_ipc the host
-    time of step_async on the target side."""
+def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> dict:
+    """One bound session timed: p50/p99 of step() (drafts on the host), for the cuda_ipc plane the
+    stages of the step, and for cuda_ipc the host time of step_async on the target side."""
     from coordinator.transport.bound_ipc import CudaIpcBoundClient
 
+    plane = "host_ring" if name == "host_ring" else "cuda_ipc"
     client = CudaIpcBoundClient(endpoint, layout(endpoint, args), buffers(args, batch, columns), max_batch=batch,
                                 device=args.device, timeout_s=30, allow_fallback=False,
-                                force_ring=plane == "host_ring")
+                                force_ring=plane == "host_ring", host_wait=name == "cuda_ipc_host_wait")
     try:
         got = client.bind()
         if got != plane:
@@ -246,6 +270,7 @@ def bound_client(endpoint: str, args, batch: int, columns: int, plane: str) -> d
         result = {"rtt": _time(lambda: client.step(n, b), args.iters), "drafts": client.step(n, b).tolist()}
         if plane == "cuda_ipc":
             result["stages"] = stages(client, n, b, args.iters)
+        if name == "cuda_ipc":
             host = []
             stream = torch.cuda.current_stream()
             for i in range(WARMUP + args.iters):
@@ -335,24 +360,25 @@ def _guard_lines(result: dict) -> list[str]:
     if not rows:
         return []
     out = ["", "In-process, one process: the bound call alone, behind the step guard, and the guard's replay on "
-               "the GPU (CUDA events)", "", "| batch | bound p50 | guarded bound p50 / p99 | guard GPU us |",
-           "|---|---|---|---|"]
+               "the GPU (CUDA events): fused (Triton) and the torch reference", "",
+           "| batch | bound p50 | guarded bound p50 / p99 | guard GPU us | reference guard GPU us |",
+           "|---|---|---|---|---|"]
     for b, r in rows:
         g = r["guarded_bound"]
         out.append(f"| {b} | {r['bound_propose']['p50_us']:.0f} | {g['p50_us']:.0f} / {g['p99_us']:.0f} | "
-                   f"{r['guard_gpu_us']:.1f} |")
+                   f"{r['guard_gpu_us']:.1f} | {r.get('reference_guard_gpu_us', 0):.1f} |")
     return out
 
 
 def _stage_lines(result: dict) -> list[str]:
-    """Where the cuda_ipc step's microseconds go: a column per batch, p50 (p99) per stage."""
-    rows = {b: r["remote"]["cuda_ipc"].get("stages") for b, r in result["batches"].items()
-            if "stages" in r.get("remote", {}).get("cuda_ipc", {})}
-    rows = {b: st for b, st in rows.items() if st and "error" not in st}
+    """Where the cuda_ipc step's microseconds go: a column per batch and client, p50 (p99) per stage."""
+    rows = {f"{b} {name}": r["remote"][name].get("stages") for b, r in result["batches"].items()
+            for name in ("cuda_ipc", "cuda_ipc_host_wait") if "stages" in r.get("remote", {}).get(name, {})}
+    rows = {key: st for key, st in rows.items() if st and "error" not in st}
     if not rows:
         return []
     out = ["", "cuda_ipc step stages (perf_counter_ns on both sides, one host clock): p50 (p99) us", "",
-           "| stage | " + " | ".join(f"batch {b}" for b in rows) + " |", "|---|" + "---|" * len(rows)]
+           "| stage | " + " | ".join(f"batch {key}" for key in rows) + " |", "|---|" + "---|" * len(rows)]
     for name, _, _ in STAGES:
         out.append(f"| {name} | " + " | ".join(f"{st[name]['p50_us']:.0f} ({st[name]['p99_us']:.0f})"
                                               for st in rows.values()) + " |")
@@ -409,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             row = result["batches"][b]
             for name in args.clients:
                 try:
-                    if name in ("cuda_ipc", "host_ring"):
+                    if name in ("cuda_ipc", "cuda_ipc_host_wait", "host_ring"):
                         r = bound_client(endpoint, args, b, columns, name)
                     else:
                         r = unbound_client(endpoint, args, b, share_cuda=name == "unbound_cuda_ipc")
