@@ -141,6 +141,7 @@ class ServiceCore:
         self.cuda_ipc = cuda_support.advertise(getattr(engine, "device", "cpu"), *self.allow_cuda_ipc)
         self.runner = EngineRunner(engine, self._on_engine_call, self._cuda_ipc_opener(engine))
         self.runner.predrafts.on_record = self.metrics.record_predraft
+        self.runner.predrafts.on_acceptance = self.metrics.record_predraft_acceptance
         self.batcher = Batcher(self.runner, self.executor, self.batch_window_s)
         self.batcher.start()
         if self.session_idle_timeout_s > 0:

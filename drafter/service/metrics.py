@@ -129,6 +129,13 @@ class Metrics:
         self.predrafts = Counter("drafter_predrafts_total", "Pre-drafts pushed (outcomes over all rows)", registry=r)
         self.predraft_calls = Counter("drafter_predraft_pushes_total", "Pre-draft sets pushed (one per call)",
                                       registry=r)
+        # after pushed pre-drafts: drafts verified / accepted by position, pre-drafted or exact
+        self.predraft_verified = Counter("drafter_predraft_verified_tokens_total",
+                                         "Drafts verified after pre-drafting, by source and position",
+                                         ["source", "position"], registry=r)
+        self.predraft_accepted = Counter("drafter_predraft_accepted_tokens_total",
+                                         "Drafts accepted after pre-drafting, by source and position",
+                                         ["source", "position"], registry=r)
         self._lock = threading.Lock()
         self._verified: dict[int, int] = {}
         self._accepted: dict[int, int] = {}
@@ -149,6 +156,12 @@ class Metrics:
             self.predraft_hits.labels(str(a)).inc(hits.get(a, 0))
         self.predrafts.inc(outcomes)
         self.predraft_calls.inc()
+
+    def record_predraft_acceptance(self, source: str, verified: dict[int, int], accepted: dict[int, int]) -> None:
+        """source: "predraft" | "exact"; per draft position, drafts the target verified and accepted."""
+        for pos, n in verified.items():
+            self.predraft_verified.labels(source, str(pos)).inc(n)
+            self.predraft_accepted.labels(source, str(pos)).inc(accepted.get(pos, 0))
 
     def record_acceptance(self, accepted: torch.Tensor, num_drafts: int) -> None:
         """accepted: [rows] int, drafts accepted per reported request (-1 = no report)."""

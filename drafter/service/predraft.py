@@ -27,8 +27,12 @@ class PreDraftService:
         self.enabled = bool(getattr(getattr(engine, "config", None), "predraft_outcomes", 0)) and \
             hasattr(engine, "predraft")
         self.latest: dict[str, PreDrafts] = {}  # session id -> the last set pushed (the client's block ids)
+        # session id -> {(first block, drafted-from position): the drafts the target verifies next are a pre-draft}
+        self.sources: dict[str, dict[tuple[int, int], bool]] = {}
         # on_record(rows_by_a, hits_by_a, outcomes): metrics (ServiceCore sets it)
         self.on_record = on_record or (lambda rows, hits, outcomes: None)
+        # on_acceptance(source, verified_by_position, accepted_by_position), source "predraft" | "exact"
+        self.on_acceptance = lambda source, verified, accepted: None
 
     def after_batch(self, items, results) -> None:
         """Engine thread, once every reply of the batch is out."""
@@ -50,9 +54,12 @@ class PreDraftService:
         outcomes = outcomes_of_call(call.inputs, call.accepted_counts)
         hits = [lookup(self.latest.get(session.id), o) for o in outcomes]
         used, flags = merge(result.draft_token_ids, hits)
+        self._acceptance(session.id, outcomes)
         pre = self.engine.predraft(offset_inputs(session, call.inputs), used, call.request_id)
         pre = replace(pre, block_ids=pre.block_ids - session.bases[0], log_probs=None)
         self.latest[session.id] = pre
+        self.sources[session.id] = {(int(b), int(p)): hit for b, p, hit in
+                                    zip(pre.block_ids.tolist(), pre.positions.tolist(), flags)}
         rows, got = {}, {}
         for o, hit in zip(outcomes, flags):
             if o is not None:
@@ -61,5 +68,23 @@ class PreDraftService:
         self.on_record(rows, got, int((pre.accepted >= 0).sum()))
         return pre
 
+    def _acceptance(self, session_id: str, outcomes) -> None:
+        """Per draft position, drafts verified and accepted in this call's outcomes, split by whether
+        the verified drafts were a pre-draft or the exact drafts of the previous call."""
+        sources = self.sources.get(session_id, {})
+        counts = {"predraft": ({}, {}), "exact": ({}, {})}
+        for o in outcomes:
+            was_pre = None if o is None else sources.get((o.block_id, o.position))
+            if was_pre is None:
+                continue
+            verified, accepted = counts["predraft" if was_pre else "exact"]
+            for i in range(len(o.verified)):
+                verified[i + 1] = verified.get(i + 1, 0) + 1
+                accepted[i + 1] = accepted.get(i + 1, 0) + int(i < o.accepted)
+        for source, (verified, accepted) in counts.items():
+            if verified:
+                self.on_acceptance(source, verified, accepted)
+
     def forget(self, session_id: str) -> None:
         self.latest.pop(session_id, None)
+        self.sources.pop(session_id, None)

@@ -80,6 +80,8 @@ def test_pushed_predrafts_are_used_and_output_stays_lossless(pair, server, reque
     assert stats.offered > 10 and stats.hit_rate > 0.3 and pushed.unawaited > 0
     metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     assert 'drafter_predraft_hits_total{a="3"}' in metrics and "drafter_predrafts_total" in metrics
+    assert 'drafter_predraft_accepted_tokens_total{position="1",source="predraft"}' in metrics
+    assert 'drafter_predraft_accepted_tokens_total{position="1",source="exact"}' in metrics
 
 
 class ReadsLate(PushedPreDrafting):
