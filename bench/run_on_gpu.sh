@@ -10,7 +10,7 @@
 # TESTS (the test files, default the GPU set below); BOUND=1 adds issue 18's bound-session run
 # (python -m drafter.tools.bench.bound: bound.json, bound.md, bound_log.txt), BOUND_TIMEOUT, BOUND_ARGS;
 # PINGPONG=1 adds the two-process event ping-pong floor (python -m drafter.tools.bench.ipc_pingpong:
-# pingpong.json, pingpong.md, pingpong_stdout.txt), PINGPONG_TIMEOUT, PINGPONG_ARGS.
+# pingpong.json, pingpong.md, pingpong_stdout.txt; run before BOUND), PINGPONG_TIMEOUT, PINGPONG_ARGS.
 # Issue 18 in one call (~8 min on a cold machine):
 #   SKIP_BENCH=1 SKIP_REMOTE=1 BOUND=1 TESTS=tests/gpu/test_bound_ipc.py TEST_TIMEOUT=180 BOUND_TIMEOUT=300 \
 #     OUT=$OUT bash bench/run_on_gpu.sh
@@ -46,14 +46,14 @@ if [ -z "${SKIP_REMOTE:-}" ]; then
   timeout "${REMOTE_TIMEOUT:-300}" python3 -m drafter.tools.bench.remote --out "$OUT" ${REMOTE_ARGS:-} > "$OUT/remote_log.txt" 2>&1
   tail -20 "$OUT/remote_log.txt"
 fi
-if [ -n "${BOUND:-}" ]; then
-  timeout "${BOUND_TIMEOUT:-420}" python3 -m drafter.tools.bench.bound --out "$OUT" ${BOUND_ARGS:-} > "$OUT/bound_stdout.txt" 2>&1
-  echo "bound bench exit $?"
-  tail -25 "$OUT/bound_stdout.txt"
-fi
 if [ -n "${PINGPONG:-}" ]; then
   timeout "${PINGPONG_TIMEOUT:-120}" python3 -m drafter.tools.bench.ipc_pingpong --out "$OUT" ${PINGPONG_ARGS:-} > "$OUT/pingpong_stdout.txt" 2>&1
   echo "pingpong exit $?"
   tail -22 "$OUT/pingpong_stdout.txt"
+fi
+if [ -n "${BOUND:-}" ]; then
+  timeout "${BOUND_TIMEOUT:-420}" python3 -m drafter.tools.bench.bound --out "$OUT" ${BOUND_ARGS:-} > "$OUT/bound_stdout.txt" 2>&1
+  echo "bound bench exit $?"
+  tail -25 "$OUT/bound_stdout.txt"
 fi
 ls -la "$OUT"
