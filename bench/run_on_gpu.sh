@@ -54,6 +54,6 @@ fi
 if [ -n "${BOUND:-}" ]; then
   timeout "${BOUND_TIMEOUT:-420}" python3 -m drafter.tools.bench.bound --out "$OUT" ${BOUND_ARGS:-} > "$OUT/bound_stdout.txt" 2>&1
   echo "bound bench exit $?"
-  tail -25 "$OUT/bound_stdout.txt"
+  tail -45 "$OUT/bound_stdout.txt"
 fi
 ls -la "$OUT"
