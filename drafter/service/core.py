@@ -142,6 +142,8 @@ class ServiceCore:
         self.runner = EngineRunner(engine, self._on_engine_call, self._cuda_ipc_opener(engine))
         self.runner.predrafts.on_record = self.metrics.record_predraft
         self.runner.predrafts.on_acceptance = self.metrics.record_predraft_acceptance
+        self.runner.predrafts.on_skip = self.metrics.predraft_skipped.inc
+        self.runner.predrafts.busy = self._work_waiting
         self.batcher = Batcher(self.runner, self.executor, self.batch_window_s)
         self.batcher.start()
         if self.session_idle_timeout_s > 0:
@@ -337,6 +339,11 @@ class ServiceCore:
         result = await self.batcher.submit(self._admit(call), call)
         self.record_acceptance(call)
         return result
+
+    def _work_waiting(self) -> bool:
+        """Engine thread: whether a request or job waits for the engine (collected or queued)."""
+        batcher, q = getattr(self, "batcher", None), getattr(self.executor, "_q", None)
+        return bool(batcher is not None and batcher.fair) or (q is not None and not q.empty())
 
     def serve_propose_nowait(self, call: ProposeRequest, on_done, reply=None, push=None) -> None:
         """The same checks as serve_propose() (raising DrafterError here for what the event loop decides),

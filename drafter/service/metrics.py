@@ -129,6 +129,9 @@ class Metrics:
         self.predrafts = Counter("drafter_predrafts_total", "Pre-drafts pushed (outcomes over all rows)", registry=r)
         self.predraft_calls = Counter("drafter_predraft_pushes_total", "Pre-draft sets pushed (one per call)",
                                       registry=r)
+        self.predraft_skipped = Counter("drafter_predraft_skipped_total",
+                                        "Calls that asked for pre-drafts and got none: requests were waiting",
+                                        registry=r)
         # after pushed pre-drafts: drafts verified / accepted by position, pre-drafted or exact
         self.predraft_verified = Counter("drafter_predraft_verified_tokens_total",
                                          "Drafts verified after pre-drafting, by source and position",

@@ -33,6 +33,10 @@ class PreDraftService:
         self.on_record = on_record or (lambda rows, hits, outcomes: None)
         # on_acceptance(source, verified_by_position, accepted_by_position), source "predraft" | "exact"
         self.on_acceptance = lambda source, verified, accepted: None
+        # busy(): whether a request waits for the engine (ServiceCore sets it); pre-drafting then
+        # yields: it never delays exact drafting for a session.  on_skip(): metrics of a set not made
+        self.busy: Callable[[], bool] = lambda: False
+        self.on_skip = lambda: None
 
     def after_batch(self, items, results) -> None:
         """Engine thread, once every reply of the batch is out."""
@@ -43,6 +47,10 @@ class PreDraftService:
             if push is None or not it.call.want_predrafts or isinstance(result, BaseException) or result is None:
                 continue
             if it.call.inputs.target_hidden_states is None:  # CUDA IPC: the states are not at hand here
+                continue
+            if self.busy():  # exact drafting waits for the engine: no pre-drafts this time
+                self.forget(it.session.id)  # the next call's drafts are exact ones
+                self.on_skip()
                 continue
             try:
                 push(self._predraft(it, result))

@@ -261,3 +261,35 @@ def test_sampling_loop_with_predrafts_follows_the_target_distribution(pair):
     assert len(engine.stats.pit) == sum(len(v) for v in out.values())
     assert pvalue > 1e-3 and len(engine.stats.hits) > 0
     assert _run(pair, reqs, outcomes=4)[1] == out  # seeded per request: reproducible
+
+
+def test_service_predrafts_yield_when_requests_wait():
+    """drafter.service.predraft: with requests waiting for the engine no pre-draft is made (exact
+    drafting is never delayed by it); otherwise the call's set is pushed."""
+    from types import SimpleNamespace
+
+    from drafter.service.predraft import PreDraftService
+
+    made, pushed, skipped = [], [], []
+
+    class Engine:
+        config = SimpleNamespace(predraft_outcomes=2)
+
+        def predraft(self, inputs, drafts, step):
+            made.append(step)
+            return _pre(step)
+
+    inputs, accepted = _next_call(3, 11)
+    session = SimpleNamespace(id="s", bases=(0,), block_sizes=(16,))
+    item = SimpleNamespace(session=session, push=pushed.append,
+                           call=SimpleNamespace(want_predrafts=True, inputs=inputs, accepted_counts=accepted,
+                                                request_id=9))
+    result = SimpleNamespace(draft_token_ids=torch.tensor([[1, 2, 3]]))
+    service = PreDraftService(Engine())
+    service.on_skip = lambda: skipped.append(1)
+    service.busy = lambda: True
+    service.after_batch([item], [result])
+    assert not made and not pushed and skipped == [1]
+    service.busy = lambda: False
+    service.after_batch([item], [result])
+    assert made == [9] and len(pushed) == 1 and pushed[0].step == 9
