@@ -23,7 +23,10 @@ Modes (the same work and the same message every time):
     (nothing of the target's is queued before the drafter's work ends; one more host wake-up);
   * stream_wait_hop: stream_wait, the drafter's socket thread handing the step to a worker thread
     and waiting for it (concurrent.futures), as the unbound service and the first cuda_ipc build do;
-  * host_only: no GPU at all, the ZMQ round trip and wake-ups alone.
+  * host_only: no GPU at all, the ZMQ round trip and wake-ups alone;
+  * stream_wait_spin, host_only_spin: as stream_wait and host_only, both sides spinning on a
+    non-blocking receive instead of sleeping in poll (what the sockets' wake-ups cost; ZMQ's own
+    I/O threads still hand each message over).
 Each step is stamped with perf_counter_ns on both sides (CLOCK_MONOTONIC: one clock on one
 host): the medians of each stage are reported beside the p50 / p99 of the whole step.
 pingpong.json and pingpong.md in --out.
@@ -42,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-MODES = ("local", "stream_wait", "host_sync", "reply_done", "stream_wait_hop", "host_only")
+MODES = ("local", "stream_wait", "host_sync", "reply_done", "stream_wait_hop", "host_only", "stream_wait_spin",
+         "host_only_spin")
 ROWS, COLS = 4096, 16384  # the GEMV's matrix: 128 MiB of bf16
 WARMUP = 30
 STAGES = (("to drafter", "sent", "received"), ("drafter: read to queued", "received", "queued"),
@@ -125,8 +129,9 @@ def drafter_main(endpoint: str, setup_q, device_index: int) -> None:
     inputs = None
     work = Work(0, None)
     hop = concurrent.futures.ThreadPoolExecutor(1)
+    spin = False  # the last step's mode ended in _spin: spin for the next one
     while True:
-        identity, body = sock.recv_multipart()
+        identity, body = _receive(sock, spin)
         received = time.perf_counter_ns()
         msg = json.loads(body)
         if "stop" in msg:
@@ -139,6 +144,8 @@ def drafter_main(endpoint: str, setup_q, device_index: int) -> None:
             sock.send_multipart([identity, json.dumps({"gpu_us": getattr(work, "gpu_us", 0.0)}).encode()])
             continue
         mode, step = msg["mode"], msg["step"]
+        spin = mode.endswith("_spin")
+        mode = mode.removesuffix("_spin")
 
         def queue_step():
             stream.wait_event(inputs)
@@ -160,6 +167,19 @@ def drafter_main(endpoint: str, setup_q, device_index: int) -> None:
     hop.shutdown()
     sock.close(linger=0)
     ctx.term()
+
+
+def _receive(sock, spin: bool) -> list:
+    """The next message: sleeping in the socket's receive, or spinning on a non-blocking one."""
+    import zmq
+
+    if not spin:
+        return sock.recv_multipart()
+    while True:
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            continue
 
 
 # ---------------------------------------------------------------------- the target's process
@@ -190,21 +210,22 @@ class Target:
         self.sock.connect(bound)
         self.step_no = 0
 
-    def _ask(self, msg: dict) -> dict:
+    def _ask(self, msg: dict, spin: bool = False) -> dict:
         self.sock.send(json.dumps(msg).encode())
-        return json.loads(self.sock.recv())
+        return json.loads(_receive(self.sock, spin)[0])
 
     def setup(self, work_us: float) -> float:
         """The drafter's work of about work_us; its measured GPU time."""
         handle = bytes(self.inputs.ipc_handle()).hex() if self.gpu else ""
         return self._ask({"setup": 1, "work_us": work_us, "inputs": handle})["gpu_us"]
 
-    def step(self, mode: str) -> dict:
+    def step(self, name: str) -> dict:
         self.step_no += 1
+        mode = name.removesuffix("_spin")
         if mode != "host_only":
             self.inputs.record(self.stream)
         sent = time.perf_counter_ns()
-        stamps = self._ask({"mode": mode, "step": self.step_no})
+        stamps = self._ask({"mode": name, "step": self.step_no}, spin=name.endswith("_spin"))
         stamps.update(sent=sent, answered=time.perf_counter_ns())
         if mode in ("stream_wait", "stream_wait_hop"):
             self.stream.wait_event(self.done)
@@ -289,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     if not torch.cuda.is_available():  # a check of the script: the ZMQ round trip alone
         print("no GPU: host_only alone", flush=True)
-        args.device_index, modes = -1, ["host_only"]
+        args.device_index, modes = -1, [m for m in modes if m.startswith("host_only")]
     unknown = set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"--modes: unknown {sorted(unknown)}; choose from {MODES}")
