@@ -18,6 +18,7 @@ their host-to-device copy is a real asynchronous DMA.
 Files, one concern each:
     queue.py    Pending requests, the engine's one thread (EngineThread) and the window that collects
                 a batch (Batcher)
+    fair.py     FairQueue: the collected requests, one FIFO per client, batches formed round-robin
     checks.py   what each request passes in the engine thread before it may join a batch
     stage.py    HostStager: the one reusable (pinned) host buffer a call is copied into
     fuse.py     several sessions' requests concatenated into one engine call
