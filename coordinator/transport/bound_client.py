@@ -62,19 +62,25 @@ def connect_socket(ctx: zmq.Context, endpoint: str, *, data: bool) -> zmq.Socket
 
 class BoundRing:
     """The slab both ends lay the buffers out in (drafter.wire.bound.ring_layout), pinned where
-    CUDA is, and a view per buffer: views[name] is [shape] of its dtype."""
+    CUDA is, and a view per buffer: views[name] is [shape] of its dtype.  device: a mirror of the
+    layout in that device's memory instead (a GPU target fills it, then copies its used prefix
+    into the host ring at once)."""
 
-    def __init__(self, buffers: list[wb.BufferSpec]):
+    def __init__(self, buffers: list[wb.BufferSpec], device: torch.device | str | None = None):
         self.buffers = list(buffers)
         self.slots, total = wb.ring_layout(self.buffers, lambda d: DTYPES[d].itemsize)
-        self.slab = torch.zeros(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())  # [total]
-        self.bytes = memoryview(self.slab.numpy())
+        if device is None:
+            self.slab = torch.zeros(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())  # [total]
+            self.bytes = memoryview(self.slab.numpy())
+        else:
+            self.slab = torch.zeros(total, dtype=torch.uint8, device=device)  # [total]
+            self.bytes = None
         self.views = {s.name: self.slab[s.offset:s.offset + s.nbytes].view(DTYPES[s.dtype]).view(s.shape)
                       for s in self.slots}
 
     def step_bytes(self, num_tokens: int) -> int:
         nbytes = wb.step_bytes(self.slots, num_tokens)
-        if not 0 <= nbytes <= len(self.bytes):
+        if not 0 <= nbytes <= self.slab.numel():
             raise DrafterError(Code.INVALID_ARGUMENT, "num_tokens", f"{num_tokens} tokens exceed the bound buffers")
         return nbytes
 

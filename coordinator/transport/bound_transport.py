@@ -10,7 +10,9 @@ session's dtype, block tables as wide as max_model_len (plus tree nodes) needs, 
 decode step of every sequence (max_num_seqs * (k + 1)) unless BoundConfig.max_tokens says more.
 Each step copies the request's tensors into the ring, one copy per tensor (fill_s records the
 host time of those copies), and ships the ring's prefix; no tensor of the caller's is lent to the
-wire, so the caller may refill its buffers as soon as the call returns.
+wire, so the caller may refill its buffers as soon as the call returns.  GPU inputs are copied
+into a mirror of the ring on their GPU (device copies, queued), whose used prefix then goes to the
+pinned host ring in one device-to-host copy and one stream sync (fill_through).
 
 Chosen at attach from what both sides can do: the Bind goes out on its own control socket right
 after Attach and is waited for within what is left of the attach's budget; a reply that comes
@@ -107,6 +109,7 @@ class BoundTransport:
         self.ctx = zmq.Context.instance()
         self.control: zmq.Socket | None = None  # Bind's own socket: its reply may come during a later step
         self.ring: BoundRing | None = None
+        self._mirror: BoundRing | None = None  # the ring's layout on the inputs' GPU
         self.link: BoundLink | None = None
         self.bound_to = ""  # the session the live link serves
         self.last_bound = False  # whether the last step went bound (names the latency series)
@@ -171,7 +174,13 @@ class BoundTransport:
     # ------------------------------------------------------------------ the bound step
     def _bound_step(self, request: ProposeRequest, deadline: float) -> DraftOutput:
         t0 = time.perf_counter()
-        n, b = fill(self.ring.views, request.inputs)
+        device = request.inputs.target_hidden_states.device
+        if device.type == "cuda":  # copies on the GPU, then one device-to-host copy of the used prefix
+            if self._mirror is None or self._mirror.buffers != self.ring.buffers or self._mirror.slab.device != device:
+                self._mirror = BoundRing(self.ring.buffers, device=device)
+            n, b = fill_through(self._mirror, self.ring, request.inputs)
+        else:
+            n, b = fill(self.ring.views, request.inputs)
         self.fill_s.append(time.perf_counter() - t0)
         self.steps["bound"] += 1
         drafts = self.link.step(n, b, request.batch_padded, request.tokens_padded,
@@ -342,34 +351,44 @@ def _int_rows(t, count: int) -> bool:
 
 
 def fill(v: dict, inp: ProposeInputs) -> tuple[int, int]:
-    """The request's tensors into the ring's views, one copy each (fits() said they fit); the
-    sampled rows computed here when the request leaves them to the drafter, as the engine does.
-    (num_tokens, batch)."""
+    """The request's tensors into the views, one copy each (fits() said they fit); the sampled
+    rows computed here when the request leaves them to the drafter, as the engine does.  Views on
+    the inputs' GPU take the copies asynchronously (fill_through); host views from GPU inputs wait
+    for each.  (num_tokens, batch)."""
     n, b = inp.target_token_ids.shape[0], inp.next_token_ids.shape[0]
-    cuda = inp.target_hidden_states.device.type == "cuda"
-    v["target_token_ids"][:n].copy_(inp.target_token_ids, non_blocking=cuda)
-    v["target_positions"][:n].copy_(inp.target_positions, non_blocking=cuda)
-    v[wb.HIDDEN][:n].copy_(inp.target_hidden_states, non_blocking=cuda)
-    v["next_token_ids"][:b].copy_(inp.next_token_ids, non_blocking=cuda)
-    v["query_start_loc"][:b + 1].copy_(inp.query_start_loc, non_blocking=cuda)
-    v["seq_lens"][:b].copy_(inp.seq_lens, non_blocking=cuda)
+    v["target_token_ids"][:n].copy_(inp.target_token_ids)
+    v["target_positions"][:n].copy_(inp.target_positions)
+    v[wb.HIDDEN][:n].copy_(inp.target_hidden_states)
+    v["next_token_ids"][:b].copy_(inp.next_token_ids)
+    v["query_start_loc"][:b + 1].copy_(inp.query_start_loc)
+    v["seq_lens"][:b].copy_(inp.seq_lens)
     for g, (table, slots) in enumerate(zip(inp.block_tables, inp.slot_mappings)):
         dst = v[f"block_tables[{g}]"]
-        dst[:b].copy_(table[:, :dst.shape[1]], non_blocking=cuda)  # wider: columns max_model_len never reaches
-        v[f"slot_mappings[{g}]"][:n].copy_(slots, non_blocking=cuda)
+        dst[:b].copy_(table[:, :dst.shape[1]])  # wider: columns max_model_len never reaches
+        v[f"slot_mappings[{g}]"][:n].copy_(slots)
     rejected = v["num_rejected_tokens"][:b]
     if inp.num_rejected_tokens is None:
         rejected.zero_()
     else:
-        rejected.copy_(inp.num_rejected_tokens, non_blocking=cuda)
-    if cuda:  # the copies above are queued on the stream: the ring is complete once it is through them
-        torch.cuda.current_stream(inp.target_hidden_states.device).synchronize()
+        rejected.copy_(inp.num_rejected_tokens)
     sample = v["token_indices_to_sample"][:b]
     if inp.token_indices_to_sample is None:  # the engine's default: each query's last row, less its rejected
         torch.sub(v["query_start_loc"][1:b + 1], 1, out=sample)
         sample.sub_(rejected)
     else:
         sample.copy_(inp.token_indices_to_sample)
+    return n, b
+
+
+def fill_through(mirror: BoundRing, ring: BoundRing, inp: ProposeInputs) -> tuple[int, int]:
+    """fill() into the mirror (the ring's layout on the inputs' device: copies queued on its
+    stream), then the mirror's used prefix into the host ring in one copy and one stream sync."""
+    n, b = fill(mirror.views, inp)
+    nbytes = ring.step_bytes(n)
+    device = mirror.slab.device
+    ring.slab[:nbytes].copy_(mirror.slab[:nbytes], non_blocking=device.type == "cuda")
+    if device.type == "cuda":  # the ring is complete once the stream is through the copies
+        torch.cuda.current_stream(device).synchronize()
     return n, b
 
 

@@ -12,8 +12,8 @@ import torch
 from coordinator.remote_proposer import ProposerConfig
 from coordinator.session import SessionSpec
 from coordinator.transport.bound_client import BoundRing
-from coordinator.transport.bound_transport import (BoundConfig, BoundTransport, bindable, fill, fits, private,
-                                                   session_buffers)
+from coordinator.transport.bound_transport import (BoundConfig, BoundTransport, bindable, fill, fill_through, fits,
+                                                   private, session_buffers)
 from drafter.engine.config import KVGroupSpec
 from drafter.wire import bound as wb
 from drafter.wire.records import ProposeRequest
@@ -57,6 +57,19 @@ def test_fill_copies_every_tensor_and_samples_where_the_engine_would(rejected):
     assert torch.equal(v["token_indices_to_sample"][:b], want.long())
     rejected_rows = inp.num_rejected_tokens if inp.num_rejected_tokens is not None else torch.zeros(b)
     assert torch.equal(v["num_rejected_tokens"][:b], rejected_rows.long())
+
+
+@pytest.mark.parametrize("rejected", [False, True])
+def test_a_gpu_target_fills_a_mirror_and_ships_the_same_bytes(rejected):
+    """fill_through (the GPU path; here a host mirror) leaves the ring's shipped prefix byte for byte
+    as fill() into the ring does."""
+    req = _request(rejected)
+    direct, through, mirror = _ring(), _ring(), BoundRing(_ring().buffers, device="cpu")
+    n, b = fill(direct.views, req.inputs)
+    assert fill_through(mirror, through, req.inputs) == (n, b)
+    nbytes = direct.step_bytes(n)
+    assert mirror.bytes is None, "a mirror is not shipped itself"
+    assert torch.equal(through.slab[:nbytes], direct.slab[:nbytes])
 
 
 def _with(req: ProposeRequest, **changes) -> ProposeRequest:
@@ -131,34 +144,36 @@ def test_bound_config_refuses_what_it_cannot_do(kw):
 
 
 def test_a_data_socket_never_reconnects_to_whatever_listens_on_its_port_next():
-    """A restarted drafter may give the old binding's tcp port to another session's binding: the
-    data socket must stay dead while an ordinary socket to the same port reconnects."""
+    """A restarted drafter may give the old binding's tcp port to another session's binding: once
+    its drafter is gone, the data socket takes no step, even with a new listener on the port that
+    an ordinary socket reaches (its message arrives there)."""
     import zmq
-    from zmq.utils.monitor import recv_monitor_message
 
     from coordinator.transport.bound_client import connect_socket
 
-    ctx = zmq.Context()
-    socks = [ctx.socket(zmq.ROUTER)]
+    ctx, drafter = zmq.Context(), zmq.Context()  # the drafter's own: term() returns once its port is free
+    socks = []
     try:
-        server = socks[0]
+        server = drafter.socket(zmq.ROUTER)
         server.setsockopt(zmq.LINGER, 0)
         endpoint = f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}"
         data = connect_socket(ctx, endpoint, data=True)
-        control = connect_socket(ctx, endpoint, data=False)
-        socks += [data, control]
-        control.setsockopt(zmq.IMMEDIATE, 1)  # writable only while connected, as the data socket
-        assert data.poll(10000, zmq.POLLOUT) and control.poll(10000, zmq.POLLOUT)
-        monitor = control.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        socks.append(monitor)
+        socks.append(data)
+        assert data.getsockopt(zmq.RECONNECT_IVL) == -1 and data.getsockopt(zmq.IMMEDIATE) == 1
+        assert data.poll(10000, zmq.POLLOUT)
         server.close(linger=0)
-        assert monitor.poll(10000) and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+        drafter.term()
         again = ctx.socket(zmq.ROUTER)
         socks.append(again)
         again.setsockopt(zmq.LINGER, 0)
         again.bind(endpoint)
-        assert control.poll(10000, zmq.POLLOUT), "an ordinary socket reconnects"
+        other = connect_socket(ctx, endpoint, data=False)
+        socks.append(other)
+        other.send(b"hello")
+        assert again.poll(10000) and again.recv_multipart()[1] == b"hello", "the new listener is reachable"
         assert not data.poll(0, zmq.POLLOUT), "the data socket connected to a new listener"
+        with pytest.raises(zmq.Again):
+            data.send(b"step", zmq.NOBLOCK)
     finally:
         for sock in socks:
             sock.close(linger=0)

@@ -2,10 +2,11 @@
 
     python -m drafter.tools.bench.bound_fill [--batch 1,16,64 --k 3 --threads 1 --json OUT]
 
-coordinator.transport.bound_transport.fill copies a decode step's tensors (EAGLE-3 at
-Llama-3.1-8B shapes: 3 x 4096 bfloat16 hidden states per token, max_model_len 8192, 16-token
-blocks) into the ring the bound session ships.  With CUDA the inputs live on the GPU and the ring
-is pinned (device-to-host copies, one stream sync); without, both are host memory.  Printed per
+coordinator.transport.bound_transport copies a decode step's tensors (EAGLE-3 at Llama-3.1-8B
+shapes: 3 x 4096 bfloat16 hidden states per token, max_model_len 8192, 16-token blocks) into the
+ring the bound session ships.  With CUDA the inputs live on the GPU: device copies into a mirror of
+the ring there, then one device-to-host copy into the pinned ring and one stream sync
+(fill_through), as the transport does; without, fill() copies host to host.  Printed per
 batch: p50 and p99 microseconds over many steps, and the bytes a step ships.  --threads sets
 torch's intra-op threads (default 1: on a busy host torch's thread pool turns a 1.6 MB copy from
 ~0.1 ms into tens of milliseconds).
@@ -23,7 +24,7 @@ import torch
 
 from coordinator.session import SessionSpec
 from coordinator.transport.bound_client import BoundRing
-from coordinator.transport.bound_transport import fill, fits, session_buffers
+from coordinator.transport.bound_transport import fill, fill_through, fits, session_buffers
 from drafter.engine.config import KVGroupSpec
 from drafter.wire.records import ProposeRequest
 
@@ -53,12 +54,13 @@ def measure(batch: int, k: int, steps: int, device: str) -> dict:
                        kv_groups=(KVGroupSpec(BLOCK, 100000),), dtype="bfloat16")
     info = SimpleNamespace(max_num_seqs=batch, max_num_batched_tokens=8192)
     ring = BoundRing(session_buffers(spec, info, 0, 0, 0))
+    mirror = BoundRing(ring.buffers, device=device) if device == "cuda" else None
     request = decode_step(batch, k, device)
     assert fits(ring, request, 1), "the step must go bound"
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        n, _ = fill(ring.views, request.inputs)
+        n, _ = fill_through(mirror, ring, request.inputs) if mirror is not None else fill(ring.views, request.inputs)
         times.append(time.perf_counter() - t0)
     times.sort()
     return {"batch": batch, "k": k, "device": device, "p50_us": round(statistics.median(times) * 1e6, 1),
