@@ -17,7 +17,10 @@ from coordinator.routing import Router, StaticEndpoints
 from coordinator.target.predraft_report import LoopConfig, run_loop
 from coordinator.target.engine import TargetConfig, TargetEngine
 from coordinator.target.request import random_requests
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
 from tests.support.pair import one_torch_thread, trained_pair  # noqa: F401 (fixture)
+from tests.support.predraft import replay_against_offline
 from tests.support.servers import DrafterServer
 
 K = 3
@@ -52,7 +55,8 @@ def requests_and_base(pair):
 
 def _run(pair, server, reqs, **kw):
     engine = TargetEngine(TargetConfig(str(pair / "target"), method="eagle3", aux_layer_ids=(1, 2, 3),
-                                       num_speculative_tokens=K, max_model_len=128, max_num_seqs=4, num_blocks=64))
+                                       num_speculative_tokens=K, max_model_len=128, max_num_seqs=4, num_blocks=64,
+                                       record_calls=True))
     endpoint = server.zmq_endpoint.replace("tcp://", "zmq://")
     proposer = RemoteProposer(engine.session_spec("predraft-test"), router=Router(StaticEndpoints([endpoint])),
                               key="predraft/dp0", connect=lambda ep: ServiceTransport(ep, timeout_s=30),
@@ -78,6 +82,12 @@ def test_pushed_predrafts_are_used_and_output_stays_lossless(pair, server, reque
           f"acceptance length {engine.stats.acceptance_length:.2f}")
     assert out == base
     assert stats.offered > 10 and stats.hit_rate > 0.3 and pushed.unawaited > 0
+    # what the target verified on every hit is what a fresh engine pre-drafts offline for that outcome
+    fresh = DraftEngine.from_dirs(pair / "head", pair / "target", EngineConfig(
+        method="eagle3", num_speculative_tokens=K, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=1024,
+        kv_groups=(KVGroupSpec(16, 64),), predraft_outcomes=4))
+    hits, _ = replay_against_offline(engine.calls, fresh)
+    assert hits == sum(stats.hits.values()) > 0
     metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     assert 'drafter_predraft_hits_total{a="3"}' in metrics and "drafter_predrafts_total" in metrics
     assert 'drafter_predraft_accepted_tokens_total{position="1",source="predraft"}' in metrics

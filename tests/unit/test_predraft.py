@@ -21,6 +21,7 @@ from drafter.service.config import ServerConfig
 from drafter.wire.errors import InvalidInput
 from drafter.wire.predraft import PreDrafts, lookup, outcomes_of_call
 from tests.support.pair import one_torch_thread, trained_pair  # noqa: F401 (fixture)
+from tests.support.predraft import replay_against_offline
 
 K = 3
 NUM_BLOCKS = 64
@@ -231,23 +232,7 @@ def test_greedy_loop_with_predrafts_is_lossless_and_uses_offline_predrafts(pair,
     assert picker.hit_rate > 0.5 and len(s.hits) > 20 and picker.late == 0
     # every call's drafts, replayed on a fresh engine: a row whose outcome the offline pre-drafts
     # cover verified exactly that pre-draft, every other row the exact drafts
-    fresh = _engine(pair)
-    offline, hits, misses = None, 0, 0
-    for call in pre.calls:
-        if call.drafts is None:
-            continue
-        exact_drafts = fresh.propose(**call.kwargs, batch_padded=call.padding.batch_padded,
-                                     tokens_padded=call.padding.tokens_padded).draft_token_ids
-        inp = call_inputs(call.kwargs)
-        for r, outcome in enumerate(outcomes_of_call(inp, call.accepted_counts)):
-            want = lookup(offline, outcome)
-            if want is None:
-                assert torch.equal(call.drafts[r], exact_drafts[r]), f"step {call.step} row {r}"
-                misses += 1
-            else:
-                assert call.drafts[r].tolist() == want.tolist(), f"step {call.step} row {r}"
-                hits += 1
-        offline = fresh.predraft(inp, call.drafts, call.step)
+    hits, misses = replay_against_offline(pre.calls, _engine(pair))
     assert hits == len(s.hits) and misses > 0
 
 
