@@ -9,9 +9,12 @@ asserted (no timing asserts): the good client's p99 step unloaded and under the 
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import signal
-import threading
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -27,7 +30,7 @@ from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, referenc
 from tests.integration.test_service_parity import plans, scenario
 from tests.support.engines import tiny_dirs
 from tests.support.requests import to_frames, to_raw
-from tests.support.servers import DrafterServer, layout_for
+from tests.support.servers import REPO, DrafterServer, layout_for
 
 CAP = 8  # --max-inflight-per-client
 FLOOD = 7000  # most messages the flooder sends (it stops earlier once the good client is done)
@@ -44,47 +47,27 @@ def server(tiny_root, tmp_path_factory, one_torch_thread):
         yield s
 
 
-class _Flooder(threading.Thread):
-    """Attaches a session, then sends one valid Propose on it over and over without reading replies,
-    until stopped (or FLOOD sent); then reads the replies that reached it."""
+class _Flooder:
+    """tests/support/flood.py in its own process (its busy loop must not hold this process's interpreter
+    lock against the good client): valid Propose messages on its own session, replies unread."""
 
     def __init__(self, server, tiny_root):
-        super().__init__(daemon=True)
-        self.server, self.tiny_root = server, tiny_root
-        self.stop, self.flooding = threading.Event(), threading.Event()
-        self.sent, self.codes, self.messages, self.error = 0, {}, set(), None
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", ""))
+                                                           if p)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.flood", server.zmq_endpoint, str(tiny_root), "--most", str(FLOOD),
+             "--ready-after", str(4 * CAP)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, env=env,
+            text=True)
 
-    def run(self):
-        try:
-            with ZmqDrafterClient(self.server.zmq_endpoint, timeout_s=30, context=zmq.Context()) as c:
-                c.attach(layout_for(c.info(), SESSION_BLOCKS, client_name="flooder"))
-                kw = scenario(reference_engine(self.tiny_root), 99).call(next(plans())).kwargs
-                header, frames = to_frames(c.session.session_id, c.session.epoch, 1, kw)
-                msg = [b"", _ENC.encode(schema.Envelope(call_id=1, method="Propose")), _ENC.encode(header),
-                       *[bytes(f) for f in frames]]
-                self._flood(c.sock, msg)
-                self._read(c.sock)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
-            self.error = exc
-        finally:
-            self.flooding.set()
+    def flooding(self) -> None:
+        line = self.proc.stdout.readline()
+        assert json.loads(line)["event"] == "flooding", line
 
-    def _flood(self, sock, msg):
-        while not self.stop.is_set() and self.sent < FLOOD:
-            if not sock.poll(100, zmq.POLLOUT):  # its send queue is full: the server reads it no faster
-                continue
-            sock.send_multipart(msg, zmq.NOBLOCK)
-            self.sent += 1
-            if self.sent == 4 * CAP:
-                self.flooding.set()
-
-    def _read(self, sock):
-        while sock.poll(3000, zmq.POLLIN):  # what arrived; replies past its receive queue were dropped
-            env = msgspec.msgpack.decode(sock.recv_multipart()[1], type=schema.Envelope)
-            code = Code(env.error.code) if env.error is not None else Code.OK
-            self.codes[code] = self.codes.get(code, 0) + 1
-            if env.error is not None:
-                self.messages.add(env.error.message)
+    def stop(self) -> dict:
+        """Stop sending; what it sent and the replies it read."""
+        out, _ = self.proc.communicate("stop\n", timeout=120)
+        assert self.proc.returncode == 0, out
+        return json.loads(out.strip().splitlines()[-1])
 
 
 def _expected(tiny_root, seed: int) -> list:
@@ -120,24 +103,22 @@ def test_a_flooding_client_is_capped_and_another_keeps_its_drafts(server, tiny_r
     expected = _expected(tiny_root, 7)
     unloaded = _good_client(server, tiny_root, expected)
     flooder = _Flooder(server, tiny_root)
-    flooder.start()
-    assert flooder.flooding.wait(120), "the flooder got going"
-    assert flooder.error is None, flooder.error
-    t0 = time.monotonic()
-    loaded = _good_client(server, tiny_root, expected)
-    seconds = time.monotonic() - t0
-    flooder.stop.set()
-    flooder.join(120)
-    print(f"\nflood: {flooder.sent} messages in {seconds:.1f} s, replies read by code "
-          f"{ {c.name: n for c, n in flooder.codes.items()} }")
+    try:
+        flooder.flooding()
+        t0 = time.monotonic()
+        loaded = _good_client(server, tiny_root, expected)
+        seconds = time.monotonic() - t0
+    finally:
+        flood = flooder.stop()
+    print(f"\nflood: {flood['sent']} messages in {seconds:.1f} s, replies read by code {flood['codes']}")
     print(f"good client's p99 step: unloaded {_p99(unloaded):.1f} ms, under the flood {_p99(loaded):.1f} ms "
           f"({len(unloaded)} / {len(loaded)} steps)")
-    assert flooder.error is None, flooder.error
-    assert flooder.sent > CAP
-    assert set(flooder.codes) <= {Code.OK, Code.RESOURCE_EXHAUSTED}, flooder.codes
-    assert flooder.codes.get(Code.OK, 0) >= 1, "the flooder's calls within the cap are served"
-    assert flooder.codes.get(Code.RESOURCE_EXHAUSTED, 0) >= 1, "beyond the cap: refused at once"
-    assert all(f"--max-inflight-per-client {CAP}" in m for m in flooder.messages), flooder.messages
+    codes = flood["codes"]
+    assert flood["sent"] > CAP
+    assert set(codes) <= {"OK", "RESOURCE_EXHAUSTED"}, codes
+    assert codes.get("OK", 0) >= 1, "the flooder's calls within the cap are served"
+    assert codes.get("RESOURCE_EXHAUSTED", 0) >= 1, "beyond the cap: refused at once"
+    assert all(f"--max-inflight-per-client {CAP}" in m for m in flood["messages"]), flood["messages"]
 
 
 @pytest.fixture(scope="module")
