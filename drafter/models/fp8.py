@@ -148,7 +148,6 @@ def linear_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:  # [ou
 # of at most 2^-4 (3 mantissa bits, round to nearest) unless it falls into e4m3's subnormal range,
 # below 2^-6 * s[i], where the absolute error is at most 2^-10 * s[i].
 
-WEIGHTS = ("bf16", "fp8")  # EngineConfig.weights: the checkpoint's dtype as loaded, or per-channel fp8
 HEAD_GEMMS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
               "eh_proj", "head")  # the linears --weights fp8 quantises (MTP: eh_proj ~ fc, shared_head.head ~ lm_head)
 
