@@ -173,7 +173,8 @@ def test_session_quota_per_client_counts_connections_without_auth():
 
 def test_kv_block_quota_per_client_and_group():
     table = SessionTable(ENG, max_sessions=8, quotas=ClientQuotas(max_kv_blocks=(50, 0)))
-    groups = lambda a, b: [schema.KVGroup(block_size=16, num_blocks=a), schema.KVGroup(block_size=8, num_blocks=b)]  # noqa: E731
+    def groups(a: int, b: int) -> list[schema.KVGroup]:
+        return [schema.KVGroup(block_size=16, num_blocks=a), schema.KVGroup(block_size=8, num_blocks=b)]
     table.attach(layout(kv_groups=groups(30, 20)), ALICE)
     with pytest.raises(DrafterError) as e:
         table.attach(layout(kv_groups=groups(21, 5)), ALICE)
