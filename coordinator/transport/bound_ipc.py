@@ -86,6 +86,7 @@ class CudaIpcBoundClient:
         # the drafter's wb.STAMPS, "answered" (the reply read), and after step() "read" (drafts on the host)
         self.stamps: dict[str, int] = {}
         self._host_out: torch.Tensor | None = None  # [max_batch * width + 1] int64, pinned: step()'s read-back
+        self._drafts_views: dict[int, torch.Tensor] = {}  # batch -> [batch, width] view of the output
 
     # ------------------------------------------------------------------ control
     def _socket(self, endpoint: str, data: bool) -> zmq.Socket:
@@ -162,6 +163,7 @@ class CudaIpcBoundClient:
         ref = cuda_slab.check_ref(resp.output, "output", words * 8)
         out = self.slabs.open(ref, self.device, "output").view(torch.int64)  # [words]
         self.output = out[:self.max_batch * self.width + 1]  # [drafts..., error word]
+        self._drafts_views = {}  # views of the previous binding's output
         self._drafts_event = self.slabs.open_event(resp.drafts_event, self.device, "output")
         self.data = self._socket(resp.endpoint, data=True)
         left = deadline - time.monotonic()
@@ -252,7 +254,9 @@ class CudaIpcBoundClient:
             raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"bound over {self.plane}: use step()")
         start = self._exchange(num_tokens, batch, batch_padded, tokens_padded)
         self.slabs.wait(self._drafts_event, self.device)
-        drafts = self.output[:batch * self.width].view(batch, self.width)
+        drafts = self._drafts_views.get(batch)
+        if drafts is None:
+            drafts = self._drafts_views[batch] = self.output[:batch * self.width].view(batch, self.width)
         self.host_ns = time.perf_counter_ns() - start - self._waited_ns
         return drafts
 
