@@ -23,7 +23,7 @@ from coordinator.target.allocator import BlockAllocator
 from coordinator.target.drafting import EMPTY_CALL, CallBuilder, DraftCall, DraftResult, session_spec
 from coordinator.target.request import Request, RequestSpec, StepResult
 from coordinator.target.runner import AUX_METHODS, ModelRunner, RunnerConfig
-from coordinator.target.verify import randomized_pit, rejection_sample, target_probs, verify_greedy
+from coordinator.target.verify import randomized_pit, target_probs, verify_coupled, verify_greedy
 from coordinator.tp import TPFanout
 
 log = logging.getLogger("coordinator.target")
@@ -168,7 +168,6 @@ class TargetEngine:
             req = Request(
                 spec=spec, blocks=self.allocator.allocate(need),
                 hidden=torch.zeros(self.cfg.max_model_len, self.runner.drafter_hidden_width),
-                generator=torch.Generator().manual_seed(spec.seed),
                 pit_generator=torch.Generator().manual_seed(spec.seed + 7919),
                 tokens=list(spec.prompt))
             self.running.append(req)
@@ -257,7 +256,11 @@ class TargetEngine:
         else:
             drafts = query[1:]
         probs = target_probs(logits, temp) if temp > 0 else None
-        verdict = verify_greedy(logits, drafts) if probs is None else rejection_sample(probs, drafts, req.generator)
+        if probs is None:
+            verdict = verify_greedy(logits, drafts)
+        else:  # the drafts are one-hot: each position's sample keyed by (seed, position), whatever was drafted
+            first = start + (len(query) if prefill else 1)
+            verdict = verify_coupled(probs, drafts, req.spec.seed, first)
         if probs is not None:
             for i, tok in enumerate(verdict.tokens):
                 u = float(torch.rand((), generator=req.pit_generator))

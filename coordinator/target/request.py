@@ -52,8 +52,8 @@ class Request:
     spec: RequestSpec
     blocks: list[int]
     hidden: torch.Tensor  # [capacity, drafter hidden width], the target's hidden rows by position
-    generator: torch.Generator  # sampling; seeded per request so every TP rank draws the same
-    pit_generator: torch.Generator  # only for the distribution check, never for sampling
+    pit_generator: torch.Generator  # only for the distribution check, never for sampling (sampling is keyed
+    # by (spec.seed, position): verify.verify_coupled, the same on every TP rank and for any drafts)
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     drafts: list[int] = field(default_factory=list)

@@ -8,6 +8,15 @@ accepted it emits a bonus sample of p_j.  Every emitted token is then distribute
 the target alone would sample it, whatever the drafts were.  A greedy draft is a one-hot q
 (the drafter returns no probabilities for it), which keeps the rule exact.  Greedy targets
 (temperature 0) accept while the draft equals the argmax.
+
+verify_coupled is the same rule for one-hot drafts with the randomness tied to positions instead
+of a stream: the target's token at position t is argmax_v p_t(v) / E_t(v), E_t(v) ~ Exp(1) drawn
+from a generator seeded by (request seed, t) (the exponential race: an exact sample of p_t); a
+draft is accepted iff it equals that token, and the first differing position emits it.  Accepting
+d with probability p(d) and, on rejection, emitting a sample of p with d removed is exactly
+rejection sampling's rule for a one-hot q, so the output is distributed as the target's; and since
+each emitted token is a function of (seed, position, prefix) alone, sampled output is the same
+token for token whatever the drafts were (none, exact, or pre-drafted).
 """
 
 from __future__ import annotations
@@ -71,6 +80,28 @@ def rejection_sample(
         token = sample(residual / total if total > 0 else p, generator)
         return Verdict(i, tuple(drafts[:i]) + (token,))
     return Verdict(len(drafts), tuple(drafts) + (sample(probs[len(drafts)], generator),))
+
+
+def position_sample(probs: torch.Tensor, seed: int, position: int) -> int:  # probs: [V]
+    """The target's sample at `position`: argmax p / E with E ~ Exp(1) keyed by (seed, position)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + position) % (2 ** 63))
+    race = torch.empty(probs.shape[-1], dtype=torch.float64).exponential_(generator=g)
+    return int(torch.argmax(probs.double() / race))
+
+
+def verify_coupled(
+    probs: torch.Tensor,  # [j + 1, V] the target's p_i (temperature applied)
+    drafts: list[int],  # j greedy (one-hot) drafts
+    seed: int,
+    first_position: int,  # the position of the token row 0 samples
+) -> Verdict:
+    tokens = []
+    for i in range(len(drafts) + 1):
+        token = position_sample(probs[i], seed, first_position + i)
+        tokens.append(token)
+        if i == len(drafts) or token != drafts[i]:
+            return Verdict(i, tuple(tokens))
+    raise AssertionError("unreachable")
 
 
 def randomized_pit(probs: torch.Tensor, token: int, u: float) -> float:
