@@ -123,9 +123,8 @@ def test_a_stopped_batcher_answers_its_backlog():
     async def main():
         batcher = Batcher(runner, engine, window_s=0.0)
         batcher.start()
-        batcher.fair.push(Pending(None, _call(7, "x"), asyncio.get_running_loop().create_future(),
-                                  loop=asyncio.get_running_loop(), client="x"))
-        left = batcher.fair._clients["x"][0].future
+        left = asyncio.get_running_loop().create_future()
+        batcher.fair.push(Pending(None, _call(7, "x"), left, loop=asyncio.get_running_loop(), client="x"))
         # the backlog belongs to the engine thread: hold it so stop() runs before it looks at the backlog
         gate = threading.Event()
         blocked = asyncio.get_running_loop().run_in_executor(engine, gate.wait)
