@@ -90,10 +90,15 @@ class BoundLink:
     `alive` turns False for good after anything that leaves the binding in doubt (a send with no
     live connection, a timeout, a lost session, a failed channel): bind again for a new link."""
 
-    def __init__(self, ctx: zmq.Context, ring: BoundRing, resp: wb.BindResponse, plane: str):
-        self.ring, self.resp, self.plane = ring, resp, plane
+    def __init__(self, ctx: zmq.Context, ring: BoundRing, resp: wb.BindResponse, plane: str, via: str):
+        """via: the control endpoint the Bind went to (a drafter listening on every address
+        answers with a wildcard host, which is the control endpoint's host from here)."""
+        self.ring, self.plane = ring, plane
+        host = _host(via)
+        self.resp = msgspec.structs.replace(resp, endpoint=reachable(resp.endpoint, host),
+                                            store=reachable(resp.store, host) if resp.store else "")
         self.width = resp.drafts_width
-        self.sock = connect_socket(ctx, resp.endpoint, data=True)
+        self.sock = connect_socket(ctx, self.resp.endpoint, data=True)
         self.channel = None  # gloo_channel: the two-rank process group (this side rank 0)
         self.alive = True
         self._steps = itertools.count(1)
@@ -210,7 +215,7 @@ class HostRingClient:
         resp = self._call(wb.BIND_METHOD, wb.BindRequest(
             session_id=self.session.session_id, epoch=self.session.epoch, transport=self.transport, plane=self.plane,
             buffers=self.ring.buffers, max_batch=self.max_batch), wb.BIND_RESPONSE_DECODER, deadline)
-        link = BoundLink(self.ctx, self.ring, resp, self.plane)
+        link = BoundLink(self.ctx, self.ring, resp, self.plane, self.endpoint)
         if not link.connect(deadline - time.monotonic(), self.timeout_s):
             link.close()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
@@ -265,6 +270,28 @@ class HostRingClient:
         if not first:
             raise DrafterError(Code.FAILED_PRECONDITION, "session",
                                "bound again (the drafter restarted or forgot the session): resend the context")
+
+
+_WILDCARDS = ("0.0.0.0", "::", "*", "")
+
+
+def _host(endpoint: str) -> str:
+    """The host of tcp://host:port (ipc endpoints: "")."""
+    if not endpoint.startswith("tcp://"):
+        return ""
+    return endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+
+
+def reachable(address: str, host: str) -> str:
+    """A tcp endpoint (or a store's host:port) with a wildcard host replaced by `host`."""
+    scheme, sep, rest = address.rpartition("://")
+    if scheme and scheme != "tcp":
+        return address
+    where, _, port = rest.rpartition(":")
+    if where.strip("[]") not in _WILDCARDS or not host:
+        return address
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}{sep}{host}:{port}"
 
 
 def join_channel(resp: wb.BindResponse, timeout_s: float):

@@ -60,6 +60,7 @@ _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _INT = (torch.int32, torch.int64)
 _OPTIONAL = ("token_indices_to_sample", "num_rejected_tokens")
 _SMALL_BYTES = 1 << 20  # room kept under the drafter's message limit for everything but the hidden rows
+BIND_RETRY_S = 5.0  # a Bind unanswered this long is sent again (its late reply is skipped by call id)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class _Pending:
     session_id: str
     epoch: int
     transport: str
+    sent_at: float  # time.monotonic(): unanswered after BIND_RETRY_S, the Bind is sent again
 
 
 class BoundTransport:
@@ -200,7 +202,8 @@ class BoundTransport:
         """Send a Bind for session unless one is on its way, it is bound, or the drafter refused it."""
         if self.cfg.mode == "off" or session.session_id == self._refused:
             return
-        if self._pending is not None and self._pending.session_id == session.session_id:
+        if self._pending is not None and self._pending.session_id == session.session_id \
+                and time.monotonic() - self._pending.sent_at < BIND_RETRY_S:
             return
         if self._connecting is not None and self._connecting[1] == session.session_id:
             return
@@ -229,7 +232,7 @@ class BoundTransport:
             self.control.send_multipart([wb.encode(env), wb.encode(body)], flags=zmq.NOBLOCK)
         except zmq.Again:  # the control socket's queue is full (no drafter): ask again on a later step
             return
-        self._pending = _Pending(self._calls, session_id, epoch, transport)
+        self._pending = _Pending(self._calls, session_id, epoch, transport, time.monotonic())
 
     def _advance(self, session, until: float) -> None:
         """Take the Bind's reply and connect its data socket, waiting until `until` at most."""
@@ -248,7 +251,8 @@ class BoundTransport:
                 continue
             resp = wb.BIND_RESPONSE_DECODER.decode(frames[1])
             try:
-                self._connecting = (BoundLink(self.ctx, self.ring, resp, self.cfg.plane), pending.session_id)
+                link = BoundLink(self.ctx, self.ring, resp, self.cfg.plane, self.endpoint)
+                self._connecting = (link, pending.session_id)
             except ValueError as exc:  # an ipc data socket in a directory others may write
                 self._refuse(pending.session_id, str(exc))
         if self._connecting is not None:

@@ -178,3 +178,19 @@ def test_a_data_socket_never_reconnects_to_whatever_listens_on_its_port_next():
         for sock in socks:
             sock.close(linger=0)
         ctx.term()
+
+
+@pytest.mark.parametrize("address,via,want", [
+    ("tcp://0.0.0.0:4100", "tcp://drafter.ns.svc:5555", "tcp://drafter.ns.svc:4100"),
+    ("tcp://[::]:4100", "tcp://[fd00::7]:5555", "tcp://[fd00::7]:4100"),
+    ("tcp://10.0.0.7:4100", "tcp://drafter:5555", "tcp://10.0.0.7:4100"),
+    ("0.0.0.0:29500", "tcp://10.0.0.7:5555", "10.0.0.7:29500"),
+    ("ipc:///run/drafter.sock.bound-ab", "tcp://10.0.0.7:5555", "ipc:///run/drafter.sock.bound-ab"),
+    ("tcp://0.0.0.0:4100", "ipc:///run/drafter.sock", "tcp://0.0.0.0:4100"),
+])
+def test_a_drafter_listening_everywhere_is_reached_where_the_bind_went(address, via, want):
+    """A drafter on --host 0.0.0.0 answers Bind with a wildcard data endpoint (and gloo store):
+    from another host that is the control endpoint's host."""
+    from coordinator.transport.bound_client import _host, reachable
+
+    assert reachable(address, _host(via)) == want
