@@ -1,11 +1,13 @@
 """A flooding ZMQ client in its own process (so its busy loop shares no interpreter lock with the
-client it is measured against): attaches a session, then sends one valid Propose on it over and over
-without reading a reply, until a line arrives on stdin or `--most` are sent; then reads the replies
-that reached it and prints one JSON line with what it sent and the replies by status code.
+clients it is measured against): attaches a session, then sends one valid Propose on it over and over
+without reading a reply, until `--most` are sent (or, with --stop-on-stdin, a line arrives on stdin).
+Then (--then read) it reads the replies that reached it, or (--then detach) detaches its session from
+another connection (its own is at its in-flight cap), and prints one JSON line: what it sent and the
+replies read by status code.
 
-    python -m tests.support.flood ENDPOINT TINY_ROOT [--most N]
+    python -m tests.support.flood ENDPOINT TINY_ROOT [--most N] [--stop-on-stdin] [--then read|detach]
 
-It prints {"event": "flooding"} once it has sent enough to be past any in-flight cap (--ready-after).
+It prints {"event": "flooding"} once it has sent --ready-after messages (past any in-flight cap).
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ from drafter.wire import schema
 from drafter.wire.errors import Code
 
 _ENC = msgspec.msgpack.Encoder()
+
+
+def command(endpoint: str, tiny_root: Path, *options: str) -> tuple[list[str], dict]:
+    """The argv and environment that run this flooder from a test (the repo on PYTHONPATH)."""
+    import os
+
+    from tests.support.servers import REPO
+
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return ([sys.executable, "-m", "tests.support.flood", endpoint, str(tiny_root), *options],
+            {**os.environ, "PYTHONPATH": path})
 
 
 def _message(c: ZmqDrafterClient, tiny_root: Path) -> list:
@@ -69,6 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("tiny_root", type=Path)
     p.add_argument("--most", type=int, default=7000)
     p.add_argument("--ready-after", type=int, default=64)
+    p.add_argument("--stop-on-stdin", action="store_true")
+    p.add_argument("--then", choices=("read", "detach"), default="read")
     args = p.parse_args(argv)
     import torch
 
@@ -77,11 +92,18 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    if args.stop_on_stdin:
+        threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+    codes, messages = {}, []
     with ZmqDrafterClient(args.endpoint, timeout_s=60, context=zmq.Context()) as c:
         c.attach(layout_for(c.info(), SESSION_BLOCKS, client_name="flooder"))
         sent = _flood(c.sock, _message(c, args.tiny_root), args.most, args.ready_after, stop)
-        codes, messages = _replies(c.sock)
+        if args.then == "read":
+            codes, messages = _replies(c.sock)
+        else:
+            with ZmqDrafterClient(args.endpoint, timeout_s=60, context=c.ctx) as other:
+                other.session.session_id, other.session.epoch = c.session.session_id, c.session.epoch
+                other.detach()
     print(json.dumps({"event": "done", "sent": sent, "codes": codes, "messages": messages}), flush=True)
     return 0
 
