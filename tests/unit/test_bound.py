@@ -34,7 +34,10 @@ MAX_TOKENS, MAX_BATCH = 32, 4
 
 
 def _engine(root, *, reference=False, max_graph_batch=None, **config):
-    kw = dict(k=K, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS)
+    # bound calls' data flow is checked here, not the weight GEMMs: on CPU the interpreted skinny
+    # kernel only slowed it down (tests/unit/test_triton_kernels.py checks it in an engine)
+    kw = dict(k=K, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS,
+              skinny_gemm="on" if DEVICE == "cuda" else "off")
     kw.update(config)
     if reference:
         return build_engine(root, "eagle3", **kw)

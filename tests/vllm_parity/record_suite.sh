@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Write make-tiny checkpoints and record the standard set of vLLM proposer runs (one process).
+# Write make-tiny checkpoints and record the standard set of vLLM proposer runs: two recorder
+# processes side by side (each imports vLLM once and records every other run; one also records the
+# rope tables), since each runs on one OpenMP thread and CI has two cores.
 #   record_suite.sh OUT_ROOT
 # Env: PYTHON (has `drafter` importable, default python3), VLLM_PY (the vLLM venv's python,
 # default .venv-vllm/bin/python), K (default 3), MML (max_model_len, default 128).
@@ -37,7 +39,10 @@ for name, (m, flags) in ROPE_HEADS.items():
     write_tiny(m, f"{sys.argv[1]}/rope-{name}", sizes=head_sizes(m, **flags))
 json.dump({f"rope-{name}": m for name, (m, _) in ROPE_HEADS.items()}, open(f"{sys.argv[1]}/rope_heads.json", "w"))
 PY
-for m in eagle eagle3; do "$VLLM_PY" "$HERE/align_weights.py" "$OUT/ckpt/$m-aligned" --method "$m"; done
+"$VLLM_PY" "$HERE/align_weights.py" "$OUT/ckpt/eagle-aligned" --method eagle &
+aligning=$!
+"$VLLM_PY" "$HERE/align_weights.py" "$OUT/ckpt/eagle3-aligned" --method eagle3
+wait "$aligning"
 "$VLLM_PY" - "$OUT" "$K" "$MML" > "$OUT/rec/runs.json" <<'PY'
 import json, sys
 out, k, mml = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -51,12 +56,25 @@ runs = [  # name, checkpoint, method, extra flags
 # rope heads: plain make-tiny weights (small argmax margins: a wrong rotation shows), fewer prompts
 with open(f"{out}/ckpt/rope_heads.json") as f:
     runs += [(n, n, m, ["--num-prompts", "4"]) for n, m in json.load(f).items()]
-print(json.dumps([["--target", f"{out}/ckpt/{ck}/target", "--head", f"{out}/ckpt/{ck}/head",
-                   "--method", m, "--k", k, "--max-model-len", mml, "--out", f"{out}/rec/{n}", *x]
-                  for n, ck, m, x in runs], indent=1))
+argv = [["--target", f"{out}/ckpt/{ck}/target", "--head", f"{out}/ckpt/{ck}/head",
+         "--method", m, "--k", k, "--max-model-len", mml, "--out", f"{out}/rec/{n}", *x] for n, ck, m, x in runs]
+print(json.dumps(argv, indent=1))
+for i in (0, 1):  # one list per recorder process: every other run
+    with open(f"{out}/rec/runs-{i}.json", "w") as f:
+        json.dump(argv[i::2], f, indent=1)
 PY
-"$VLLM_PY" "$HERE/record_vllm.py" --runs "$OUT/rec/runs.json" \
-  --rope-tables "$REPO/tests/fixtures/rope_cases.json" "$OUT/rec/rope" > "$OUT/rec/record.log" 2>&1 \
-  || { tail -40 "$OUT/rec/record.log"; exit 1; }
-grep '^{"out"\|^{"rope_tables"' "$OUT/rec/record.log"
+# recorder 0: runs 0, 2, 4, ...; recorder 1: runs 1, 3, ... and the rope tables (no engine, ~5 s)
+"$VLLM_PY" "$HERE/record_vllm.py" --runs "$OUT/rec/runs-0.json" > "$OUT/rec/record-0.log" 2>&1 &
+rec0=$!
+rc1=0
+"$VLLM_PY" "$HERE/record_vllm.py" --runs "$OUT/rec/runs-1.json" \
+  --rope-tables "$REPO/tests/fixtures/rope_cases.json" "$OUT/rec/rope" > "$OUT/rec/record-1.log" 2>&1 || rc1=$?
+rc0=0
+wait "$rec0" || rc0=$?
+for i in 0 1; do
+  rc_var="rc$i"
+  if [ "${!rc_var}" -ne 0 ]; then echo "recorder $i failed (${!rc_var}):"; tail -40 "$OUT/rec/record-$i.log"; fi
+done
+[ "$rc0" -eq 0 ] && [ "$rc1" -eq 0 ] || exit 1
+grep -h '^{"out"\|^{"rope_tables"' "$OUT/rec/record-1.log" "$OUT/rec/record-0.log"
 echo "suite total $(( $(date +%s) - t0 ))s"
