@@ -72,8 +72,10 @@ class BoundPlane:
             plane = server._bound_plane = cls(server)
         return plane
 
-    async def bind(self, rest: list) -> wb.BindResponse:
-        """Answer one Bind (frames after the envelope); raises DrafterError for the reply."""
+    async def bind(self, rest: list, caller=None) -> wb.BindResponse:
+        """Answer one Bind (frames after the envelope); raises DrafterError for the reply.  caller
+        (drafter.wire.records.Caller): a session an authenticated peer attached binds for that peer
+        only; for any other it does not exist (NOT_FOUND, as Propose and Detach answer)."""
         if len(rest) != 1:
             raise invalid("frames", "Bind takes one body frame")
         try:
@@ -83,7 +85,7 @@ class BoundPlane:
         core = self.core
         if req.epoch != core.epoch:
             raise DrafterError(Code.FAILED_PRECONDITION, "epoch", "the drafter restarted: attach (and bind) again")
-        s = core.sessions.get(req.session_id)
+        s = core.sessions.owned(req.session_id, caller.peer if caller is not None else "")
         if req.plane not in wb.PLANES:
             raise invalid("plane", f"{req.plane!r}; this drafter serves {list(wb.PLANES)}")
         if req.transport not in wb.TRANSPORTS or (req.transport == "ipc" and not self.server.ipc_endpoint):

@@ -398,7 +398,7 @@ class ZmqServer:
         async with self.core.serving("zmq", method if method in schema.METHODS else "unknown", caller):
             if method == "Bind":  # bound sessions (drafter.service.bound_sessions): their own data sockets
                 from drafter.service.bound_sessions import BoundPlane
-                return await BoundPlane.of(self).bind(rest)
+                return await BoundPlane.of(self).bind(rest, caller)
             if method not in schema.METHODS:
                 raise invalid("method", f"unknown method {method!r}; one of {sorted(schema.METHODS)}")
             _check_frames(rest, self.max_message_bytes)

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import shutil
 
+import msgspec
 import pytest
 import torch
 
 from coordinator.transport import CurveConfig, GrpcDrafterClient, TlsConfig, ZmqDrafterClient
+from drafter.wire import bound as wb
+from drafter.wire import schema
 from drafter.wire.errors import Code, DrafterError
 from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_parity import plans, scenario
@@ -117,3 +120,35 @@ def test_the_same_peer_reattaching_replaces_its_dead_session(authed, tiny_root):
         assert restarted.info().num_sessions == 1
         restarted.detach()
     dead.close()
+
+
+def _bind_reply(client: ZmqDrafterClient, session_id: str, epoch: int, info) -> schema.Envelope:
+    """A well-formed Bind (host ring, a full buffer layout) for session_id sent on client's connection;
+    the reply's envelope."""
+    n, b, width = 16, 2, info.limits.hidden_width
+    buffers = [wb.BufferSpec("target_token_ids", "int64", [n]), wb.BufferSpec("target_positions", "int64", [n]),
+               wb.BufferSpec(wb.HIDDEN, "float32", [n, width]), wb.BufferSpec("next_token_ids", "int64", [b]),
+               wb.BufferSpec("query_start_loc", "int64", [b + 1]), wb.BufferSpec("seq_lens", "int64", [b])]
+    for g, group in enumerate(info.limits.kv_groups):
+        buffers += [wb.BufferSpec(f"block_tables[{g}]", "int64", [b, -(-info.limits.max_model_len // group.block_size)]),
+                    wb.BufferSpec(f"slot_mappings[{g}]", "int64", [n])]
+    body = wb.BindRequest(session_id=session_id, epoch=epoch, buffers=buffers, max_batch=b)
+    env = schema.Envelope(call_id=1, method=wb.BIND_METHOD)
+    reply = client.send_raw([b"", wb.encode(env), wb.encode(body)])
+    return msgspec.msgpack.decode(reply[1], type=schema.Envelope)
+
+
+def test_bind_on_another_peers_session_is_not_found(authed):
+    """Bind (issue 18) looks the session up with its owner as Propose does: another peer binding a
+    session it did not attach gets NOT_FOUND, as for an unknown id; its own session is found."""
+    server, ca, keys = authed
+    with _grpc_as(server, ca, "owner") as owner, _zmq_curve(server, keys) as zmq_thief:
+        info = owner.info()
+        owner.attach(layout_for(info, SESSION_BLOCKS, client_name="dp0"))
+        env = _bind_reply(zmq_thief, owner.session.session_id, int(owner.session.epoch), info)
+        assert env.error is not None and (env.error.code, env.error.field) == (Code.NOT_FOUND, "session_id"), env
+        zmq_thief.attach(layout_for(info, 8, client_name="own"))
+        env = _bind_reply(zmq_thief, zmq_thief.session.session_id, int(zmq_thief.session.epoch), info)
+        assert env.error is None or env.error.code != Code.NOT_FOUND, env  # its own session exists for it
+        zmq_thief.detach()
+        owner.detach()
