@@ -142,6 +142,10 @@ HEADS = {  # name: (make-tiny variant, head_sizes flags)
     "eagle-yarn-partial": ("eagle", dict(rope="yarn", partial_rotary_factor=0.5, mlp_bias=True)),
     "eagle3-plain-linear": ("eagle3", dict(rope="linear", eagle3_layout="plain", head_dim=64, attention_bias=True)),
 }
+# the weight GEMMs of the fused path: the skinny kernel on a GPU; on CPU (interpreted, most of the time
+# these took) only for the head with biases on every layer, torch's GEMMs for the other two, whose
+# subject is the rotary and KV-write kernel
+SKINNY = {name: "on" if DEVICE == "cuda" or name == "eagle3-llama3-bias" else "off" for name in HEADS}
 MAX_MODEL_LEN = 64
 # a prefill to position ~40, decode steps with rejections
 PLANS = [[(0, 30, 0), (1, 38, 0)], [(0, 4, 1), (1, 4, 0)], [(0, 4, 2), (1, 4, 3)]]
@@ -154,7 +158,7 @@ def _engine(root, name, backend):
         write_tiny(variant, out, sizes=head_sizes(variant, **flags))
     cfg = EngineConfig(method=variant, num_speculative_tokens=3, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
                        max_num_batched_tokens=80, kv_groups=(KVGroupSpec(16, 32),), attention_backend=backend,
-                       device="cpu" if backend == "reference" else DEVICE, skinny_gemm="on")
+                       device="cpu" if backend == "reference" else DEVICE, skinny_gemm=SKINNY[name])
     return DraftEngine.from_dirs(out / "head", out / "target", cfg)
 
 
