@@ -119,14 +119,16 @@ class BoundLink:
             self.sock.close(linger=0)
 
     def step(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int,
-             timeout_s: float) -> torch.Tensor:
+             timeout_s: float, accepted_counts: list[int] | None = None) -> torch.Tensor:
         """Draft for the ring's first num_tokens / batch rows: [batch, width] int64 (a new tensor:
-        the ring may be refilled at once).  DrafterError: UNAVAILABLE 'data' when the data socket
-        has no live connection (nothing was sent), the drafter's refusal, or DEADLINE_EXCEEDED."""
+        the ring may be refilled at once).  accepted_counts: [batch] (-1: no report) for the
+        drafter's acceptance metrics.  DrafterError: UNAVAILABLE 'data' when the data socket has no
+        live connection (nothing was sent), the drafter's refusal, or DEADLINE_EXCEEDED."""
         nbytes = self.ring.step_bytes(num_tokens)
         step = next(self._steps)
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
-                             tokens_padded=tokens_padded, nbytes=nbytes)
+                             tokens_padded=tokens_padded, nbytes=nbytes, bind_id=self.resp.bind_id,
+                             accepted_counts=accepted_counts or [])
         try:
             self._send(head)
         except zmq.Again:  # no live connection: the drafter (or this binding) went away
@@ -247,13 +249,14 @@ class HostRingClient:
         self.ctx.term()
 
     # ------------------------------------------------------------------ steps
-    def step(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0) -> torch.Tensor:
+    def step(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0,
+             accepted_counts: list[int] | None = None) -> torch.Tensor:
         """Draft for the rows the target wrote into the views' first num_tokens / batch rows;
         [batch, width] int64 (a new tensor: the slab may be refilled at once)."""
         if self.data is None:
             self._bind_in_step()
         try:
-            return self.link.step(num_tokens, batch, batch_padded, tokens_padded, self.timeout_s)
+            return self.link.step(num_tokens, batch, batch_padded, tokens_padded, self.timeout_s, accepted_counts)
         except DrafterError as exc:
             if exc.code == Code.UNAVAILABLE and exc.field == "data":  # nothing sent: the drafter went away
                 self.unbind()

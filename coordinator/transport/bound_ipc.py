@@ -23,6 +23,10 @@ slab's used prefix into the ring's pinned slab, then the ring's step.  `plane` s
 Fails closed like HostRingClient: a deadline on every step; a drafter that forgot the binding (a
 restart) is attached and bound again by the next step, which is refused with FAILED_PRECONDITION
 (the new binding's KV is empty: resend the context).
+
+IpcLink is one cuda_ipc binding's data path (the drafter's output opened, the data socket, the
+header-only step, the error word); the RemoteProposer's BoundTransport uses it too, with its own
+attach and Bind (coordinator.transport.bound_transport).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import msgspec
 import torch
 import zmq
 
+from coordinator.transport.bound_client import REBIND, _host, connect_socket, reachable
 from drafter.wire import bound as wb
 from drafter.wire import cuda_ref, cuda_slab, schema
 from drafter.wire.errors import Code, DrafterError
@@ -42,9 +47,154 @@ from drafter.wire.tensors import DTYPES
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _ATTACH = msgspec.msgpack.Decoder(schema.AttachResponse)
 _DETACH = msgspec.msgpack.Decoder(schema.DetachResponse)
-_REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)
-_ENVIRONMENT = ("slab.handle", "slab.device_uuid", "slab.step_event_handle", "output.handle",
-                "output.step_event_handle", "plane")
+ENVIRONMENT = ("slab.handle", "slab.device_uuid", "slab.step_event_handle", "output.handle",
+               "output.step_event_handle", "output.storage_size_bytes", "plane")  # refusals: fall back to the ring
+
+
+def cannot_share(slabs, device: torch.device, support) -> str:
+    """Why a target slab on `device` cannot be shared with a drafter advertising `support` (the
+    AttachResponse's or InfoResponse's CudaIpcSupport); "" when it can."""
+    if isinstance(slabs, cuda_slab.LocalSlabs):
+        return ""
+    if device.type != "cuda":
+        return "the slab is not on a GPU"
+    if support is None or not support.enabled:
+        return f"the drafter does not serve CUDA IPC: {getattr(support, 'reason', 'not advertised')}"
+    if support.host_id != cuda_ref.host_id():
+        return "the drafter runs on another host"
+    if cuda_ref.device_uuid(device) not in support.device_uuids:
+        return "the drafter cannot read this GPU"
+    return ""
+
+
+class IpcLink:
+    """One cuda_ipc binding's data path, for CudaIpcBoundClient and the RemoteProposer's
+    BoundTransport alike: the drafter's output opened once, the data socket, header-only steps.
+    `alive` turns False for good after anything that leaves the binding in doubt (a send with no
+    live connection, a timeout, a lost session): bind again for a new link."""
+
+    plane = wb.CUDA_IPC
+
+    def __init__(self, ctx: zmq.Context, slabs, device: torch.device, resp: wb.BindResponse, max_batch: int,
+                 groups: int, inputs_event, via: str = ""):
+        """inputs_event: this side's "inputs ready" event (its handle went in the BindRequest);
+        via: the control endpoint the Bind went to (a wildcard data endpoint is reached at its host).
+        DrafterError naming output.* when the drafter's output cannot be opened here."""
+        self.slabs, self.device, self.groups, self.inputs_event = slabs, device, groups, inputs_event
+        self.resp = msgspec.structs.replace(resp, endpoint=reachable(resp.endpoint, _host(via)))
+        self.width = resp.drafts_width
+        words = -(-(max_batch * self.width + 1) // 8) * 8  # whole 64-byte rows
+        ref = cuda_slab.check_ref(resp.output, "output", words * 8)
+        out = slabs.open(ref, device, "output").view(torch.int64)  # [words]
+        self.output = out[:max_batch * self.width + 1]  # [max_batch * width + 1]: drafts..., error word
+        self.drafts_event = slabs.open_event(resp.drafts_event, device, "output")
+        self.sock = connect_socket(ctx, self.resp.endpoint, data=True)
+        self.alive = True
+        self._steps = itertools.count(1)
+        self._drafts_views: dict[int, torch.Tensor] = {}  # batch -> [batch, width] view of the output
+        self._host_out: torch.Tensor | None = None  # [max_batch * width + 1] int64, pinned: read_back()
+        self._host_word: torch.Tensor | None = None  # [1] int64, pinned: error_word()
+        self.host_ns = 0  # the last step's host time on this side, the wait for the reply excluded
+        self._waited_ns = 0
+        # the last step's perf_counter_ns on both sides (CLOCK_MONOTONIC, one host): "sent", the
+        # drafter's wb.STAMPS, "answered" (the reply read); CudaIpcBoundClient.step adds "read"
+        self.stamps: dict[str, int] = {}
+
+    def connect(self, timeout_s: float, channel_timeout_s: float = 0.0) -> bool:
+        """Wait (at most timeout_s) until the data socket is connected; False if it did not in time."""
+        return bool(self.sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT))
+
+    def close(self) -> None:
+        self.alive = False
+        if not self.sock.closed:
+            self.sock.close(linger=0)
+
+    def exchange(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int, timeout_s: float,
+                 accepted_counts: list[int] | None = None) -> int:
+        """Inputs event recorded, header sent, StepDone read (stamps kept); perf_counter_ns at the
+        start.  DrafterError: UNAVAILABLE 'data' when the data socket has no live connection
+        (nothing was sent), the drafter's refusal, or DEADLINE_EXCEEDED."""
+        start = time.perf_counter_ns()
+        step = next(self._steps)
+        head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
+                             tokens_padded=tokens_padded, bind_id=self.resp.bind_id,
+                             accepted_counts=accepted_counts or [])
+        self.slabs.record(self.inputs_event, self.device)
+        sent = time.perf_counter_ns()
+        try:
+            self.sock.send(wb.encode(head), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no live connection: the drafter (or this binding) went away
+            self.close()
+            raise DrafterError(Code.UNAVAILABLE, "data", f"no live connection to {self.resp.endpoint}") from None
+        done = self._reply(step, timeout_s)
+        self.stamps = {"sent": sent, **dict(zip(wb.STAMPS, done.stamps)), "answered": time.perf_counter_ns()}
+        return start
+
+    def _reply(self, step: int, timeout_s: float) -> wb.StepDone:
+        deadline = time.monotonic() + timeout_s
+        self._waited_ns = 0
+        while True:
+            left = deadline - time.monotonic()
+            t0 = time.perf_counter_ns()
+            ready = left > 0 and self.sock.poll(int(left * 1000) + 1)
+            self._waited_ns += time.perf_counter_ns() - t0
+            if not ready:
+                self.close()  # the drafter may still read the slab: this binding is in doubt
+                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {step}: no reply in {timeout_s:.3f} s")
+            frames = self.sock.recv_multipart()
+            done = wb.DONE_DECODER.decode(frames[0])
+            if done.step != step:
+                continue  # an answer to a step that already timed out
+            if done.code:
+                code = Code(done.code)
+                if code in REBIND:
+                    self.close()
+                raise DrafterError(code, done.field, done.message)
+            return done
+
+    def step_async(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int, timeout_s: float,
+                   accepted_counts: list[int] | None = None) -> torch.Tensor:
+        """One step, no host read: [batch, width] int64, a view of the drafter's output on this
+        GPU, which the current stream's later work sees (it waits on the drafts event).  The
+        view is the next step's output too: copy what must outlive it."""
+        start = self.exchange(num_tokens, batch, batch_padded, tokens_padded, timeout_s, accepted_counts)
+        self.slabs.wait(self.drafts_event, self.device)
+        drafts = self._drafts_views.get(batch)
+        if drafts is None:
+            drafts = self._drafts_views[batch] = self.output[:batch * self.width].view(batch, self.width)
+        self.host_ns = time.perf_counter_ns() - start - self._waited_ns
+        return drafts
+
+    def read_back(self) -> torch.Tensor:
+        """The output (drafts and error word) copied into a pinned host buffer on the current
+        stream, which then is synchronised: no allocation per step.  [max_batch * width + 1]."""
+        if self.device.type != "cuda":
+            return self.output.clone()
+        if self._host_out is None:
+            self._host_out = torch.empty(self.output.shape, dtype=torch.int64, pin_memory=True)
+        self._host_out.copy_(self.output, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return self._host_out
+
+    def error_word(self) -> int:
+        """The last step's error word alone (8 bytes to the host, then the current stream is
+        synchronised: it waited on the drafts event, so the word is the step's)."""
+        if self.device.type != "cuda":
+            return int(self.output[-1])
+        if self._host_word is None:
+            self._host_word = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        self._host_word.copy_(self.output[-1:], non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return int(self._host_word[0])
+
+    def raise_for(self, word: int) -> None:
+        """INVALID_ARGUMENT naming the first field a set error word names."""
+        if word:
+            field = wb.first_bad_guard_field(word, self.groups)
+            raise DrafterError(Code.INVALID_ARGUMENT, field, "out of range for this session (or not finite); "
+                                                             "the step's rows were masked, its drafts are void")
+
+
 
 
 class CudaIpcBoundClient:
@@ -70,7 +220,7 @@ class CudaIpcBoundClient:
         self.groups = len(layout.kv_groups)
         self.ctx = zmq.Context()
         self.control = self._socket(endpoint, data=False)
-        self.data: zmq.Socket | None = None
+        self.link: IpcLink | None = None  # the cuda_ipc binding's data path
         self.session: schema.AttachResponse | None = None
         self.plane = ""  # after bind: wb.CUDA_IPC or wb.HOST_RING
         self.fallback_reason = ""
@@ -79,24 +229,22 @@ class CudaIpcBoundClient:
         self.width = 0
         self._inputs_event = self._inputs_handle = None
         self._calls = itertools.count(1)
-        self._steps = itertools.count(1)
         self.host_ns = 0  # the last cuda_ipc step's host time on this side, the wait for the reply excluded
-        self._waited_ns = 0
         # the last cuda_ipc step's perf_counter_ns on both sides (CLOCK_MONOTONIC, one host): "sent",
         # the drafter's wb.STAMPS, "answered" (the reply read), and after step() "read" (drafts on the host)
         self.stamps: dict[str, int] = {}
-        self._host_out: torch.Tensor | None = None  # [max_batch * width + 1] int64, pinned: step()'s read-back
-        self._drafts_views: dict[int, torch.Tensor] = {}  # batch -> [batch, width] view of the output
+
+    @property
+    def data(self) -> zmq.Socket | None:  # the cuda_ipc binding's data socket, while it lives
+        return self.link.sock if self.link is not None and self.link.alive else None
+
+    @property
+    def output(self) -> torch.Tensor:  # [max_batch * width + 1] int64 on the GPU: the drafts, the error word
+        return self.link.output
 
     # ------------------------------------------------------------------ control
     def _socket(self, endpoint: str, data: bool) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if data:  # queue only on a live connection; never reconnect to a port another binding may get
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.RECONNECT_IVL, -1)
-        sock.connect(endpoint)
-        return sock
+        return connect_socket(self.ctx, endpoint, data=data)
 
     def _call(self, method: str, body, decoder, deadline: float):
         call_id = next(self._calls)
@@ -119,14 +267,14 @@ class CudaIpcBoundClient:
         deadline = time.monotonic() + self.timeout_s
         self.session = self._call("Attach", msgspec.structs.replace(self.layout, cuda_ipc_capable=True), _ATTACH,
                                   deadline)
-        why = "force_ring" if self.force_ring else self._cannot_share(self.session.cuda_ipc)
+        why = "force_ring" if self.force_ring else cannot_share(self.slabs, self.device, self.session.cuda_ipc)
         if not why:
             try:
                 self._bind_ipc(deadline)
                 self.binds += 1
                 return self.plane
             except DrafterError as err:
-                if err.field not in _ENVIRONMENT:
+                if err.field not in ENVIRONMENT:
                     raise
                 why = f"the drafter refused {err.field}: {err.message}"
         if not self.allow_fallback and not self.force_ring:
@@ -135,20 +283,6 @@ class CudaIpcBoundClient:
         self._bind_ring(why)
         self.binds += 1
         return self.plane
-
-    def _cannot_share(self, support) -> str:
-        """Why this target cannot share its slab with this drafter ("" when it can)."""
-        if isinstance(self.slabs, cuda_slab.LocalSlabs):
-            return ""
-        if self.device.type != "cuda":
-            return "the slab is not on a GPU"
-        if support is None or not support.enabled:
-            return f"the drafter does not serve CUDA IPC: {getattr(support, 'reason', 'not advertised')}"
-        if support.host_id != cuda_ref.host_id():
-            return "the drafter runs on another host"
-        if cuda_ref.device_uuid(self.device) not in support.device_uuids:
-            return "the drafter cannot read this GPU"
-        return ""
 
     def _bind_ipc(self, deadline: float) -> None:
         if self._inputs_event is None:
@@ -159,17 +293,13 @@ class CudaIpcBoundClient:
             transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, slab=slab),
             wb.BIND_RESPONSE_DECODER, deadline)
         self.width = resp.drafts_width
-        words = -(-(self.max_batch * self.width + 1) // 8) * 8
-        ref = cuda_slab.check_ref(resp.output, "output", words * 8)
-        out = self.slabs.open(ref, self.device, "output").view(torch.int64)  # [words]
-        self.output = out[:self.max_batch * self.width + 1]  # [drafts..., error word]
-        self._drafts_views = {}  # views of the previous binding's output
-        self._drafts_event = self.slabs.open_event(resp.drafts_event, self.device, "output")
-        self.data = self._socket(resp.endpoint, data=True)
-        left = deadline - time.monotonic()
-        if left <= 0 or not self.data.poll(int(left * 1000) + 1, zmq.POLLOUT):
+        link = IpcLink(self.ctx, self.slabs, self.device, resp, self.max_batch, self.groups, self._inputs_event,
+                       via=self.endpoint)
+        if not link.connect(deadline - time.monotonic()):
+            link.close()
             self.unbind()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
+        self.link = link
         self.plane = wb.CUDA_IPC
 
     def _bind_ring(self, why: str) -> None:
@@ -203,9 +333,9 @@ class CudaIpcBoundClient:
         self.unbind()
 
     def unbind(self) -> None:
-        if self.data is not None:
-            self.data.close(linger=0)
-        self.data, self.session, self.plane = None, None, ""
+        if self.link is not None:
+            self.link.close()
+        self.link, self.session, self.plane = None, None, ""
 
     def close(self) -> None:
         if self.control.closed:
@@ -226,24 +356,13 @@ class CudaIpcBoundClient:
             return self._ring_step(num_tokens, batch, batch_padded, tokens_padded)
         if self.host_wait:
             self._exchange(num_tokens, batch, batch_padded, tokens_padded)
-            self.slabs.synchronize(self._drafts_event)
+            self.slabs.synchronize(self.link.drafts_event)
         else:
             self.step_async(num_tokens, batch, batch_padded, tokens_padded)
-        host = self._read_back()  # [max_batch * width + 1]: the drafts and the error word, one copy
+        host = self.link.read_back()  # [max_batch * width + 1]: the drafts and the error word, one copy
         self.stamps["read"] = time.perf_counter_ns()
-        self._raise_for(int(host[-1]))
+        self.link.raise_for(int(host[-1]))
         return host[:batch * self.width].view(batch, self.width).clone()  # the buffer is the next step's
-
-    def _read_back(self) -> torch.Tensor:
-        """The output (drafts and error word) copied into a pinned host buffer on the current
-        stream, which then is synchronised: no allocation per step."""
-        if self.device.type != "cuda":
-            return self.output.clone()
-        if self._host_out is None or self._host_out.shape != self.output.shape:
-            self._host_out = torch.empty(self.output.shape, dtype=torch.int64, pin_memory=True)
-        self._host_out.copy_(self.output, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return self._host_out
 
     def step_async(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0) -> torch.Tensor:
         """The cuda_ipc step without a host read: [batch, width] int64 on the GPU, which the current
@@ -252,40 +371,34 @@ class CudaIpcBoundClient:
             self._bind_in_step()
         if self.plane != wb.CUDA_IPC:
             raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"bound over {self.plane}: use step()")
-        start = self._exchange(num_tokens, batch, batch_padded, tokens_padded)
-        self.slabs.wait(self._drafts_event, self.device)
-        drafts = self._drafts_views.get(batch)
-        if drafts is None:
-            drafts = self._drafts_views[batch] = self.output[:batch * self.width].view(batch, self.width)
-        self.host_ns = time.perf_counter_ns() - start - self._waited_ns
+        drafts = self._live(lambda: self.link.step_async(num_tokens, batch, batch_padded, tokens_padded,
+                                                         self.timeout_s))
+        self.host_ns, self.stamps = self.link.host_ns, self.link.stamps
         return drafts
 
     def _exchange(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int) -> int:
-        """Inputs event recorded, header sent, StepDone read (stamps kept); perf_counter_ns at the start."""
-        start = time.perf_counter_ns()
-        step = next(self._steps)
-        head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
-                             tokens_padded=tokens_padded)
-        self.slabs.record(self._inputs_event, self.device)
-        sent = time.perf_counter_ns()
-        try:
-            self.data.send(wb.encode(head), flags=zmq.NOBLOCK)
-        except zmq.Again:  # no live connection: the drafter went away (a restart)
-            self.unbind()
-            self._bind_in_step()
-        done = self._reply(step)
-        self.stamps = {"sent": sent, **dict(zip(wb.STAMPS, done.stamps)), "answered": time.perf_counter_ns()}
+        """The link's exchange (inputs event, header, StepDone); perf_counter_ns at the start."""
+        start = self._live(lambda: self.link.exchange(num_tokens, batch, batch_padded, tokens_padded,
+                                                      self.timeout_s))
+        self.stamps = self.link.stamps
         return start
+
+    def _live(self, fn):
+        """fn() on the link; a link it left in doubt is dropped, and one whose drafter went away
+        (nothing sent) is bound again at once (that step then refused: FAILED_PRECONDITION)."""
+        link = self.link
+        try:
+            return fn()
+        except DrafterError as exc:
+            if not link.alive:
+                self.unbind()
+                if exc.code == Code.UNAVAILABLE and exc.field == "data":
+                    self._bind_in_step()
+            raise
 
     def check(self) -> None:
         """Read the last step's error word (a host sync); INVALID_ARGUMENT naming its first field."""
-        self._raise_for(int(self.output[-1].item()))
-
-    def _raise_for(self, word: int) -> None:
-        if word:
-            field = wb.first_bad_guard_field(word, self.groups)
-            raise DrafterError(Code.INVALID_ARGUMENT, field, "out of range for this session (or not finite); "
-                                                             "the step's rows were masked, its drafts are void")
+        self.link.raise_for(int(self.output[-1].item()))
 
     def _bind_in_step(self) -> None:
         first = self.binds == 0
@@ -293,28 +406,6 @@ class CudaIpcBoundClient:
         if not first:
             raise DrafterError(Code.FAILED_PRECONDITION, "session",
                                "bound again (the drafter restarted or forgot the session): resend the context")
-
-    def _reply(self, step: int) -> wb.StepDone:
-        deadline = time.monotonic() + self.timeout_s
-        self._waited_ns = 0
-        while True:
-            left = deadline - time.monotonic()
-            t0 = time.perf_counter_ns()
-            ready = left > 0 and self.data.poll(int(left * 1000) + 1)
-            self._waited_ns += time.perf_counter_ns() - t0
-            if not ready:
-                self.unbind()
-                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {step}: no reply in {self.timeout_s} s")
-            frames = self.data.recv_multipart()
-            done = wb.DONE_DECODER.decode(frames[0])
-            if done.step != step:
-                continue  # an answer to a step that already timed out
-            if done.code:
-                code = Code(done.code)
-                if code in _REBIND:
-                    self.unbind()
-                raise DrafterError(code, done.field, done.message)
-            return done
 
     def _ring_step(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int) -> torch.Tensor:
         """The fallback: the slab's used prefix to the ring's pinned slab (one copy), then its step."""

@@ -162,6 +162,7 @@ class GuardedRingSession(_Guarded, BoundSession):
         self.store, self.store_endpoint, self.channel = None, "", None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._accepted: list[int] = []
 
     def run_step(self, head: wb.StepHeader, nbytes: int) -> bytes:
         return on_engine(self, self.step, head, nbytes)
@@ -213,6 +214,7 @@ class IpcBoundSession(_Guarded, BoundSession):
         self.store, self.store_endpoint, self.channel = None, "", None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._accepted: list[int] = []
 
     # ------------------------------------------------------------------ data socket
     def _receive_and_run(self, sock: zmq.Socket, ring) -> tuple[wb.StepDone, bytes]:
@@ -230,6 +232,7 @@ class IpcBoundSession(_Guarded, BoundSession):
         if extra:
             return self._refused(head, invalid("frames", "a cuda_ipc step is [StepHeader] alone")), b""
         try:
+            self.admit(head)
             started, queued = self._run(head)
         except DrafterError as exc:
             return self._refused(head, exc), b""

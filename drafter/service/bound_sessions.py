@@ -6,6 +6,7 @@
         open the session's data socket (its own ROUTER, tcp on the server's host or ipc)
     each step (the session's data thread):
         [identity, StepHeader, ring prefix]: the prefix is received straight into the ring (recv_into)
+        the header's bind_id must be this binding's (else FAILED_PRECONDITION "bind_id")
         on the engine thread: the sizes on the host, the values by a few vectorised checks over the
         bound views (one flag word read back), the session's blocks moved into its pool range in
         place, bound.propose(num_tokens, batch)
@@ -202,6 +203,7 @@ class BoundSession:
         self.channel = None  # gloo_channel: the two-rank process group, built by the data thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._accepted: list[int] = []  # the step's accepted counts (StepHeader), recorded after its reply
 
     # ------------------------------------------------------------------ data socket
     def open(self, ctx: zmq.Context, endpoint: str) -> None:
@@ -244,8 +246,12 @@ class BoundSession:
                 if not sock.poll(POLL_MS):
                     continue
                 identity = sock.recv()
+                self._accepted = []
                 done, payload = self._receive_and_run(sock, ring)
                 sock.send_multipart([identity, wb.encode(done), payload], copy=True)
+                if self._accepted and not done.code:  # after the reply: off the step's path
+                    self.core.metrics.record_acceptance(torch.tensor(self._accepted),
+                                                        self.core.desc.num_speculative_tokens)
         except zmq.ZMQError as exc:
             log.debug("bound data socket ended: %s", exc)
         except RuntimeError as exc:  # the gloo channel failed (its peer went away, a timeout)
@@ -286,6 +292,7 @@ class BoundSession:
             return self._refused(head, invalid("frames", "a step is [StepHeader, ring prefix] "
                                                          "([StepHeader] on a gloo channel)")), b""
         try:
+            self.admit(head)
             drafts = self.run_step(head, nbytes)
         except DrafterError as exc:
             return self._refused(head, exc), b""
@@ -298,6 +305,17 @@ class BoundSession:
         """self.step on the engine thread (drafter.service.bound_ipc's sessions run it on the data
         thread under the engine's lock)."""
         return self.core.executor.submit(self.step, head, nbytes).result()
+
+    def admit(self, head: wb.StepHeader) -> None:
+        """The header's binding and report: a step for another binding is refused (it was meant for
+        an earlier one: bind again); accepted counts, one per row, are kept for the metrics."""
+        if head.bind_id != self.bind_id:
+            raise DrafterError(Code.FAILED_PRECONDITION, "bind_id",
+                               "the step is for another binding of this session: bind again")
+        if head.accepted_counts:
+            if len(head.accepted_counts) != head.batch:
+                raise invalid("accepted_counts", f"{len(head.accepted_counts)} counts for a batch of {head.batch}")
+            self._accepted = head.accepted_counts
 
     @staticmethod
     def _refused(head: wb.StepHeader, exc: DrafterError) -> wb.StepDone:

@@ -26,6 +26,10 @@ stream waits on the target's event, the drafter checks and masks the step on the
 (drafter.engine.step_guard: the error word is a bitmask over guard_fields), replays, records its
 event and replies StepDone at once; the target's stream waits on that event and reads the drafts
 and the error word back together.
+Every step names its binding (StepHeader.bind_id, the random id the Bind's reply gave): the
+drafter refuses a step for another binding (FAILED_PRECONDITION "bind_id": bind again), so a
+binding never runs a step meant for an earlier one.  A step may carry the rows' accepted counts of
+the previous step, which the drafter's acceptance metrics count as for an unbound Propose.
 These records are ZMQ-only (msgspec): the proto schema
 has no Bind message, and gRPC clients keep the unbound Propose.  Neutral: imports neither the
 engine nor the service.
@@ -85,7 +89,9 @@ class BindResponse(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class StepHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """One decoding step: its sizes and the ring prefix's length (what follows in the next frame)."""
+    """One decoding step: its sizes, the ring prefix's length (what follows in the next frame),
+    the binding it is for, and optionally how many drafts of each row's previous step the target
+    accepted."""
 
     step: int
     num_tokens: int
@@ -93,6 +99,8 @@ class StepHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     batch_padded: int = 0  # 0: the drafter picks
     tokens_padded: int = 0
     nbytes: int = 0
+    bind_id: str = ""  # BindResponse.bind_id: a step for any other binding is refused (FAILED_PRECONDITION)
+    accepted_counts: list[int] = []  # [batch] or empty; -1: no report for that row (the acceptance metrics)
 
 
 class StepDone(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
