@@ -14,6 +14,21 @@ wire, so the caller may refill its buffers as soon as the call returns.  GPU inp
 into a mirror of the ring on their GPU (device copies, queued), whose used prefix then goes to the
 pinned host ring in one device-to-host copy and one stream sync (fill_through).
 
+The plane (BoundConfig.plane "auto", the default): cuda_ipc where the caller's tensors are on a
+GPU the drafter advertises CUDA IPC for (this host, that GPU: coordinator.transport.bound_ipc.
+cannot_share, as CudaIpcBoundClient decides; the drafter's CudaIpcSupport is asked for by an Info
+at attach), the host ring otherwise.  Over cuda_ipc the ring's layout lies in a slab on the
+caller's GPU, shared with the drafter once at Bind; a step copies the request's tensors into it
+(one device copy per tensor, on the current stream), records the "inputs ready" event and sends
+the header alone (coordinator.transport.bound_ipc.IpcLink); the drafts come back as a GPU tensor
+(a copy of the drafter's output queued on the current stream after its wait on the "drafts ready"
+event), and the step's one host read is its error word (8 bytes, one stream sync): a set word is
+INVALID_ARGUMENT naming the field, as CudaIpcBoundClient reports it.  Where the tensors live is
+learnt from the steps (BoundConfig.device says it at attach instead): a binding made before, on
+the host ring, is replaced by a cuda_ipc one at the first GPU step, which itself goes unbound
+(exact) until the new binding is connected.  A drafter that refuses the slab or whose output
+cannot be opened here (another container, no --allow-cuda-ipc) leaves the host ring in use.
+
 Chosen at attach from what both sides can do: the Bind goes out on its own control socket right
 after Attach and is waited for within what is left of the attach's budget; a reply that comes
 later is picked up by a later step (until then steps go unbound on the same session).  The drafter
@@ -24,7 +39,9 @@ A step goes bound when the binding is live and the request fits the ring exactly
 draft probabilities, no CUDA IPC reference, no pre-drafts asked for, the session's hidden dtype,
 integer tensors, rows within the ring's, block tables at least as wide); anything else goes by
 the unbound Propose, which validates it in full (exact or refused, as without a binding).  A
-bound step carries no accepted_counts (the drafter's acceptance metrics miss bound steps).
+bound step's header carries the request's accepted_counts (a list: a GPU tensor is read to the
+host for it), which the drafter's acceptance metrics count; without them a bound step is not
+counted (the unbound Propose derives counts from num_rejected_tokens).
 Failing closed:
   * a data socket without a live connection (the drafter or the binding went away; nothing was
     sent): the step goes unbound on the same session, which either drafts (the drafter lives; a
@@ -46,8 +63,9 @@ import torch
 import zmq
 
 from coordinator.transport.bound_client import REBIND, BoundLink, BoundRing, connect_socket
+from coordinator.transport.bound_ipc import ENVIRONMENT, IpcLink, cannot_share
 from drafter.wire import bound as wb
-from drafter.wire import schema
+from drafter.wire import cuda_slab, schema
 from drafter.wire.errors import Code, DrafterError
 from drafter.wire.records import DraftOutput, ProposeInputs, ProposeRequest
 from drafter.wire.tensors import DTYPE_NAMES, DTYPES
@@ -56,7 +74,11 @@ log = logging.getLogger("coordinator.bound")
 
 MODES = ("auto", "off")
 DATA_TRANSPORTS = ("auto", "tcp", "ipc")
+AUTO = "auto"  # the plane: cuda_ipc where the caller's tensors are on a GPU the drafter reads, else host_ring
+PLANES = (AUTO, *wb.PLANES)
+SLABS = None  # the cuda_ipc plane's backend; None: cuda_slab.TorchSlabs (the CPU tests put a LocalSlabs here)
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
+_INFO = msgspec.msgpack.Decoder(schema.InfoResponse)
 _INT = (torch.int32, torch.int64)
 _OPTIONAL = ("token_indices_to_sample", "num_rejected_tokens")
 _SMALL_BYTES = 1 << 20  # room kept under the drafter's message limit for everything but the hidden rows
@@ -67,17 +89,25 @@ BIND_RETRY_S = 5.0  # a Bind unanswered this long is sent again (its late reply 
 class BoundConfig:
     mode: str = "auto"  # auto: bind when the drafter can; off: the unbound Propose only
     transport: str = "auto"  # the data socket: auto = ipc for a drafter on loopback (tcp if it has none)
-    plane: str = wb.HOST_RING  # or gloo_channel
+    # auto (or cuda_ipc): cuda_ipc where the caller's tensors are on a GPU the drafter reads over CUDA
+    # IPC, else host_ring; host_ring or gloo_channel: that plane always
+    plane: str = AUTO
     max_tokens: int = 0  # the ring's token rows; 0: max_num_seqs * (k + 1), within max_num_batched_tokens
     channel_timeout_s: float = 5.0  # gloo_channel: joining and each step's send
+    device: str = ""  # where the caller's tensors live, to bind the right plane at attach; "": learnt from the steps
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"bound mode must be one of {MODES}, got {self.mode!r}")
         if self.transport not in DATA_TRANSPORTS:
             raise ValueError(f"bound transport must be one of {DATA_TRANSPORTS}, got {self.transport!r}")
-        if self.plane not in wb.PLANES:
-            raise ValueError(f"bound plane must be one of {wb.PLANES}, got {self.plane!r}")
+        if self.plane not in PLANES:
+            raise ValueError(f"bound plane must be one of {PLANES}, got {self.plane!r}")
+        if self.device:
+            try:
+                torch.device(self.device)
+            except RuntimeError as exc:
+                raise ValueError(f"bound device {self.device!r}: {exc}") from None
         if self.max_tokens < 0 or not self.channel_timeout_s > 0:
             raise ValueError("bound max_tokens must be >= 0 and channel_timeout_s positive")
 
@@ -99,6 +129,7 @@ class _Pending:
     epoch: int
     transport: str
     sent_at: float  # time.monotonic(): unanswered after BIND_RETRY_S, the Bind is sent again
+    plane: str
 
 
 class BoundTransport:
@@ -123,6 +154,14 @@ class BoundTransport:
         self._tree_nodes = 0
         self._max_message_bytes = 0
         self._calls = 0
+        self._device: torch.device | None = _device(cfg.device) if cfg.device else None  # the caller's tensors'
+        self._planes: dict[torch.device, str] = {}  # the plane for the caller's tensors on each device
+        self._support = None  # the drafter's CudaIpcSupport (its AttachResponse's, or asked by Info)
+        self._ipc_refused = ""  # why the drafter refused or could not serve a cuda_ipc binding: host ring since
+        self._slabs = None  # the cuda_ipc backend (SLABS or TorchSlabs)
+        self._slab: BoundRing | None = None  # cuda_ipc: the ring's layout on the caller's GPU, shared with the drafter
+        self._events: dict[torch.device, tuple] = {}  # cuda_ipc: device -> ("inputs ready" event, its handle)
+        self._max_batch = 0  # the last Bind's max_batch (the rows of the drafter's output)
 
     @property
     def name(self) -> str:
@@ -138,6 +177,8 @@ class BoundTransport:
         if resp is not None:
             self._tree_nodes = len(resp.speculative_token_tree or [])
             self._max_message_bytes = resp.limits.max_message_bytes if resp.limits else 0
+        self._support = getattr(resp, "cuda_ipc", None) or self._ask_support(until)
+        self._planes.clear()
         self._ask(info)
         self._advance(info, until)
         return info
@@ -145,12 +186,16 @@ class BoundTransport:
     def request_drafts(self, session, request: ProposeRequest, timeout: float) -> DraftOutput:
         """One step: bound when the binding is live and the request fits it, else unbound."""
         deadline = time.monotonic() + timeout
-        if self.bound_to != session.session_id or self.link is None or not self.link.alive:
+        hidden = request.inputs.target_hidden_states
+        if hidden is not None and hidden.device != self._device:
+            self._device = hidden.device
+        if self.bound_to != session.session_id or self.link is None or not self.link.alive \
+                or self.link.plane != self._plane():
             self._ask(session)
             self._advance(session, 0.0)
         self.last_bound = False
         if self.link is not None and self.link.alive and self.bound_to == session.session_id \
-                and fits(self.ring, request, len(self.spec.kv_groups)):
+                and fits(self.ring, request, len(self.spec.kv_groups)):  # the ring's buffers are the slab's
             try:
                 out = self._bound_step(request, deadline)
                 self.last_bound = True
@@ -175,6 +220,9 @@ class BoundTransport:
 
     # ------------------------------------------------------------------ the bound step
     def _bound_step(self, request: ProposeRequest, deadline: float) -> DraftOutput:
+        accepted = request.accepted_counts.tolist() if request.accepted_counts is not None else None
+        if isinstance(self.link, IpcLink):
+            return self._ipc_step(request, accepted, deadline)
         t0 = time.perf_counter()
         device = request.inputs.target_hidden_states.device
         if device.type == "cuda":  # copies on the GPU, then one device-to-host copy of the used prefix
@@ -186,7 +234,22 @@ class BoundTransport:
         self.fill_s.append(time.perf_counter() - t0)
         self.steps["bound"] += 1
         drafts = self.link.step(n, b, request.batch_padded, request.tokens_padded,
-                                max(1e-3, deadline - time.monotonic()))
+                                max(1e-3, deadline - time.monotonic()), accepted)
+        return DraftOutput(drafts, None, request.batch_padded, request.tokens_padded)
+
+    def _ipc_step(self, request: ProposeRequest, accepted: list[int] | None, deadline: float) -> DraftOutput:
+        """The cuda_ipc step: one device copy per tensor into the shared slab (the current stream),
+        the header, then the drafts on the GPU ([batch, k] int64, a copy of the drafter's output
+        queued on the current stream after its wait on the drafts event); the error word is the
+        one host read (8 bytes and a stream sync): a set word raises INVALID_ARGUMENT naming its field."""
+        t0 = time.perf_counter()
+        n, b = fill(self._slab.views, request.inputs)
+        self.fill_s.append(time.perf_counter() - t0)
+        self.steps["bound"] += 1
+        view = self.link.step_async(n, b, request.batch_padded, request.tokens_padded,
+                                    max(1e-3, deadline - time.monotonic()), accepted)
+        drafts = view.clone()  # the view is the next step's output
+        self.link.raise_for(self.link.error_word())
         return DraftOutput(drafts, None, request.batch_padded, request.tokens_padded)
 
     # ------------------------------------------------------------------ binding
@@ -199,23 +262,72 @@ class BoundTransport:
         self.link, self._connecting, self._pending, self.bound_to = None, None, None, ""
 
     def _ask(self, session) -> None:
-        """Send a Bind for session unless one is on its way, it is bound, or the drafter refused it."""
+        """Send a Bind for session on the plane its tensors want, unless one is on its way, it is
+        bound so, or the drafter refused it."""
         if self.cfg.mode == "off" or session.session_id == self._refused:
             return
-        if self._pending is not None and self._pending.session_id == session.session_id \
-                and time.monotonic() - self._pending.sent_at < BIND_RETRY_S:
+        plane = self._plane()
+        pending = self._pending
+        if pending is not None and pending.session_id == session.session_id and pending.plane == plane \
+                and time.monotonic() - pending.sent_at < BIND_RETRY_S:
             return
-        if self._connecting is not None and self._connecting[1] == session.session_id:
+        if self._connecting is not None and self._connecting[1] == session.session_id \
+                and self._connecting[0].plane == plane:
             return
-        if self.link is not None and self.link.alive and self.bound_to == session.session_id:
+        if self.link is not None and self.link.alive and self.bound_to == session.session_id \
+                and self.link.plane == plane:
             return
         self._forget()
         transport = self.cfg.transport
         if transport == "auto":
             transport = "ipc" if _loopback(self.endpoint) else "tcp"
-        self._send_bind(session.session_id, int(session.epoch), transport, session)
+        self._send_bind(session.session_id, int(session.epoch), transport, session, plane)
 
-    def _send_bind(self, session_id: str, epoch: int, transport: str, session) -> None:
+    def _plane(self) -> str:
+        """The plane for the caller's tensors (cached per device): cuda_ipc where they are on a GPU
+        this drafter reads over CUDA IPC (as CudaIpcBoundClient decides), else the host ring; a
+        plane the config names, always."""
+        if self.cfg.plane not in (AUTO, wb.CUDA_IPC):
+            return self.cfg.plane
+        device = self._device
+        if device is None or self._ipc_refused:
+            return wb.HOST_RING
+        plane = self._planes.get(device)
+        if plane is None:
+            why = cannot_share(self._backend(), device, self._support)
+            plane = self._planes[device] = wb.HOST_RING if why else wb.CUDA_IPC
+            if why and device.type == "cuda":
+                log.info("bound session: the host ring for tensors on %s (%s)", device, why)
+        return plane
+
+    def _backend(self):
+        if self._slabs is None:
+            self._slabs = SLABS if SLABS is not None else cuda_slab.TorchSlabs()
+        return self._slabs
+
+    def _ask_support(self, until: float):
+        """The drafter's CudaIpcSupport by an Info on the control socket, where this process has a
+        GPU and the plane may be cuda_ipc (None otherwise, or without an answer by `until`)."""
+        if self.cfg.plane not in (AUTO, wb.CUDA_IPC) or not torch.cuda.is_available() \
+                or isinstance(self._backend(), cuda_slab.LocalSlabs):
+            return None
+        if self.control is None:
+            self.control = connect_socket(self.ctx, self.endpoint, data=False)
+        self._calls += 1
+        env = schema.Envelope(call_id=self._calls, method="Info")
+        try:
+            self.control.send_multipart([wb.encode(env), wb.encode(schema.InfoRequest(cuda_ipc_capable=True))],
+                                        flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        while self.control.poll(max(0, int((until - time.monotonic()) * 1000))):
+            frames = self.control.recv_multipart()
+            got = _ENVELOPE.decode(frames[0])
+            if got.call_id == self._calls:
+                return None if got.error is not None else _INFO.decode(frames[1]).cuda_ipc
+        return None
+
+    def _send_bind(self, session_id: str, epoch: int, transport: str, session, plane: str) -> None:
         buffers = session_buffers(self.spec, session, self.cfg.max_tokens, self._tree_nodes, self._max_message_bytes)
         if buffers is None:
             self._refuse(session_id, "the ring would not fit the drafter's message limit")
@@ -224,15 +336,27 @@ class BoundTransport:
             self.ring = BoundRing(buffers)
         if self.control is None:
             self.control = connect_socket(self.ctx, self.endpoint, data=False)
+        slab = self._share(buffers) if plane == wb.CUDA_IPC else None
+        self._max_batch = session.max_num_seqs
         self._calls += 1
-        body = wb.BindRequest(session_id=session_id, epoch=epoch, plane=self.cfg.plane, transport=transport,
-                              buffers=buffers, max_batch=session.max_num_seqs)
+        body = wb.BindRequest(session_id=session_id, epoch=epoch, plane=plane, transport=transport,
+                              buffers=buffers, max_batch=session.max_num_seqs, slab=slab)
         env = schema.Envelope(call_id=self._calls, method=wb.BIND_METHOD)
         try:
             self.control.send_multipart([wb.encode(env), wb.encode(body)], flags=zmq.NOBLOCK)
         except zmq.Again:  # the control socket's queue is full (no drafter): ask again on a later step
             return
-        self._pending = _Pending(self._calls, session_id, epoch, transport, time.monotonic())
+        self._pending = _Pending(self._calls, session_id, epoch, transport, time.monotonic(), plane)
+
+    def _share(self, buffers: list[wb.BufferSpec]) -> schema.CudaIpcTensor:
+        """The slab on the caller's device (kept while its layout and device stay), shared with
+        this device's "inputs ready" event: its reference for the Bind."""
+        device, slabs = self._device, self._backend()
+        if self._slab is None or self._slab.buffers != buffers or self._slab.slab.device != device:
+            self._slab = BoundRing(buffers, device=device)
+        if device not in self._events:
+            self._events[device] = slabs.new_event(device)
+        return slabs.share(self._slab.slab, self._events[device][1])
 
     def _advance(self, session, until: float) -> None:
         """Take the Bind's reply and connect its data socket, waiting until `until` at most."""
@@ -251,10 +375,11 @@ class BoundTransport:
                 continue
             resp = wb.BIND_RESPONSE_DECODER.decode(frames[1])
             try:
-                link = BoundLink(self.ctx, self.ring, resp, self.cfg.plane, self.endpoint)
-                self._connecting = (link, pending.session_id)
+                self._connecting = (self._link(resp, pending), pending.session_id)
             except ValueError as exc:  # an ipc data socket in a directory others may write
                 self._refuse(pending.session_id, str(exc))
+            except DrafterError as exc:  # the drafter's output cannot be opened here: the host ring
+                self._no_ipc(pending, session, f"{exc.field}: {exc.message}")
         if self._connecting is not None:
             link, session_id = self._connecting
             try:
@@ -266,8 +391,23 @@ class BoundTransport:
                 return
             if ready:
                 self.link, self.bound_to, self._connecting = link, session_id, None
-                log.info("session %s bound (%s, %s, ring %d bytes)", session_id, self.cfg.plane, link.resp.endpoint,
+                log.info("session %s bound (%s, %s, ring %d bytes)", session_id, link.plane, link.resp.endpoint,
                          len(self.ring.bytes))
+
+    def _link(self, resp: wb.BindResponse, pending: _Pending):
+        """The data path of a binding the drafter accepted (not connected yet)."""
+        if pending.plane != wb.CUDA_IPC:
+            return BoundLink(self.ctx, self.ring, resp, pending.plane, self.endpoint)
+        device = self._slab.slab.device
+        return IpcLink(self.ctx, self._backend(), device, resp, self._max_batch, len(self.spec.kv_groups),
+                       self._events[device][0], via=self.endpoint)
+
+    def _no_ipc(self, pending: _Pending, session, why: str) -> None:
+        """The drafter cannot serve this target over CUDA IPC (another container, no --allow-cuda-ipc
+        after all): the host ring from now on, asked for at once."""
+        self._ipc_refused = why
+        log.warning("session %s: cuda_ipc is not possible (%s); binding the host ring", pending.session_id, why)
+        self._send_bind(pending.session_id, pending.epoch, pending.transport, session, wb.HOST_RING)
 
     def _bind_refused(self, pending: _Pending, error, session) -> None:
         try:
@@ -275,8 +415,10 @@ class BoundTransport:
         except ValueError:
             code = Code.INTERNAL
         if code == Code.INVALID_ARGUMENT and error.field == "transport" and pending.transport == "ipc" \
-                and self.cfg.transport == "auto":
-            self._send_bind(pending.session_id, pending.epoch, "tcp", session)  # no ipc socket there: tcp
+                and self.cfg.transport == "auto":  # no ipc socket there: tcp
+            self._send_bind(pending.session_id, pending.epoch, "tcp", session, pending.plane)
+        elif pending.plane == wb.CUDA_IPC and error.field in ENVIRONMENT:
+            self._no_ipc(pending, session, f"the drafter refused {error.field}: {error.message}")
         elif code not in REBIND:  # a lost session is the unbound call's to report
             self._refuse(pending.session_id, f"{code.name} {error.field}: {error.message}")
 
@@ -408,6 +550,14 @@ def private(request: ProposeRequest) -> ProposeRequest:
         value = getattr(request.inputs, name)
         values[name] = [own(t) for t in value] if isinstance(value, list) else own(value)
     return replace(request, inputs=ProposeInputs(**values), accepted_counts=own(request.accepted_counts))
+
+
+def _device(name: str) -> torch.device:
+    """A device name with the current CUDA device's index where it names none."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _loopback(endpoint: str) -> bool:

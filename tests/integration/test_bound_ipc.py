@@ -10,6 +10,8 @@ the other session's KV bit-for-bit unchanged.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -168,3 +170,102 @@ def test_the_guarded_host_ring_drafts_equal_and_names_a_corrupt_step(tiny_root, 
         finally:
             a.client.close()
             b.client.close()
+
+
+def _bound_session(drafter, proposer):
+    """The drafter's binding of the proposer's session."""
+    return drafter.server._bound_plane.sessions[proposer.session.session_id]
+
+
+def test_the_remote_proposer_binds_over_cuda_ipc_and_drafts_equal_in_process(tiny_root, monkeypatch):
+    """BoundConfig(device=...) names where the target's tensors live: the RemoteProposer binds
+    the cuda_ipc plane at attach (its slab read in place by the drafter), each step copies its
+    tensors into the slab and sends the header alone; drafts equal the in-process engine's, the
+    accepted counts reach the drafter's acceptance metrics, a corrupt step is refused naming the
+    field (no drafts, the breaker untouched)."""
+    from coordinator.transport import bound_transport
+    from coordinator.transport.bound_ipc import IpcLink
+    from tests.integration.test_bound_remote import ProposerTarget
+
+    monkeypatch.setattr(bound_transport, "SLABS", LocalSlabs())
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        p = ProposerTarget(tiny_root, "eagle3", drafter, seed=4, device="cpu")
+        try:
+            assert p.proposer.start(), "attached"
+            transport = p.transport
+            assert isinstance(transport.link, IpcLink), "bound over cuda_ipc at attach"
+            session = _bound_session(drafter, p.proposer)
+            assert isinstance(session, bound_ipc.IpcBoundSession)
+            assert session.slab is transport._slab.slab, "the drafter reads the proposer's slab in place"
+            assert p.step(PLANS[0]) is not None
+            metrics = drafter.core.metrics
+            verified = metrics._verified.get(1, 0)
+            expected = p.ref.propose(**p.s_ref.call(PLANS[1]).kwargs).draft_token_ids
+            got = p.proposer.propose(**p.s_remote.call(PLANS[1]).kwargs, accepted_counts=torch.tensor([2, -1, 1]),
+                                     **PADDING)
+            assert got is not None and torch.equal(got, expected)
+            assert transport.steps == {"bound": 2, "unbound": 0}
+            bad = p.s_remote.call(PLANS[1]).kwargs
+            bad["slot_mappings"][0][-1] = -5
+            assert p.proposer.propose(**bad, **PADDING) is None
+            assert p.proposer.stats.no_drafts.get("invalid_argument") == 1
+            # counted after the step's reply, before the session's data thread takes the next step
+            assert metrics._verified.get(1, 0) == verified + 2, "the two reported rows were counted"
+            assert transport.steps["bound"] == 3 and transport.link.alive, "refused there; the binding stays"
+            # a step naming another binding (an earlier one of this session) is refused by the drafter
+            head = wb.StepHeader(step=999, num_tokens=13, batch=3, bind_id="0" * 32)
+            transport.link.sock.send(wb.encode(head))
+            assert transport.link.sock.poll(60_000)
+            done = wb.DONE_DECODER.decode(transport.link.sock.recv_multipart()[0])
+            assert (done.step, done.code, done.field) == (999, Code.FAILED_PRECONDITION, "bind_id"), done
+        finally:
+            p.close()
+
+
+def test_the_remote_proposer_learns_the_plane_from_its_tensors_and_binds_again_after_a_restart(
+        tiny_root, monkeypatch):
+    """Without BoundConfig.device the first step's tensors say where they live: the host-ring
+    binding made at attach gives way to a cuda_ipc one (that step goes unbound, exact); a drafter
+    restarted on the same port is attached and bound over cuda_ipc again by the proposer itself,
+    and no step returns drafts other than the in-process engine's."""
+    from coordinator.transport import bound_transport
+    from coordinator.transport.bound_ipc import IpcLink
+    from tests.integration.test_bound_remote import ProposerTarget
+
+    monkeypatch.setattr(bound_transport, "SLABS", LocalSlabs())
+    engine = _engine(tiny_root, "eagle3")
+    first = Drafter(engine).__enter__()
+    p = ProposerTarget(tiny_root, "eagle3", first, seed=5)
+    try:
+        assert p.proposer.start()
+        transport = p.transport
+        assert transport.link.plane == wb.HOST_RING, "where the tensors live is not known at attach"
+        assert p.step(PLANS[0]) is not None
+        # the step that found the plane went unbound, unless the new binding was ready before it was sent
+        assert transport.steps["unbound"] + transport.steps["bound"] == 1
+        transport._advance(p.proposer.session, time.monotonic() + 60)  # the cuda_ipc Bind's reply
+        assert isinstance(transport.link, IpcLink)
+        bound = transport.steps["bound"]
+        assert p.step(PLANS[1]) is not None
+        assert transport.steps["bound"] == bound + 1, "over cuda_ipc"
+        first.__exit__(None, None, None)
+        second = Drafter(engine, port=first.port).__enter__()
+        try:
+            generation, misses = p.proposer.generation, 0
+            while p.proposer.generation == generation:
+                assert p.step(PLANS[1]) is None, "a step on the dead binding returned drafts"
+                misses += 1
+                assert misses <= 3, list(p.proposer.events)
+            p.reset(seed=6)
+            assert isinstance(transport.link, IpcLink), "bound over cuda_ipc again at the re-attach"
+            bound = transport.steps["bound"]
+            assert p.step(PLANS[0]) is not None
+            assert transport.steps["bound"] == bound + 1
+            assert isinstance(_bound_session(second, p.proposer), bound_ipc.IpcBoundSession)
+        finally:
+            p.close()
+            second.__exit__(None, None, None)
+    finally:
+        p.close()
+        if first._thread.is_alive():
+            first.__exit__(None, None, None)

@@ -137,7 +137,8 @@ def test_only_zmq_transports_are_bound_and_mode_off_binds_nothing():
     assert bindable(grpc, SPEC, BoundConfig()) is grpc
 
 
-@pytest.mark.parametrize("kw", [dict(mode="always"), dict(transport="udp"), dict(plane="nccl"), dict(max_tokens=-1)])
+@pytest.mark.parametrize("kw", [dict(mode="always"), dict(transport="udp"), dict(plane="nccl"), dict(max_tokens=-1),
+                                dict(device="warp9")])
 def test_bound_config_refuses_what_it_cannot_do(kw):
     with pytest.raises(ValueError):
         BoundConfig(**kw)
