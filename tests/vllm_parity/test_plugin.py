@@ -46,7 +46,9 @@ def plugin_runs(method: str) -> dict[str, dict]:
     each attempt at a dead drafter costs."""
     # EAGLE-1: the drafter dies over ZMQ and stays dead; EAGLE-3: it dies over gRPC and a fresh one
     # (new epoch, empty KV) listens on the same ports before the next step
-    killed = ({"mode": "kill-zmq", "deadline_ms": 500} if method == "eagle" else
+    # (2 s: a live drafter's step on a loaded 2-core box, two vLLM processes side by side, must not
+    # miss it before the kill; the breaker keeps later attempts from each waiting that long)
+    killed = ({"mode": "kill-zmq", "deadline_ms": 2000} if method == "eagle" else
               {"mode": "kill-grpc", "restart": True, "deadline_ms": 2000})
     return {
         # configured like the k8s target-wiring overlay: environment variables
