@@ -60,7 +60,9 @@ def _engine(root, method, *, reference=False):
     if reference:
         return build_engine(root, method, **kw)
     if method not in _GRAPH_ENGINES:
-        engine = build_engine(root, method, attention_backend="triton", device="cpu", **kw)
+        # torch's GEMMs: the skinny kernel under the Triton interpreter cost most of this file's time on CPU,
+        # and tests/unit/test_step_kernels.py checks it on its own
+        engine = build_engine(root, method, attention_backend="triton", device="cpu", skinny_gemm="off", **kw)
         # the sizes these steps use only (an emulated capture runs every graph once: seconds each
         # under the interpreter), captured before the drafter serves, as a server does at load
         engine.graphs = GraphRunner(engine, emulate=True, combined=False)
