@@ -194,20 +194,7 @@ class HostRingClient:
 
     # ------------------------------------------------------------------ control
     def _call(self, method: str, body, decoder, deadline: float):
-        """One control request and its reply (stale replies of earlier calls are skipped)."""
-        call_id = next(self._calls)
-        self.control.send_multipart([wb.encode(schema.Envelope(call_id=call_id, method=method)), wb.encode(body)])
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.control.poll(int(left * 1000) + 1):
-                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"{method}: no reply in {self.timeout_s} s")
-            frames = self.control.recv_multipart()
-            env = _ENVELOPE.decode(frames[0])
-            if env.call_id != call_id:
-                continue
-            if env.error is not None:
-                raise DrafterError(Code(env.error.code), env.error.field, env.error.message)
-            return decoder.decode(frames[1])
+        return control_call(self.control, next(self._calls), method, body, decoder, deadline, self.timeout_s)
 
     def bind(self) -> wb.BindResponse:
         """Attach, register the buffers and connect the session's data socket."""
@@ -310,3 +297,19 @@ def join_channel(resp: wb.BindResponse, timeout_s: float):
         return dist.ProcessGroupGloo(dist.PrefixStore(resp.channel, store), 0, 2, timeout)
     except RuntimeError as exc:
         raise DrafterError(Code.UNAVAILABLE, "store", f"joining the gloo channel at {resp.store}: {exc}") from None
+
+
+def control_call(control: zmq.Socket, call_id: int, method: str, body, decoder, deadline: float, timeout_s: float):
+    """One control request and its reply on a DEALER (stale replies of earlier calls are skipped)."""
+    control.send_multipart([wb.encode(schema.Envelope(call_id=call_id, method=method)), wb.encode(body)])
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not control.poll(int(left * 1000) + 1):
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"{method}: no reply in {timeout_s} s")
+        frames = control.recv_multipart()
+        env = _ENVELOPE.decode(frames[0])
+        if env.call_id != call_id:
+            continue
+        if env.error is not None:
+            raise DrafterError(Code(env.error.code), env.error.field, env.error.message)
+        return decoder.decode(frames[1])

@@ -38,13 +38,12 @@ import msgspec
 import torch
 import zmq
 
-from coordinator.transport.bound_client import REBIND, _host, connect_socket, reachable
+from coordinator.transport.bound_client import REBIND, _host, connect_socket, control_call, reachable
 from drafter.wire import bound as wb
 from drafter.wire import cuda_ref, cuda_slab, schema
 from drafter.wire.errors import Code, DrafterError
 from drafter.wire.tensors import DTYPES
 
-_ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _ATTACH = msgspec.msgpack.Decoder(schema.AttachResponse)
 _DETACH = msgspec.msgpack.Decoder(schema.DetachResponse)
 ENVIRONMENT = ("slab.handle", "slab.device_uuid", "slab.step_event_handle", "output.handle",
@@ -247,19 +246,7 @@ class CudaIpcBoundClient:
         return connect_socket(self.ctx, endpoint, data=data)
 
     def _call(self, method: str, body, decoder, deadline: float):
-        call_id = next(self._calls)
-        self.control.send_multipart([wb.encode(schema.Envelope(call_id=call_id, method=method)), wb.encode(body)])
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.control.poll(int(left * 1000) + 1):
-                raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"{method}: no reply in {self.timeout_s} s")
-            frames = self.control.recv_multipart()
-            env = _ENVELOPE.decode(frames[0])
-            if env.call_id != call_id:
-                continue
-            if env.error is not None:
-                raise DrafterError(Code(env.error.code), env.error.field, env.error.message)
-            return decoder.decode(frames[1])
+        return control_call(self.control, next(self._calls), method, body, decoder, deadline, self.timeout_s)
 
     def bind(self) -> str:
         """Attach and bind over CUDA IPC, or fall back to the host ring; the plane in use."""

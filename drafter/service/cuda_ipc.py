@@ -20,13 +20,13 @@ after which the producer's allocator may reuse the memory.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections import OrderedDict
 
 import torch
 
 from drafter.wire import schema
+from drafter.wire import cuda_ref
 from drafter.wire.cuda_ref import FIELD, CudaIpcRef
 from drafter.wire.errors import invalid
 from drafter.service.logs import session_tag
@@ -46,9 +46,6 @@ class TorchCudaIpc:
     reusing the memory while it is mapped here.  Raw cudaIpcOpenMemHandle would skip the counter.
     """
 
-    def __init__(self):
-        self._driver = None
-
     def open_storage(self, ref: CudaIpcRef, device: torch.device) -> torch.UntypedStorage:
         # _new_shared_cuda: torch <= 2.1x; newer torch names it _new_shared_device (same 8 arguments)
         new_shared = getattr(torch.UntypedStorage, "_new_shared_cuda", None) or \
@@ -59,18 +56,10 @@ class TorchCudaIpc:
                               ref.ref_counter_handle.encode(), ref.ref_counter_offset, event,
                               ref.event_sync_required)
 
-    def mapped_bytes(self, storage: torch.UntypedStorage) -> int | None:
-        """Bytes the driver maps from the storage's first byte to the end of its allocation; None
-        if the driver cannot tell.  (cuMemGetAddressRange: torch has no API for an allocation's extent.)"""
-        if self._driver is None:
-            self._driver = ctypes.CDLL("libcuda.so.1")
-            self._driver.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
-                                                             ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        ptr = storage.data_ptr()
-        if self._driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr) != 0:
-            return None
-        return base.value + size.value - ptr
+    @staticmethod
+    def mapped_bytes(storage: torch.UntypedStorage) -> int | None:
+        """Bytes the driver maps from the storage's first byte to the end of its allocation (cuda_ref)."""
+        return cuda_ref.mapped_bytes(storage)
 
     def open_event(self, handle: bytes, device: torch.device):
         return torch.cuda.Event.from_ipc_handle(device, handle)

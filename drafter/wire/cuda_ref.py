@@ -22,6 +22,9 @@ What is accepted, and why:
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import math
 import re
 from dataclasses import dataclass
@@ -169,3 +172,20 @@ def decode_ref(m) -> CudaIpcRef:
     return CudaIpcRef(dtype, shape, stride, m.storage_offset, m.device_uuid, bytes(m.handle), m.storage_size_bytes,
                       m.storage_offset_bytes, m.ref_counter_handle, m.ref_counter_offset, bytes(m.event_handle),
                       bool(m.event_sync_required), bytes(m.step_event_handle))
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.c_uint64]
+    return lib
+
+
+def mapped_bytes(storage) -> int | None:
+    """Bytes the driver maps from a CUDA storage's first byte to the end of its allocation; None if
+    the driver cannot tell.  (cuMemGetAddressRange: torch has no API for an allocation's extent.)"""
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    if _driver().cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), storage.data_ptr()) != 0:
+        return None
+    return base.value + size.value - storage.data_ptr()

@@ -16,7 +16,6 @@ events are no-ops): the CPU tests run the whole plane over it.
 
 from __future__ import annotations
 
-import ctypes
 import secrets
 
 import torch
@@ -51,7 +50,6 @@ class TorchSlabs:
     """The CUDA side, through torch's CUDA IPC."""
 
     def __init__(self):
-        self._driver = None
         self._held: list = []  # storages shared out: kept while the binding lives
 
     # ---- producer
@@ -89,7 +87,7 @@ class TorchSlabs:
             raise invalid(f"{field}.handle", f"cannot open it on {device}: {type(exc).__name__}: "
                                              f"{str(exc)[:300]}") from None
         need = ref.bytes_needed
-        mapped = self._mapped_bytes(storage)
+        mapped = cuda_ref.mapped_bytes(storage)
         if storage.nbytes() < need or mapped is None or mapped < need:
             raise invalid(f"{field}.storage_size_bytes", f"the shared allocation does not hold the {need} bytes "
                                                          "the reference claims")
@@ -116,18 +114,6 @@ class TorchSlabs:
     def synchronize(event) -> None:
         """The host waits for the event (another process's work included)."""
         event.synchronize()
-
-    def _mapped_bytes(self, storage) -> int | None:
-        """Bytes the driver maps from the storage's first byte to the end of its allocation."""
-        if self._driver is None:
-            self._driver = ctypes.CDLL("libcuda.so.1")
-            self._driver.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
-                                                             ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        ptr = storage.data_ptr()
-        if self._driver.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr) != 0:
-            return None
-        return base.value + size.value - ptr
 
 
 class LocalSlabs:
