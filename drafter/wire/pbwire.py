@@ -29,6 +29,7 @@ from drafter.wire.tensors import (LIST_FIELDS, REQUIRED_FIELDS, TENSOR_FIELDS, _
 _FIELDS = pb.ProposeRequest.DESCRIPTOR.fields_by_name
 _TENSOR_NUMBERS = {_FIELDS[n].number: n for n in (*TENSOR_FIELDS, *LIST_FIELDS)}
 _REPEATED = {_FIELDS[n].number for n in LIST_FIELDS}
+_KNOWN = {f.number for f in pb.ProposeRequest.DESCRIPTOR.fields}
 _T = pb.Tensor.DESCRIPTOR.fields_by_name
 _DTYPE, _SHAPE, _DATA = _T["dtype"].number, _T["shape"].number, _T["data"].number
 LEN = 2  # wire type: length-delimited
@@ -191,7 +192,8 @@ def _split(raw: bytes) -> tuple[bytes, dict]:
             pos = stop
         else:
             pos = _skip(raw, pos, end, wire)
-            skeleton.append(raw[start:pos])
+            if num in _KNOWN:  # an unknown field changes no value of the parsed message: not copied
+                skeleton.append(raw[start:pos])  # (a large one cost two copies and a parse on the loop)
     return b"".join(skeleton), payloads
 
 
