@@ -17,7 +17,6 @@ the server's CPU seconds in each phase.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import threading
 import time
@@ -124,22 +123,15 @@ class _Attacker:
         self.report = json.loads(out.strip().splitlines()[-1])
 
 
-def _cpu_s(pid: int) -> float:
-    """A process's CPU time so far (user + system, all its threads), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _p99(xs) -> float:
     return float(np.percentile(np.asarray(xs) * 1e3, 99))
 
 
 def _phase(server, tiny_root, expected, seconds: float) -> tuple[dict, float, float]:
     """The valid clients' step latencies by transport, the phase's seconds and the server's CPU seconds."""
-    cpu0, t0 = _cpu_s(server.proc.pid), time.monotonic()
+    cpu0, t0 = attacks.process_cpu_s(server.proc.pid), time.monotonic()
     latencies = _run_valid(server, tiny_root, expected, seconds)
-    return latencies, time.monotonic() - t0, _cpu_s(server.proc.pid) - cpu0
+    return latencies, time.monotonic() - t0, attacks.process_cpu_s(server.proc.pid) - cpu0
 
 
 def test_soak_valid_clients_under_every_attack(server, tiny_root):
@@ -160,7 +152,7 @@ def test_soak_valid_clients_under_every_attack(server, tiny_root):
         print(f"valid {transport} clients' p99 step: unloaded {u:.1f} ms, under attack {a:.1f} ms ({a / u:.2f}x; "
               f"{len(unloaded[transport])} / {len(loaded[transport])} steps)")
     print(f"server CPU: {idle_cpu:.1f} s in {idle_s:.1f} s unloaded, {busy_cpu:.1f} s in {busy_s:.1f} s under "
-          f"attack; the attacker's (nice {ATTACKER_NICE}): {report['cpu_s']:.1f} s")
+          f"attack; the attackers' (nice {ATTACKER_NICE}) while it ran: {report['cpu_s']:.1f} s")
     print(f"server RSS {rss_before:.0f} -> {rss_after:.0f} MiB; 'call refused' log lines: {refused_lines}")
     assert not report["errors"], report["errors"]
     assert all(report["counts"].get(name) for name in ATTACKS), report["counts"]

@@ -3,9 +3,11 @@ tests/integration/test_abuse_soak.py): each attack repeats in its own thread, it
 line arrives on stdin (or it has run its most).  The process lowers its own CPU priority first (--nice),
 so on a small box it models attackers on other machines: what the valid clients lose is the server's
 cost of refusing, not the attackers' own CPU.  It prints {"event": "attacking"} once every attack has
-started, and at the end one JSON line: runs per attack and the first errors (a refusal not as expected).
+started (the Propose flooder: once it floods), and at the end one JSON line: runs per attack, the first
+errors (a refusal not as expected) and the CPU seconds it and its flooder spent between the two lines.
 
-    python -m tests.support.attacks GRPC_TARGET ZMQ_ENDPOINT TINY_ROOT --max-message BYTES [--nice N] [--only NAME]
+    python -m tests.support.attacks GRPC_TARGET ZMQ_ENDPOINT TINY_ROOT --max-message BYTES [--nice N]
+        [--sched-idle] [--only NAME]
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ ATTACKS = ("grpc-million-fields", "grpc-large-refused", "zmq-frames", "zmq-bytes
 _ENC = msgspec.msgpack.Encoder()
 
 
-def command(grpc_target: str, zmq_endpoint: str, tiny_root: Path, max_message: int, nice: int = 10
-            ) -> tuple[list[str], dict]:
+def command(grpc_target: str, zmq_endpoint: str, tiny_root: Path, max_message: int, nice: int = 10,
+            sched_idle: bool = False) -> tuple[list[str], dict]:
     """The argv and environment that run the attacker from a test (the repo on PYTHONPATH)."""
     from tests.support.servers import REPO
 
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return ([sys.executable, "-m", "tests.support.attacks", grpc_target, zmq_endpoint, str(tiny_root),
-             "--max-message", str(max_message), "--nice", str(nice)], {**os.environ, "PYTHONPATH": path})
+             "--max-message", str(max_message), "--nice", str(nice), *(["--sched-idle"] if sched_idle else [])],
+            {**os.environ, "PYTHONPATH": path})
 
 
 def big_refused_request(size: int) -> bytes:
@@ -55,6 +58,8 @@ class Attacks:
         self.grpc_target, self.zmq_endpoint, self.tiny_root = grpc_target, zmq_endpoint, tiny_root
         self.max_message = max_message
         self.stop, self.counts, self.errors = threading.Event(), {}, []
+        self.flooder_cpu_s = 0.0  # the Propose flooder's CPU seconds from its first flood to stop
+        self.cpu_s = 0.0  # this process's CPU seconds from "attacking" to stop
         self.started = threading.Semaphore(0)
         self.threads = [threading.Thread(target=self._loop, args=(name, fn), daemon=True)
                         for name, fn in self.attacks().items() if name in only]
@@ -67,7 +72,8 @@ class Attacks:
 
     def _loop(self, name, fn):
         ctx = zmq.Context()
-        self.started.release()
+        if name != "zmq-propose-flood":  # that one says so once its flooder floods
+            self.started.release()
         try:
             while not self.stop.is_set() and self.counts.get(name, 0) < BOUNDED.get(name, float("inf")):
                 fn(ctx)
@@ -145,7 +151,14 @@ class Attacks:
                                   "--stop-on-stdin", "--then", "detach")
         with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, cwd=REPO, env=env) as proc:
+            try:
+                ready = proc.stdout.readline()  # {"event": "flooding"}: its imports and attach are done
+                cpu0 = process_cpu_s(proc.pid)
+            finally:
+                self.started.release()
+            assert "flooding" in ready, proc.stderr.read()[-2000:]
             self.stop.wait()
+            self.flooder_cpu_s = process_cpu_s(proc.pid) - cpu0
             _, err = proc.communicate("stop\n", timeout=300)
         assert proc.returncode == 0, err[-2000:]
 
@@ -155,7 +168,9 @@ class Attacks:
         for _ in self.threads:
             self.started.acquire()
         print(json.dumps({"event": "attacking"}), flush=True)
+        cpu0 = process_cpu_s(os.getpid())
         sys.stdin.readline()
+        self.cpu_s = process_cpu_s(os.getpid()) - cpu0
         self.stop.set()
         for t in self.threads:
             t.join(120)
@@ -168,21 +183,32 @@ def main(argv=None) -> int:
     p.add_argument("tiny_root", type=Path)
     p.add_argument("--max-message", type=int, required=True)
     p.add_argument("--nice", type=int, default=10)
+    p.add_argument("--sched-idle", action="store_true",
+                   help="SCHED_IDLE: run only on CPU time nothing else of this box wants")
     p.add_argument("--only", action="append", choices=ATTACKS, help="run only this attack (repeatable)")
     args = p.parse_args(argv)
-    os.nice(args.nice)
+    lower_priority(args.nice, args.sched_idle)
     attacks = Attacks(args.grpc_target, args.zmq_endpoint, args.tiny_root, args.max_message,
                       tuple(args.only or ATTACKS))
     attacks.run_until_stdin()
     print(json.dumps({"event": "done", "counts": attacks.counts, "errors": attacks.errors[:3],
-                      "cpu_s": _cpu_seconds()}), flush=True)
+                      "cpu_s": attacks.cpu_s + attacks.flooder_cpu_s}), flush=True)
     return 0
 
 
-def _cpu_seconds() -> float:
-    """This process's CPU time and that of its finished children (the Propose flooder)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+def lower_priority(nice: int, sched_idle: bool) -> None:
+    """Before any thread starts (Linux applies both per thread; threads started later inherit them, and so
+    does the Propose flooder's process)."""
+    os.nice(nice)
+    if sched_idle:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def process_cpu_s(pid: int) -> float:
+    """A process's CPU seconds so far (user + system, all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
