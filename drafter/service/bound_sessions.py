@@ -19,8 +19,10 @@ the next step's, so a header that cannot be read ends the binding (FAILED_PRECON
 
 No per-tensor Python work per step: no decode, no staging, no per-field range pass.  A step whose
 flag word is set is refused with INVALID_ARGUMENT naming the first bad field and never reaches
-the engine, so it writes no KV at all (on a GPU the same checks would live inside the graphs and
-mask the bad rows to the padding slot; that is not built: see docs/remote-path.md).
+the engine, so it writes no KV at all.  That is the CPU drafter's path; a drafter on a GPU serves
+host-ring steps through drafter.service.bound_ipc.GuardedRingSession instead, whose step guard
+(drafter.engine.step_guard) checks the same fields on the GPU, masks bad rows to the padding
+slot and reports the first bad field in an error word.
 
 A session's data thread ends when the session is gone (detach, expiry), the server closes, or the
 session binds again.  The data sockets use a context of their own, so the server's context can
