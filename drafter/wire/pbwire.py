@@ -30,6 +30,7 @@ _FIELDS = pb.ProposeRequest.DESCRIPTOR.fields_by_name
 _TENSOR_NUMBERS = {_FIELDS[n].number: n for n in (*TENSOR_FIELDS, *LIST_FIELDS)}
 _REPEATED = {_FIELDS[n].number for n in LIST_FIELDS}
 _KNOWN = {f.number for f in pb.ProposeRequest.DESCRIPTOR.fields}
+_MAX_FIELD_NUMBER = (1 << 29) - 1  # protobuf's largest field number
 _T = pb.Tensor.DESCRIPTOR.fields_by_name
 _DTYPE, _SHAPE, _DATA = _T["dtype"].number, _T["shape"].number, _T["data"].number
 LEN = 2  # wire type: length-delimited
@@ -192,8 +193,11 @@ def _split(raw: bytes) -> tuple[bytes, dict]:
             pos = stop
         else:
             pos = _skip(raw, pos, end, wire)
-            if num in _KNOWN:  # an unknown field changes no value of the parsed message: not copied
-                skeleton.append(raw[start:pos])  # (a large one cost two copies and a parse on the loop)
+            # an unknown length-delimited field changes no value of the parsed message and protobuf checks
+            # nothing in it but its length (which _skip did): not copied, since a large one cost two copies
+            # and a parse on the loop.  Anything else goes to protobuf, which judges its validity.
+            if wire != LEN or num in _KNOWN or not 0 < num <= _MAX_FIELD_NUMBER:
+                skeleton.append(raw[start:pos])
     return b"".join(skeleton), payloads
 
 
