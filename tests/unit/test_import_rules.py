@@ -2,7 +2,7 @@
 
 drafter/wire is what both ends speak, so it imports neither the server (drafter.service) nor the
 client (coordinator).  The client library target engines import (coordinator, less its
-reference target, demo and load test) speaks drafter.wire and never drafter.service; the drafter never
+reference target, demo, load test and benchmarks) speaks drafter.wire and never drafter.service; the drafter never
 imports coordinator (its tools, which drive real clients, excepted); measurement code
 (drafter.tools) is imported by nothing in the product; and inside drafter no package imports one
 above it: wire < kernels < attention, models < engine < service < tools, cli.
@@ -30,7 +30,7 @@ LAYERS = {
     "drafter.cli": 5,
     "drafter.__main__": 5,
 }
-CLIENT_EXCLUDED = ("coordinator.target", "coordinator.demo", "coordinator.loadtest")
+CLIENT_EXCLUDED = ("coordinator.target", "coordinator.demo", "coordinator.loadtest", "coordinator.bench")
 TOOLS = ("drafter.tools",)
 PRODUCT = ("drafter.wire", "drafter.kernels", "drafter.attention", "drafter.models", "drafter.engine",
            "drafter.service")

@@ -1,6 +1,6 @@
 """What --weights fp8 costs in acceptance: the trained tiny pair, greedy speculation, per draft position.
 
-    python -m drafter.tools.bench.fp8_acceptance --out bench/results/2026-11-25-fp8-acceptance
+    python -m coordinator.target.fp8_acceptance --out bench/results/2026-11-25-fp8-acceptance
 
 Trains (or reuses, under --work) the target + head pair of coordinator.target.distill for each
 method, then runs the reference target engine (coordinator.target.engine) with the in-process drafter
@@ -98,7 +98,7 @@ def table(results: list[dict], meta: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m drafter.tools.bench.fp8_acceptance", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m coordinator.target.fp8_acceptance", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="folder for results.json and table.md")
     p.add_argument("--work", default="/tmp/drafter-fp8-acceptance", help="where the trained pairs are written "
                                                                          "(reused when present)")
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         results.append(measure(pair, method, cfg.sizes.aux_layer_ids, args.k, args.requests, args.max_new_tokens,
                                args.seed, cfg.sizes.vocab_size, log))
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python -m drafter.tools.bench.fp8_acceptance " + " ".join(sys.argv[1:] if argv is None
+            "command": "python -m coordinator.target.fp8_acceptance " + " ".join(sys.argv[1:] if argv is None
                                                                                   else argv),
             "host": f"{platform.node()} ({platform.machine()}, {torch.get_num_threads()} torch thread)",
             "torch": torch.__version__, "python": platform.python_version()}

@@ -1,6 +1,6 @@
 """Host time of the RemoteProposer's copies into its bound ring (one copy per tensor), per step.
 
-    python -m drafter.tools.bench.bound_fill [--batch 1,16,64 --k 3 --threads 1 --json OUT]
+    python -m coordinator.bench.bound_fill [--batch 1,16,64 --k 3 --threads 1 --json OUT]
 
 coordinator.transport.bound_transport copies a decode step's tensors (EAGLE-3 at Llama-3.1-8B
 shapes: 3 x 4096 bfloat16 hidden states per token, max_model_len 8192, 16-token blocks) into the
