@@ -159,11 +159,7 @@ class BoundLink:
             done = wb.DONE_DECODER.decode(frames[0].buffer)
             if done.step != step:
                 continue  # an answer to a step that already timed out
-            if done.code:
-                code = Code(done.code)
-                if code in REBIND:
-                    self.close()
-                raise DrafterError(code, done.field, done.message)
+            raise_if_refused(done, self.close)
             drafts = torch.frombuffer(bytearray(frames[1].buffer), dtype=torch.int64)
             return drafts.view(batch, self.width)
 
@@ -297,6 +293,16 @@ def join_channel(resp: wb.BindResponse, timeout_s: float):
         return dist.ProcessGroupGloo(dist.PrefixStore(resp.channel, store), 0, 2, timeout)
     except RuntimeError as exc:
         raise DrafterError(Code.UNAVAILABLE, "store", f"joining the gloo channel at {resp.store}: {exc}") from None
+
+
+def raise_if_refused(done: wb.StepDone, close) -> None:
+    """A refused step as the DrafterError it names; the link is closed first where the binding is
+    gone (REBIND codes: the next step binds again)."""
+    if done.code:
+        code = Code(done.code)
+        if code in REBIND:
+            close()
+        raise DrafterError(code, done.field, done.message)
 
 
 def control_call(control: zmq.Socket, call_id: int, method: str, body, decoder, deadline: float, timeout_s: float):

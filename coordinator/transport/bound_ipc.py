@@ -38,7 +38,7 @@ import msgspec
 import torch
 import zmq
 
-from coordinator.transport.bound_client import REBIND, _host, connect_socket, control_call, reachable
+from coordinator.transport.bound_client import _host, connect_socket, control_call, raise_if_refused, reachable
 from drafter.wire import bound as wb
 from drafter.wire import cuda_ref, cuda_slab, schema
 from drafter.wire.errors import Code, DrafterError
@@ -144,11 +144,7 @@ class IpcLink:
             done = wb.DONE_DECODER.decode(frames[0])
             if done.step != step:
                 continue  # an answer to a step that already timed out
-            if done.code:
-                code = Code(done.code)
-                if code in REBIND:
-                    self.close()
-                raise DrafterError(code, done.field, done.message)
+            raise_if_refused(done, self.close)
             return done
 
     def step_async(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int, timeout_s: float,
