@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from drafter.tools.bench.grid import bind_call, decode_call
-from drafter.tools.bench.remote import HEAD_CONFIG, TINY, _build, server_args
+from drafter.tools.bench.remote import HEAD_CONFIG, TINY, _build, server_args, wait_ready
 
 CLIENTS = ("cuda_ipc", "cuda_ipc_host_wait", "host_ring", "unbound", "unbound_cuda_ipc")
 WARMUP = 30
@@ -196,22 +196,13 @@ def start_server(model_dir: str, args, log):
     cmd = [sys.executable, "-m", "drafter.tools.bench.remote", "serve", *engine_args(model_dir, args),
            "--zmq-ipc", f"{run_dir}/drafter.sock"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"drafter serve exited with {proc.wait()}")
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if ev.get("event") == "failed":
-            raise RuntimeError(f"drafter serve failed: {ev}")
-        if ev.get("event") == "ready":
-            log(f"server ready: zmq {ev['zmq_port']}")
-            return proc, f"tcp://127.0.0.1:{ev['zmq_port']}"
-    proc.kill()
-    raise RuntimeError("drafter serve was not ready in time")
+    try:
+        ev = wait_ready(proc)
+    except RuntimeError:
+        proc.kill()
+        raise
+    log(f"server ready: zmq {ev['zmq_port']}")
+    return proc, f"tcp://127.0.0.1:{ev['zmq_port']}"
 
 
 def buffers(args, batch: int, columns: int):

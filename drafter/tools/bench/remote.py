@@ -49,6 +49,25 @@ TINY = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, 
         "intermediate_size": 256, "vocab_size": 1000, "draft_vocab_size": 500, "target_hidden_size": 128}
 
 
+def wait_ready(proc: subprocess.Popen, timeout_s: float = 240) -> dict:
+    """The served drafter's "ready" event from its stdout (JSON lines); RuntimeError if it fails,
+    exits or is not ready within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"drafter serve exited with {proc.wait()}")
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if ev.get("event") == "failed":
+            raise RuntimeError(f"drafter serve failed: {ev}")
+        if ev.get("event") == "ready":
+            return ev
+    raise RuntimeError("drafter serve was not ready in time")
+
+
 def server_args(model_dir: str, batch: int, k: int, ctx: int, kv_blocks: int, device: str = "cuda:0") -> list[str]:
     gpu = device.startswith("cuda")
     return ["--method", "eagle3", "--model", model_dir, "--device", device, "--dtype", "bfloat16",
@@ -159,22 +178,7 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
     results = {}
     rtts: dict = {}
     try:
-        ready = None
-        deadline = time.monotonic() + 240
-        while ready is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"drafter serve exited with {proc.wait()}")
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if ev.get("event") == "failed":
-                raise RuntimeError(f"drafter serve failed: {ev}")
-            if ev.get("event") == "ready":
-                ready = ev
-        if ready is None:
-            raise RuntimeError("drafter serve was not ready in time")
+        ready = wait_ready(proc)
         log(f"server ready: grpc {ready['grpc_port']}, zmq {ready['zmq_port']}")
         per_session = args.kv_blocks // 4
 
