@@ -281,10 +281,15 @@ def build_engine(head, spec, k: int, batches: list[int], max_ctx: int, device, s
         device=str(device), dtype="bfloat16", attention_backend="triton", use_cuda_graphs=True,
         skinny_gemm=skinny_gemm, weights=weights)
     engine = DraftEngine(head, spec, cfg)
-    g = torch.Generator(device=device).manual_seed(1)
-    for cache in engine.kv.layers:
-        cache.normal_(generator=g)  # random KV: never time on zeros
+    random_kv(engine)
     return engine
+
+
+def random_kv(engine) -> None:
+    """Fill every KV layer from a seeded normal: never time attention on zeros."""
+    g = torch.Generator(device=engine.kv.layers[0].device).manual_seed(1)
+    for cache in engine.kv.layers:
+        cache.normal_(generator=g)
 
 
 def bench_engine(engine, head_name: str, spec, wbytes, k: int, batches, contexts, bw: float, peak: float,

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from drafter.engine.config import EngineConfig, KVGroupSpec
-from drafter.tools.bench.grid import BLOCK_SIZE, SPECS, decode_call, on_device, random_head
+from drafter.tools.bench.grid import BLOCK_SIZE, SPECS, decode_call, on_device, random_head, random_kv
 from drafter.models.layers import LayerShape
 from drafter.models.spec import ModelSpec
 
@@ -101,9 +101,7 @@ def _engine(head, spec, k: int, batch: int, ctx: int, outcomes: int, device: str
         dtype="float32" if tiny else "bfloat16", attention_backend="triton" if gpu else "reference",
         use_cuda_graphs=gpu, predraft_outcomes=outcomes)
     engine = DraftEngine(head, spec, cfg)
-    g = torch.Generator(device=device).manual_seed(1)
-    for cache in engine.kv.layers:
-        cache.normal_(generator=g)  # random KV: never time on zeros
+    random_kv(engine)
     if engine.graphs is not None:
         with torch.inference_mode():
             engine.graphs.capture()

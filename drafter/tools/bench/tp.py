@@ -47,6 +47,7 @@ from drafter.engine.config import EngineConfig, KVGroupSpec
 from drafter.models.layers import LayerShape
 from drafter.models.sharding import Shard
 from drafter.models.spec import ModelSpec
+from drafter.tools.bench.grid import random_kv
 
 BLOCK_SIZE = 16
 HEADS = ("deepseek-v3-mtp", "eagle3-70b", "deepseek-tiny", "eagle3-tiny")
@@ -180,9 +181,7 @@ def _engine(head, spec, k: int, plan: Plan, device: torch.device, dtype: torch.d
         device=str(device), dtype=str(dtype).removeprefix("torch."), use_cuda_graphs=device.type == "cuda",
         skinny_gemm="off")
     engine = DraftEngine(head, spec, cfg)
-    g = torch.Generator(device=device).manual_seed(1)
-    for cache in engine.kv.layers:
-        cache.normal_(generator=g)  # random KV: never time on zeros
+    random_kv(engine)
     if engine.graphs is not None:
         with torch.inference_mode():
             engine.graphs.capture()
