@@ -35,8 +35,6 @@ and is answered INVALID_ARGUMENT naming the first bad field).
 
 from __future__ import annotations
 
-import secrets
-import threading
 import time
 
 import torch
@@ -144,10 +142,8 @@ class GuardedRingSession(_Guarded, BoundSession):
     """A host-ring session on a GPU drafter: pinned ring -> one copy to the GPU -> guard -> replay."""
 
     def __init__(self, plane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
-        self.plane, self.session, self.slots = plane, s, slots
-        self.core = plane.core
+        self._own(plane, s, slots)
         engine = self.core.engine
-        self.bind_id = secrets.token_hex(16)
         self.device = _engine_device(engine)
         pinned = self.device.type == "cuda"
         self.ring = torch.zeros(total, dtype=torch.uint8, pin_memory=pinned)  # [total]: the frames land here
@@ -156,13 +152,7 @@ class GuardedRingSession(_Guarded, BoundSession):
         self.groups = len(s.num_blocks)
         self._bind_engine(engine, s, req.max_batch)
         self._host_out = torch.zeros(self.output.shape, dtype=torch.int64, pin_memory=pinned)  # [words]
-        self.plane_name = req.plane
-        self.sock: zmq.Socket | None = None
-        self.endpoint = ""
-        self.store, self.store_endpoint, self.channel = None, "", None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._accepted: list[int] = []
+        self._link_state(req)
 
     def run_step(self, head: wb.StepHeader, nbytes: int) -> bytes:
         return on_engine(self, self.step, head, nbytes)
@@ -191,10 +181,8 @@ class IpcBoundSession(_Guarded, BoundSession):
     """One session bound over CUDA IPC: the target's slab, the guard, the engine binding, the events."""
 
     def __init__(self, plane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
-        self.plane, self.session, self.slots = plane, s, slots
-        self.core = plane.core
+        self._own(plane, s, slots)
         engine = self.core.engine
-        self.bind_id = secrets.token_hex(16)
         self.backend, support = _backend(self.core)
         ref = cuda_slab.check_ref(req.slab, SLAB, total)
         if support is not None and ref.device_uuid not in support.device_uuids:
@@ -208,13 +196,7 @@ class IpcBoundSession(_Guarded, BoundSession):
         self.done_event, self.done_handle = self.backend.new_event(self.device)
         self._bind_engine(engine, s, req.max_batch)
         self.output_ref = self.backend.share(self.output.view(torch.uint8), self.done_handle)
-        self.plane_name = req.plane
-        self.sock: zmq.Socket | None = None
-        self.endpoint = ""
-        self.store, self.store_endpoint, self.channel = None, "", None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._accepted: list[int] = []
+        self._link_state(req)
 
     # ------------------------------------------------------------------ data socket
     def _receive_and_run(self, sock: zmq.Socket, ring) -> tuple[wb.StepDone, bytes]:

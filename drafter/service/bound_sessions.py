@@ -176,10 +176,8 @@ class BoundSession:
     """One session's ring, its engine binding and its data socket (built on the engine thread)."""
 
     def __init__(self, plane: BoundPlane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
-        self.plane, self.session, self.slots = plane, s, slots
-        self.core = plane.core
+        self._own(plane, s, slots)
         engine = self.core.engine
-        self.bind_id = secrets.token_hex(16)
         self.ring = torch.empty(total, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
         self.ring.zero_()
         self.views = {sl.name: _view(self.ring, sl) for sl in slots}
@@ -197,6 +195,16 @@ class BoundSession:
                 num_rejected_tokens=v.get("num_rejected_tokens"), drafts=self.drafts)
         except InvalidInput as exc:
             raise invalid(exc.field, str(exc)) from None
+        self._link_state(req)
+
+    def _own(self, plane: BoundPlane, s, slots: list[wb.Slot]) -> None:
+        """Whose binding this is: the plane, the session, the ring's slots, a fresh bind id."""
+        self.plane, self.session, self.slots = plane, s, slots
+        self.core = plane.core
+        self.bind_id = secrets.token_hex(16)
+
+    def _link_state(self, req: wb.BindRequest) -> None:
+        """The data link's state before open(): no socket, store, channel or thread yet."""
         self.plane_name = req.plane
         self.sock: zmq.Socket | None = None
         self.endpoint = ""
