@@ -23,8 +23,13 @@ How a command runs: `bash -c` in a temporary directory, one per document, in doc
 outputs land there and a later example may use them; absolute paths such as /tmp/tiny stay as
 written), with `drafter` and `drafter-loadtest` on PATH as this
 checkout's code, at most TIMEOUT_S.  `drafter serve` runs until its JSON "ready" line, then gets
-SIGTERM and must drain and exit 0 (it serves forever otherwise).  Every command must exit 0, and
-some must also print what the text promises (EXPECT) and not what it must not (REJECT).
+SIGTERM and must drain and exit 0 (it serves forever otherwise).  Its listening ports are the one
+thing not run as written: each `--*-port N` becomes `--*-port 0` (the server binds a free port and
+its ready line names it, which the check requires for every port flag written).  A fixed port is
+not this machine's to take: 50051 and 50052 lie in Linux's ephemeral range (32768-60999), where
+any test's client socket may hold them as its source port, and a second run of this check (or a
+real drafter) may hold any of them.  Every command must exit 0, and some must also print what the
+text promises (EXPECT) and not what it must not (REJECT).
 
     python3 -m tests.e2e.docs_commands            # list every command and what happens to it
 """
@@ -208,11 +213,23 @@ def run(cmd: Command, workdir: Path, timeout_s: float = TIMEOUT_S) -> tuple[bool
     return True, output[-500:]
 
 
+PORT_FLAG = re.compile(r"(--(grpc|zmq|health|metrics)-port)(=|\s+)(\d+)\b")
+
+
+def free_ports(command: str) -> tuple[str, tuple[str, ...]]:
+    """(command with every listening port written as 0, the ready-line keys those flags fill):
+    `--grpc-port 50051` -> `--grpc-port 0`, key "grpc_port"."""
+    keys = tuple(f"{m.group(2)}_port" for m in PORT_FLAG.finditer(command))
+    return PORT_FLAG.sub(lambda m: f"{m.group(1)}{m.group(3)}0", command), keys
+
+
 def _run_server(cmd: Command, workdir: Path, env: dict, timeout_s: float) -> tuple[bool, str]:
-    """Until its "ready" line, then SIGTERM: it must drain and exit 0."""
+    """Until its "ready" line, then SIGTERM: it must drain and exit 0.  Ports written in the
+    command are bound as 0 (free ones), and the ready line must name a real port for each."""
     log = workdir / "serve.log"
+    command, port_keys = free_ports(cmd.run)
     with open(log, "wb") as err:
-        proc = subprocess.Popen(["bash", "-c", f"exec {cmd.run}"], cwd=workdir, env=env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=workdir, env=env, stdout=subprocess.PIPE,
                                 stderr=err)
     try:
         ready = None
@@ -226,6 +243,10 @@ def _run_server(cmd: Command, workdir: Path, env: dict, timeout_s: float) -> tup
                 break
         if not ready or ready["event"] != "ready":
             return False, f"no ready line ({ready}); log: {log.read_text()[-3000:]}"
+        unbound = [k for k in port_keys if not isinstance(ready.get(k), int) or ready[k] <= 0]
+        if unbound:
+            proc.send_signal(signal.SIGTERM)
+            return False, f"ready line names no port for {unbound}: {ready}"
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout_s)
         return code == 0, f"ready on ports {ready.get('grpc_port')}/{ready.get('zmq_port')}, exit {code} after SIGTERM"

@@ -23,6 +23,17 @@ def test_the_readme_and_docs_have_runnable_commands():
     assert any(c.run == "drafter demo" for c in COMMANDS), "the README's first command is the demo"
 
 
+def test_a_served_example_binds_free_ports_and_the_ready_line_must_name_each():
+    """A port written in the docs (50051 is in the ephemeral range) is bound as 0 here."""
+    cmd, keys = docs_commands.free_ports("drafter serve --x 1 --grpc-port 50051 --zmq-port=5555 --health-port  50052 "
+                                         "--metrics-port 9400 --max-inflight-per-client 128")
+    assert cmd == "drafter serve --x 1 --grpc-port 0 --zmq-port=0 --health-port  0 --metrics-port 0 " \
+                  "--max-inflight-per-client 128"
+    assert keys == ("grpc_port", "zmq_port", "health_port", "metrics_port")
+    served = [c for c in COMMANDS if c.run.startswith("drafter serve") and not c.skip]
+    assert served and all(docs_commands.free_ports(c.run)[1] for c in served), [c.id for c in served]
+
+
 @pytest.fixture(scope="module")
 def workdirs():
     """One working directory per document: its commands run in order there, so a later example may
