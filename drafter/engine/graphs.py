@@ -39,6 +39,15 @@ else: the workspace of its graphs is allocated during its first capture, inside 
 which lives as long as its graphs; freed by inductor, that memory stays in the pool, mapped and
 unused by others.
 
+A tensor-parallel head (its shard's world > 1) is captured the same way with its NCCL collectives
+inside the graphs ("all ranks replay the same padded graph"): every rank builds the same runner
+from the same config, so it captures the same graphs in the same order, and every call reaches all
+ranks with the same inputs and padded sizes (drafter.service.tp broadcasts them), so all ranks
+replay the same graph and its collectives pair up.  One eager collective runs before the first
+capture (NCCL creates its communicator lazily, which a capture cannot do), and capture uses
+torch's "thread_local" error mode: the process group's watchdog thread queries its events while
+the capture runs, which the "global" mode would count as an error of this capture.
+
 Greedy drafting only: a call with temperatures, or asking for probabilities or logits, runs
 eagerly, as does a call above the largest size captured.
 
@@ -92,6 +101,8 @@ class GraphRunner:
             if use_combined else []
         self.pool = None
         self.stream = None  # the capture stream, this runner's alone (private_stream)
+        shard = getattr(engine.head, "shard", None)
+        self.sharded = shard is not None and shard.world > 1  # NCCL collectives inside the graphs
         self.graphs: list = []  # keeps captured CUDAGraph objects alive
         self.replays = 0  # calls answered by graphs
         self.combined_replays = 0  # of which by one combined graph
@@ -109,6 +120,8 @@ class GraphRunner:
         if not self.emulate:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = private_stream(self.device)
+            if self.sharded:
+                open_communicator(self.device)
         neutralize(self.engine.buffers)  # warm-up runs must write no KV
         self.header.clear()
         for t, b in reversed(self.combined_sizes):
@@ -132,7 +145,8 @@ class GraphRunner:
             fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        mode = "thread_local" if self.sharded else "global"
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=mode):
             fn()
         self.graphs.append(graph)
         # the C++ replay itself where torch exposes it: the Python override adds a per-call check
@@ -238,6 +252,14 @@ def readable_in_place(t: torch.Tensor, device: torch.device) -> bool:
     if t.device == device:
         return True
     return device.type == "cuda" and t.device.type == "cpu" and t.is_contiguous() and t.is_pinned()
+
+
+def open_communicator(device: torch.device) -> None:
+    """One eager all-reduce on the process group, waited for: NCCL's communicator exists before a
+    capture records collectives on it (every rank of the group must call this together)."""
+    probe = torch.zeros(1, device=device)
+    torch.distributed.all_reduce(probe)
+    torch.cuda.synchronize(device)
 
 
 def neutralize(buf) -> None:

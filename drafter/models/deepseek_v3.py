@@ -99,6 +99,8 @@ class DeepseekMTPHead(nn.Module):
         self.layers = nn.ModuleList(
             DeepseekMTPLayer(s, config.vocab_size, config.fp8_block, shard) for s in config.layers)
         self.kv_group_of_layer = tuple(0 for _ in config.layers)
+        if shard.world > 1:  # greedy drafts from each rank's top-1 (drafter.models.heads.DraftHead's rule)
+            self.greedy_draft = self.sharded_greedy_draft
 
     def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H]
         return hidden
@@ -139,3 +141,8 @@ class DeepseekMTPHead(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:  # [n, H] -> [n, V]
         shared = self.layers[step % len(self.layers)].shared_head
         return shared.logits(shared.norm(hidden))
+
+    def sharded_greedy_draft(self, hidden: torch.Tensor, step: int) -> torch.Tensor:  # [n, H] -> [n] int64
+        """Greedy ids over the vocabulary split by rows, without gathering [n, V] logits (Shard.greedy_ids)."""
+        shared = self.layers[step % len(self.layers)].shared_head
+        return self.shard.greedy_ids(shared.head(shared.norm(hidden)))

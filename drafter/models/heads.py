@@ -9,7 +9,9 @@ Tensor parallel (a Shard of world N, the spec from drafter.models.llama_shard.sh
 embedding and lm_head hold this rank's vocabulary rows (lookups summed, logits gathered over ranks),
 fc / eh_proj this rank's output rows (gathered), attention its own heads and the MLP its own
 intermediate columns (partial sums added).  Every rank ends each step with the whole hidden state
-and the whole logits, so every rank samples the same drafts.
+and the whole logits, so every rank samples the same drafts.  A greedy draft needs no whole logits:
+a sharded head's greedy_draft takes each rank's top-1 over its own vocabulary rows and keeps the
+best (Shard.greedy_ids, torch.argmax's ties), one small gather instead of [tokens, vocab].
 """
 
 from __future__ import annotations
@@ -29,6 +31,19 @@ class DraftHead(nn.Module):
         self.spec = spec
         self.shard = shard
         self.kv_group_of_layer = spec.kv_group_of_layer
+        if shard.world > 1:  # the proposer's greedy hook (drafter.engine.proposer._sample)
+            self.greedy_draft = self.sharded_greedy_draft
+
+    def local_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:  # [n, H] -> [n, vocab / world]
+        """This rank's vocabulary rows of the logits (all of them in one process)."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:  # [n, H] -> [n, vocab]
+        return self.shard.all_gather_last(self.local_logits(hidden, step))
+
+    def sharded_greedy_draft(self, hidden: torch.Tensor, step: int) -> torch.Tensor:  # [n, H] -> [n] int64
+        """Greedy draft ids in the target vocabulary without gathering the logits."""
+        return self.draft_to_target(self.shard.greedy_ids(self.local_logits(hidden, step)))
 
     def combine_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
@@ -73,8 +88,8 @@ class EagleHead(DraftHead):
         x = self._run_layers(x, positions, kv_caches, metas, backend, self.layers_for_step(step))
         return x, x
 
-    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:  # [n, H] -> [n, vocab]
-        return self.shard.all_gather_last(self.lm_head(hidden))
+    def local_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:  # [n, H] -> [n, vocab / world]
+        return self.lm_head(hidden)
 
 
 class Eagle3Layer(nn.Module):
@@ -128,8 +143,8 @@ class Eagle3Head(DraftHead):
             x = layer(x, positions, kv_caches[i], metas[self.kv_group_of_layer[i]], backend)
         return self.norm(x), x  # logits read the normed state; the next step consumes the pre-norm one
 
-    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:  # [n, H] -> [n, draft vocab]
-        return self.shard.all_gather_last(self.lm_head(hidden))
+    def local_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:  # [n, H] -> [n, draft vocab / world]
+        return self.lm_head(hidden)
 
 
 class SharedHead(nn.Module):
@@ -174,9 +189,9 @@ class MTPHead(DraftHead):
         x = layer(x, positions, kv_caches[i], metas[self.kv_group_of_layer[i]], backend)
         return x, x
 
-    def compute_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:
+    def local_logits(self, hidden: torch.Tensor, step: int = 0) -> torch.Tensor:  # [n, H] -> [n, vocab / world]
         shared = self.layers[step % len(self.layers)].shared_head
-        return self.shard.all_gather_last(shared.head(shared.norm(hidden)))
+        return shared.head(shared.norm(hidden))
 
 
 HEADS = {"eagle": EagleHead, "eagle3": Eagle3Head, "mtp": MTPHead}

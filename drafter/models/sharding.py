@@ -3,10 +3,20 @@
 A Shard of world 1 is the single-process model: every collective is the identity.  With world
 N the process group is torch.distributed's default (NCCL on GPUs, gloo on CPU); layers split
 attention heads, experts and the vocabulary evenly and sum or gather partial results here.
+
+Every collective here is safe inside a CUDA graph capture (drafter.engine.graphs captures the
+sharded head with NCCL inside): outputs are allocated by torch ops on the capturing stream and
+filled by one collective each, and nothing reads a device value on the host.  Greedy drafting
+over a vocabulary split by rows needs no [tokens, vocab] gather: each rank's own top-1 (value,
+global id) is gathered and the best kept (greedy_ids), with torch.argmax's tie rule.
+
+`recording(calls)` lists each collective a forward issues (kind, shape, dtype), so a benchmark
+can replay the step's collectives alone (drafter.tools.bench.tp's NCCL time per step).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -44,18 +54,66 @@ class Shard:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:  # [...], summed over ranks in place
         if self.world > 1:
+            _note("all_reduce", x)
             torch.distributed.all_reduce(x)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:  # [..., d] -> [..., world * d]
         if self.world == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        torch.distributed.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        stacked = self.all_gather_rows(x)  # [world, ..., d]
+        return stacked.movedim(0, -2).reshape(*x.shape[:-1], self.world * x.shape[-1])
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:  # [...] -> [world, ...], rank order
+        """Every rank's x stacked, by one collective into a tensor allocated here."""
+        out = torch.empty((self.world, *x.shape), dtype=x.dtype, device=x.device)
+        _note("all_gather", x)
+        _gather_single(out.flatten(0, 1), x.contiguous())  # x: at least one dim
+        return out
+
+    def greedy_ids(self, local_logits: torch.Tensor) -> torch.Tensor:  # [n, V / world] -> [n] int64
+        """argmax over the whole vocabulary of logits split by rows (this rank holds ids
+        rank * V/world .. (rank + 1) * V/world - 1): each rank's top-1 value and global id, gathered;
+        the largest value wins, ties to the lowest id, as torch.argmax over the gathered row does
+        (ranks hold ascending id ranges and a rank's own argmax keeps its first maximum)."""
+        local = local_logits.shape[-1]
+        if self.world * local >= 1 << 24:
+            raise ValueError(f"vocab_size {self.world * local}: ids from 2**24 up do not round-trip through float32")
+        value, index = local_logits.max(dim=-1)
+        if self.world == 1:
+            return index
+        mine = torch.stack((value.float(), (index + self.rank * local).float()), dim=-1)  # [n, 2]
+        every = self.all_gather_rows(mine)  # [world, n, 2]
+        best = every[..., 0].argmax(dim=0, keepdim=True)  # [1, n]: the first (lowest-id) rank at the max
+        return every[..., 1].gather(0, best).squeeze(0).long()
 
 
 SINGLE = Shard()
+
+_recorder: list | None = None
+
+
+def _note(kind: str, x: torch.Tensor) -> None:
+    if _recorder is not None:
+        _recorder.append((kind, tuple(x.shape), x.dtype))
+
+
+@contextlib.contextmanager
+def recording(calls: list):
+    """Append (kind, shape, dtype) of every collective run inside the block to `calls`
+    ("all_reduce": in place over x; "all_gather": x from every rank stacked)."""
+    global _recorder
+    previous, _recorder = _recorder, calls
+    try:
+        yield calls
+    finally:
+        _recorder = previous
+
+
+def _gather_single(out: torch.Tensor, x: torch.Tensor) -> None:  # out [world * n, ...], x [n, ...]
+    """torch.distributed's one-tensor all-gather (all_gather_single where this torch has it)."""
+    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    gather(out, x)
 
 
 def row_parallel(linear: nn.Linear, x: torch.Tensor, shard: Shard) -> torch.Tensor:  # [n, in / world] -> [n, out]

@@ -2,7 +2,8 @@
 
 load_tp_engine() (run in the service's engine thread, where the engine always loads) starts N-1
 worker processes (drafter.service.tp.worker), hosts the process group's TCPStore on loopback,
-loads rank 0's shard and waits until every worker has loaded its own.  It returns a TPEngine:
+loads rank 0's shard and waits until every worker has loaded its own; on GPUs all ranks then
+capture their CUDA graphs together (collectives inside).  It returns a TPEngine:
 what the service calls `engine` (same config, spec, limits and device as a DraftEngine).  Its
 draft() validates the call here (a refused call never reaches a worker), chooses the padded
 sizes, sends the step to every worker, then runs the same step itself: the drafts are rank 0's.
@@ -49,8 +50,9 @@ def rank_device(device: str, rank: int) -> str:
 
 class TPEngine:
     """The leader's engine: a DraftEngine for rank 0 whose every state-changing call is first sent
-    to the workers.  Only what the service uses is offered; the bound (persistent-buffer) path and
-    CUDA graphs are single-process features."""
+    to the workers.  Only what the service uses is offered; the bound (persistent-buffer) path is a
+    single-process feature.  `graphs` is rank 0's GraphRunner (GPU ranks: every rank replays the
+    same padded graph each step, its collectives inside), captured by load_tp_engine."""
 
     def __init__(self, engine, channel: LeaderChannel, procs: list, world: int):
         self.engine = engine
@@ -61,8 +63,7 @@ class TPEngine:
         self.device, self.limits = engine.device, engine.limits
         self.kv = _SharedKV(engine.kv, channel)
         self.store = None
-        self.graphs = None
-        self.graph_replays = 0
+        self.graphs = engine.graphs
         self.failed: str | None = None
         self.rendezvous = None  # (TCPStore, its listening socket) of the process group
         self._watch: threading.Thread | None = None
@@ -96,6 +97,10 @@ class TPEngine:
                             slot_mappings=as_group_list("slot_mappings", slot_mappings, groups), **tensors)
         return self.draft(inp, return_probs=return_probs, return_logits=return_logits, batch_padded=batch_padded,
                           tokens_padded=tokens_padded, validate=validate)
+
+    @property
+    def graph_replays(self) -> int:
+        return self.engine.graph_replays
 
     def padded_sizes(self, *args, **kwargs):
         return self.engine.padded_sizes(*args, **kwargs)
@@ -200,6 +205,8 @@ def load_tp_engine(world: int, model: str, target: str | None, engine_cfg: Engin
         init_group(plans[0], store)
         engine = load_rank_engine(plans[0])
         _await_workers(pipes, procs, timeout_s)
+        if engine.graphs is not None:  # the workers capture theirs now too (drafter.service.tp.worker)
+            engine.graphs.capture()
     except BaseException:
         for p in procs:
             p.kill()

@@ -2,7 +2,8 @@
 
 Spawned by the leader (drafter.service.tp.leader).  It joins the process group, loads its shard
 of the head into its own DraftEngine (its own GPU, or the host), tells the leader it is ready,
-then runs whatever steps the leader sends, in order, until told to stop.  It never talks to a
+captures its CUDA graphs (a GPU rank; the leader captures its own at the same time: the graphs
+hold collectives), then runs whatever steps the leader sends, in order, until told to stop.  It never talks to a
 client.  Anything unexpected (a failed step, the leader gone) ends the process: the leader sees
 the exit and takes the server out of service, since ranks that disagree must not keep drafting.
 """
@@ -112,6 +113,8 @@ def main(plan: RankPlan, pipe) -> None:
     channel = WorkerChannel(pipe, engine.device)
     try:
         with torch.inference_mode():
+            if engine.graphs is not None:  # with the leader's, once all ranks loaded (collectives inside)
+                engine.graphs.capture()
             while True:
                 header, tensors = channel.receive()
                 if header.op == STOP:
