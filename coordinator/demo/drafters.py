@@ -19,7 +19,7 @@ from pathlib import Path
 
 from coordinator.routing import Endpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
