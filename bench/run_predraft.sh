@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 23's device record in one call (2 GPUs): pre-drafting against a simulated target
+# (coordinator/bench/predraft_target.py): the target's verify on cuda:0, `drafter serve` with
+# pushed pre-drafts on cuda:1, the in-process drafter on cuda:0 beside the target.
+#   OUT=/tmp/out bash bench/run_predraft.sh [predraft_target arguments...]
+# Carried: .whl/ (pyzmq, msgspec, grpcio... the device host lacks) and the generated stubs
+# drafter/_proto/drafter/v1 (see run_on_gpu.sh).  Knobs: BENCH_TIMEOUT (default 460 s).
+# Writes $OUT/gpu.txt, predraft_target_log.txt, predraft_target.json, predraft_target.md, predraft_servers.log.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
+OUT=${OUT:-/tmp/drafter-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; nvidia-smi topo -m; date -u +%FT%TZ
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+timeout "${BENCH_TIMEOUT:-460}" python3 -m coordinator.bench.predraft_target --out "$OUT" "$@" \
+  > "$OUT/predraft_target_log.txt" 2>&1
+echo "== bench rc $?"
+grep -vE "^\|" "$OUT/predraft_target_log.txt" | tail -60
+[ -f "$OUT/predraft_target.md" ] && head -14 "$OUT/predraft_target.md"
+[ -f "$OUT/predraft_servers.log" ] && grep -iE "error|exception|traceback" "$OUT/predraft_servers.log" | head -20
+ls -la "$OUT"

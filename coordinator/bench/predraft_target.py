@@ -1,0 +1,589 @@
+"""Pre-drafting measured against a simulated target: target tokens/s, not a model of them.
+
+    python -m coordinator.bench.predraft_target --out DIR [--target-device cuda:0 --drafter-device cuda:1]
+    python -m coordinator.bench.predraft_target --out DIR --tiny --target-device cpu --drafter-device cpu
+
+The target is simulated; everything else is the real code.  Each step the target runs its
+"verification": GPU work of exactly V ms on its own device (torch.cuda._sleep calibrated to V;
+on a CPU, a spin of V ms), then draws each row's accepted length a from the acceptance per
+position (--acceptance; the last value repeats for deeper positions; rows whose drafts were a
+pre-draft accept with those values scaled so that tokens per step are --predraft-factor of the
+exact drafts'), and builds the next propose call (vLLM's padded-batch layout: the row's k + 1
+query tokens, the rejected ones counted, the next token b, the accepted counts) with EAGLE-3
+hidden states kept on its device.  Three ways to get drafts for it:
+
+  in-process     a DraftEngine on the target's device, called after verification (validate=False)
+  exact remote   `drafter serve` on --drafter-device, the call over ZMQ (hidden states copied to
+                 the host and sent as bytes), the target waiting for the reply
+  pre-draft      the same server with --predraft-outcomes B: it pushes the next step's drafts for
+                 the likeliest outcomes while the target verifies; the target picks locally
+                 (coordinator.predraft.PreDraftPicker) and, when every row hits, sends the call
+                 without waiting; otherwise it waits for the exact drafts as above
+
+Which b the target samples cannot come from random weights, so it is drawn: with probability
+--hit-by-a / --hit-all (the hit rates measured on the trained pair, by a) the row's outcome is one
+the pushed set predicted (the predicted outcome with the drawn a when there is one, else the
+set's likeliest: the row's tokens still count a + 1, the call carries the predicted outcome),
+otherwise b is a token no pre-draft predicted.  A set that is not at the target when its
+verification ends is a miss for every row, whatever was drawn.  Measured per (V, batch, k, mode):
+tokens/s = emitted tokens (a + 1 per row and step) over wall time, steps, hit rate.  Writes
+predraft_target.json and predraft_target.md (the table with these assumptions beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from coordinator.predraft import PickerStats, PreDraftPicker
+from drafter.wire.predraft import merge
+from drafter.wire.records import ProposeInputs, ProposeRequest
+
+BLOCK_SIZE = 16
+MODES = ("in_process", "exact_remote", "predraft")
+
+
+# --------------------------------------------------------------------------- assumptions
+@dataclass(frozen=True)
+class Assumptions:
+    """What the simulated target draws; defaults are the CPU measurements of docs/predraft.md
+    (trained pair, k = 3, B = 4)."""
+
+    acceptance: tuple[float, ...] = (0.85, 0.81, 0.76)  # conditional, per draft position
+    hit_by_a: tuple[float, ...] = (0.5, 0.57, 0.8)  # P(outcome predicted | a < k accepted); last repeats
+    hit_all: float = 0.94  # P(outcome predicted | all k accepted)
+    predraft_factor: float = 0.935  # tokens per step of pre-drafts over exact drafts, same steps
+
+    def alpha(self, i: int) -> float:  # i = 1 .. k
+        return self.acceptance[min(i, len(self.acceptance)) - 1]
+
+    def tau(self, k: int, scale: float = 1.0) -> float:
+        """Expected tokens per step with k drafts, every alpha times scale."""
+        total, alive = 1.0, 1.0
+        for i in range(1, k + 1):
+            alive *= min(1.0, self.alpha(i) * scale)
+            total += alive
+        return total
+
+    def predraft_scale(self, k: int) -> float:
+        """The alpha scale c with tau(k, c) = predraft_factor * tau(k) (bisection)."""
+        goal, lo, hi = self.predraft_factor * self.tau(k), 0.0, 1.0 / max(self.acceptance)
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self.tau(k, mid) < goal else (lo, mid)
+        return (lo + hi) / 2
+
+    def hit(self, a: int, k: int) -> float:
+        return self.hit_all if a == k else self.hit_by_a[min(a, len(self.hit_by_a) - 1)]
+
+
+# --------------------------------------------------------------------------- the verify
+class Verify:
+    """Exactly `ms` of work on the target's device per step: a calibrated GPU sleep kernel on its
+    current stream, or a host spin on a CPU."""
+
+    def __init__(self, device: torch.device, ms: float):
+        self.device, self.ms = device, ms
+        self.cycles = int(ms * self._cycles_per_ms()) if device.type == "cuda" else 0
+        self._end = 0.0
+
+    def _cycles_per_ms(self) -> float:
+        with torch.cuda.device(self.device):
+            torch.cuda._sleep(1_000_000)  # warm the kernel
+            rates = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(20_000_000)
+                end.record()
+                end.synchronize()
+                rates.append(20_000_000 / start.elapsed_time(end))
+            return statistics.median(rates)
+
+    def launch(self) -> None:
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                torch.cuda._sleep(self.cycles)
+        else:
+            self._end = time.perf_counter() + self.ms / 1e3
+
+    def wait(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            while time.perf_counter() < self._end:
+                pass
+
+
+# --------------------------------------------------------------------------- the target's rows
+@dataclass
+class SimConfig:
+    batch: int
+    k: int
+    ctx: int  # context length at the first call
+    max_len: int  # positions the rows may reach
+    vocab: int
+    width: int  # the hidden states' width (3 x hidden for EAGLE-3)
+    seed: int = 0
+
+
+class Rows:
+    """The target's batch: per row the drafted-from position p, x_{p+1}, and the drafts it will
+    verify; builds each step's propose call from the outcome it draws."""
+
+    def __init__(self, cfg: SimConfig, device: torch.device, dtype: torch.dtype, assume: Assumptions):
+        self.cfg, self.assume = cfg, assume
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        per_req = -(-cfg.max_len // BLOCK_SIZE)
+        self.tables = torch.arange(cfg.batch * per_req, dtype=torch.int32).view(cfg.batch, per_req)
+        self.hidden = torch.randn(cfg.batch * (cfg.k + 1), cfg.width, generator=self.gen).to(device, dtype)
+        self.p = torch.full((cfg.batch,), cfg.ctx - cfg.k - 2, dtype=torch.long)  # before the first call
+        self.x = self._tokens(cfg.batch)
+        self.drafts = self._tokens(cfg.batch * cfg.k).view(cfg.batch, cfg.k)
+        self.pre = torch.zeros(cfg.batch, dtype=torch.bool)  # rows whose drafts are a pre-draft
+        self.scale = assume.predraft_scale(cfg.k)
+        self.tokens = 0
+
+    def _tokens(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.cfg.vocab, (n,), generator=self.gen)
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.gen))
+
+    def draw_accepted(self) -> list[int]:
+        """Each row's accepted length, from the acceptance (scaled for pre-drafted rows)."""
+        out = []
+        for r in range(self.cfg.batch):
+            scale = self.scale if bool(self.pre[r]) else 1.0
+            a = 0
+            while a < self.cfg.k and self.uniform() < min(1.0, self.assume.alpha(a + 1) * scale):
+                a += 1
+            out.append(a)
+        return out
+
+    def call(self, accepted: list[int] | None, next_tokens: torch.Tensor, hidden: torch.Tensor,
+             ) -> tuple[dict, torch.Tensor | None]:
+        """The propose keywords for outcome (accepted, next_tokens) of the drafts in self.drafts;
+        accepted None: the first call (all k + 1 tokens are context).  Returns (keywords, the
+        accepted counts to report or None) and moves every row on to its new drafted-from row."""
+        b, k = self.cfg.batch, self.cfg.k
+        a = torch.tensor(accepted if accepted is not None else [k] * b, dtype=torch.long)
+        q = k + 1
+        positions = (self.p[:, None] + 1 + torch.arange(q)[None, :])  # [b, k + 1]
+        ids = torch.cat([self.x[:, None], self.drafts], 1)  # [b, k + 1]
+        slots = self.tables.long().gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
+        kw = dict(target_token_ids=ids.reshape(-1), target_positions=positions.reshape(-1),
+                  target_hidden_states=hidden, next_token_ids=next_tokens.clone(),
+                  query_start_loc=torch.arange(0, b * q + 1, q, dtype=torch.int32),
+                  seq_lens=(positions[:, -1] + 1).to(torch.int32), block_tables=[self.tables],
+                  slot_mappings=[slots.reshape(-1)], num_rejected_tokens=(k - a).to(torch.int32))
+        self.p = self.p + 1 + a
+        self.x = next_tokens.clone()
+        return kw, (a if accepted is not None else None)
+
+    def set_drafts(self, drafts: torch.Tensor, pre: list[bool]) -> None:  # [batch, k] int64
+        self.drafts = drafts.to("cpu", torch.long)[:, : self.cfg.k]
+        self.pre = torch.tensor(pre, dtype=torch.bool)
+
+
+# --------------------------------------------------------------------------- three ways to draft
+class InProcess:
+    """A DraftEngine on the target's device, called on its critical path."""
+
+    name = "in_process"
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps = 0
+        self.device = engine.device
+
+    def hidden(self, rows: Rows) -> torch.Tensor:
+        return rows.hidden
+
+    def outcomes(self, rows: Rows, accepted: list[int], stats: dict) -> tuple[list[int], torch.Tensor]:
+        return accepted, rows._tokens(rows.cfg.batch)
+
+    def draft(self, step: int, kw: dict, accepted_counts) -> tuple[torch.Tensor, list[bool]]:
+        dev = {n: ([t.to(self.device, non_blocking=True) for t in v] if isinstance(v, list)
+                   else v.to(self.device, non_blocking=True)) for n, v in kw.items()}
+        drafts = self.engine.propose(**dev, validate=False).draft_token_ids.cpu()
+        return drafts, [False] * drafts.shape[0]
+
+    def close(self) -> None:
+        pass
+
+
+class ExactRemote:
+    """A served drafter over ZMQ; the target waits for every reply."""
+
+    name = "exact_remote"
+
+    def __init__(self, client):
+        self.client = client
+        self.steps = 0
+
+    def hidden(self, rows: Rows) -> torch.Tensor:
+        return rows.hidden.cpu()  # the target's device -> the host, as a bytes transport needs
+
+    def outcomes(self, rows: Rows, accepted: list[int], stats: dict) -> tuple[list[int], torch.Tensor]:
+        return accepted, rows._tokens(rows.cfg.batch)
+
+    def request(self, step: int, kw: dict, accepted_counts, want: bool) -> ProposeRequest:
+        return ProposeRequest(ProposeInputs(**{n: kw.get(n) for n in ProposeInputs.__dataclass_fields__}),
+                              accepted_counts, request_id=step, want_predrafts=want)
+
+    def draft(self, step: int, kw: dict, accepted_counts) -> tuple[torch.Tensor, list[bool]]:
+        drafts = self.client.request_drafts(self.request(step, kw, accepted_counts, False)).draft_token_ids
+        return drafts, [False] * drafts.shape[0]
+
+    def close(self) -> None:
+        self.client.detach()
+
+
+class PreDraft(ExactRemote):
+    """The served drafter pushing pre-drafts; the target picks locally once verification ends."""
+
+    name = "predraft"
+
+    def __init__(self, client):
+        super().__init__(client)
+        self.picker = PreDraftPicker()
+        client.on_push = self.picker.offer
+        self.last_step = 0
+        self.unawaited = 0
+
+    def outcomes(self, rows: Rows, accepted: list[int], stats: dict) -> tuple[list[int], torch.Tensor]:
+        """b per row: one the arrived set predicted with probability hit(a), else one it did not."""
+        self.client.poll_pushes(0.0)
+        pre = self.picker.pending.get(self.last_step)
+        if pre is None and self.last_step:
+            stats["not_arrived"] += 1
+        sent, tokens = [], rows._tokens(rows.cfg.batch)
+        for r, a in enumerate(accepted):
+            row = None if pre is None else pre.row_of(int(rows.tables[r, 0]), int(rows.p[r]))
+            ok = row is not None and pre.conditioned_on[row].tolist() == rows.drafts[r].tolist()
+            valid = [] if not ok else [i for i in range(pre.num_outcomes) if int(pre.accepted[row, i]) >= 0]
+            if valid and rows.uniform() < rows.assume.hit(a, rows.cfg.k):
+                same = [i for i in valid if int(pre.accepted[row, i]) == a]
+                i = same[0] if same else valid[0]
+                stats["remapped"] += int(not same)
+                sent.append(int(pre.accepted[row, i]))
+                tokens[r] = pre.next_tokens[row, i]
+                continue
+            predicted = set() if not ok else {int(pre.next_tokens[row, i]) for i in valid
+                                               if int(pre.accepted[row, i]) == a}
+            while int(tokens[r]) in predicted:
+                tokens[r] = (tokens[r] + 1) % rows.cfg.vocab
+            sent.append(a)
+        return sent, tokens
+
+    def draft(self, step: int, kw: dict, accepted_counts) -> tuple[torch.Tensor, list[bool]]:
+        request = self.request(step, kw, accepted_counts, True)
+        hits = self.picker.pick(step, request.inputs, request.accepted_counts)
+        self.last_step = step
+        if hits and all(h is not None for h in hits) and self.client.send_nowait(request):
+            self.unawaited += 1
+            return torch.stack(hits), [True] * len(hits)
+        exact = self.client.request_drafts(request).draft_token_ids
+        return merge(exact, hits)
+
+
+def run(rows: Rows, drafter, verify: Verify, steps: int, warmup: int) -> dict:
+    """The target loop: verify, draw the outcome, build the call, get the next drafts."""
+    stats = {"not_arrived": 0, "remapped": 0}
+    kw, counts = rows.call(None, rows._tokens(rows.cfg.batch), drafter.hidden(rows))
+    drafter.steps += 1  # call ids keep rising over every run of one session
+    drafts, pre = drafter.draft(drafter.steps, kw, counts)
+    rows.set_drafts(drafts, pre)
+    step_ms, t0, tokens0 = [], 0.0, 0
+    for t in range(warmup + steps):
+        if t == warmup:
+            t0, tokens0 = time.perf_counter(), rows.tokens
+            stats = {"not_arrived": 0, "remapped": 0}
+        s0 = time.perf_counter()
+        verify.launch()
+        accepted = rows.draw_accepted()
+        verify.wait()
+        rows.tokens += sum(a + 1 for a in accepted)
+        sent, next_tokens = drafter.outcomes(rows, accepted, stats)
+        kw, counts = rows.call(sent, next_tokens, drafter.hidden(rows))
+        drafter.steps += 1
+        drafts, pre = drafter.draft(drafter.steps, kw, counts)
+        rows.set_drafts(drafts, pre)
+        step_ms.append((time.perf_counter() - s0) * 1e3)
+    wall = time.perf_counter() - t0
+    out = {"tokens_per_s": (rows.tokens - tokens0) / wall, "steps": steps,
+           "tokens_per_step": (rows.tokens - tokens0) / steps / rows.cfg.batch,
+           "step_ms_p50": statistics.median(step_ms[warmup:]), "step_ms_mean": 1e3 * wall / steps, **stats}
+    picker = getattr(drafter, "picker", None)
+    if picker is not None:
+        out.update(hit_rate=picker.stats.hit_rate, hits_by_a=picker.stats.hit_rate_by_a(),
+                   sets=picker.stats.offered, late_sets=picker.stats.late, unawaited=drafter.unawaited)
+    return out
+
+
+# --------------------------------------------------------------------------- the drafters
+def _model_dir(tiny: bool) -> str:
+    from drafter.tools.bench.remote import HEAD_CONFIG, TINY
+
+    d = tempfile.mkdtemp(prefix="predraft-head-")
+    Path(d, "config.json").write_text(json.dumps({**HEAD_CONFIG, **(TINY if tiny else {})}))
+    return d
+
+
+def _server_argv(model_dir: str, k: int, args, outcomes: int) -> list[str]:
+    from drafter.tools.bench.remote import server_args
+
+    b = max(args.batches)
+    base = server_args(model_dir, b, k, args.max_len - 64, _kv_blocks(args, b), args.drafter_device)
+    return base + ["--capture-sizes", ",".join(map(str, args.batches)),
+                   "--token-capture-sizes", ",".join(str(x * (k + 1)) for x in args.batches),
+                   "--predraft-outcomes", str(outcomes)]
+
+
+def _kv_blocks(args, batch: int) -> int:
+    return batch * -(-args.max_len // BLOCK_SIZE) + 8
+
+
+def start_server(model_dir: str, k: int, args, run_dir: str) -> tuple[subprocess.Popen, str]:
+    sock = f"{run_dir}/k{k}.sock"
+    cmd = [sys.executable, "-m", "drafter.tools.bench.remote", "serve", *_server_argv(model_dir, k, args, args.outcomes),
+           "--zmq-ipc", sock]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ)), f"ipc://{sock}"
+
+
+def attach(endpoint: str, batch: int, args):
+    from coordinator.transport import ZmqDrafterClient
+    from drafter.wire import schema
+
+    client = ZmqDrafterClient(endpoint, timeout_s=60)
+    info = client.info()
+    client.attach(schema.AttachRequest(
+        protocol_version=info.protocol_version, method=info.method, num_speculative_tokens=info.num_speculative_tokens,
+        speculative_token_tree=info.speculative_token_tree, hidden_dtype="bfloat16", hidden_size=info.hidden_size,
+        num_aux_layers=info.num_aux_layers, max_model_len=info.limits.max_model_len, max_num_seqs=batch,
+        max_num_batched_tokens=info.limits.max_num_batched_tokens,
+        kv_groups=[schema.KVGroup(block_size=BLOCK_SIZE, num_blocks=batch * -(-args.max_len // BLOCK_SIZE))],
+        client_name=f"predraft-bench-b{batch}"))
+    return client
+
+
+def in_process_engine(model_dir: str, k: int, args):
+    """The server's engine, built the same way, on the target's device, pre-drafting off."""
+    from drafter.service.config import add_arguments, from_args
+    from drafter.service.server import engine_config
+    from drafter.tools.bench.grid import random_kv
+    from drafter.tools.bench.remote import _build
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    argv = _server_argv(model_dir, k, args, 0)
+    argv[argv.index("--device") + 1] = args.target_device
+    engine = _build(engine_config(from_args(p.parse_args(argv))), model_dir)
+    random_kv(engine)
+    if engine.graphs is not None:  # as the server does before it is ready
+        with torch.inference_mode():
+            engine.graphs.capture()
+    return engine
+
+
+def drain(proc: subprocess.Popen, path: Path, label: str) -> threading.Thread:
+    """Copy a ready server's stdout into `path` (a pipe nobody reads would stall its logging)."""
+    def copy():
+        with path.open("a") as f:
+            for line in proc.stdout:
+                f.write(f"[{label}] {line}")
+                f.flush()
+    t = threading.Thread(target=copy, daemon=True)
+    t.start()
+    return t
+
+
+# --------------------------------------------------------------------------- the table
+def table(results: list[dict], verify_ms, batches) -> list[str]:
+    lines = ["| V ms | batch | in-process best (k) | exact remote best (k) | pre-draft k=3 (hit) | "
+             "pre-draft best (k, hit) | pre k=3 / in-proc best | pre best / in-proc best | pre k=3 / in-proc k=3 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for v in verify_ms:
+        for b in batches:
+            mine = [r for r in results if r["verify_ms"] == v and r["batch"] == b]
+            if not mine:
+                continue
+
+            def best(mode):
+                got = [r for r in mine if r["mode"] == mode]
+                return max(got, key=lambda r: r["tokens_per_s"]) if got else None
+
+            def at(mode, k):
+                return next((r for r in mine if r["mode"] == mode and r["k"] == k), None)
+            ip, ex, pb, p3, ip3 = best("in_process"), best("exact_remote"), best("predraft"), at("predraft", 3), \
+                at("in_process", 3)
+
+            def cell(r, hit=False):
+                if r is None:
+                    return "-"
+                return f"{r['tokens_per_s']:.0f} ({r['k']}" + (f", {r['hit_rate']:.2f})" if hit else ")")
+
+            def ratio(x, y):
+                return f"{x['tokens_per_s'] / y['tokens_per_s']:.3f}" if x and y else "-"
+            lines.append(f"| {v:g} | {b} | {cell(ip)} | {cell(ex)} | {cell(p3, True)} | {cell(pb, True)} | "
+                         f"{ratio(p3, ip)} | {ratio(pb, ip)} | {ratio(p3, ip3)} |")
+    return lines
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--ks", default="3,4,5,6")
+    p.add_argument("--outcomes", type=int, default=4, help="the server's --predraft-outcomes")
+    p.add_argument("--verify-ms", default="10,25")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--target-device", default="cuda:0")
+    p.add_argument("--drafter-device", default="cuda:1")
+    p.add_argument("--tiny", action="store_true", help="a tiny head (a smoke run on CPU)")
+    d = Assumptions()
+    p.add_argument("--acceptance", default=",".join(map(str, d.acceptance)))
+    p.add_argument("--hit-by-a", default=",".join(map(str, d.hit_by_a)))
+    p.add_argument("--hit-all", type=float, default=d.hit_all)
+    p.add_argument("--predraft-factor", type=float, default=d.predraft_factor)
+    args = p.parse_args(argv)
+    args.batches, args.ks, modes = _ints(args.batches), _ints(args.ks), [m for m in args.modes.split(",") if m]
+    verify_ms = _floats(args.verify_ms)
+    assume = Assumptions(_floats(args.acceptance), _floats(args.hit_by_a), args.hit_all, args.predraft_factor)
+    runs = len(verify_ms) * (args.warmup + args.steps + 2)
+    args.max_len = args.ctx + runs * (max(args.ks) + 1) + 2 * max(args.ks) + 64
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = torch.device(args.target_device)
+    name = torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu"
+    print(f"pre-draft target bench on {name}: target {args.target_device}, drafter {args.drafter_device}, "
+          f"{'tiny' if args.tiny else 'eagle3-8b'} head, batches {args.batches}, k {args.ks}, B {args.outcomes}, "
+          f"V {verify_ms} ms, modes {modes}", flush=True)
+    from drafter.tools.bench.remote import wait_ready
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: still stop the servers
+    model_dir, run_dir = _model_dir(args.tiny), tempfile.mkdtemp(prefix="predraft-ipc-")
+    remote = any(m != "in_process" for m in modes)
+    servers = {k: start_server(model_dir, k, args, run_dir) for k in args.ks} if remote else {}
+    results = []
+    try:
+        for k, (proc, _) in servers.items():
+            wait_ready(proc, timeout_s=400)
+            drain(proc, out / "predraft_servers.log", f"k={k}")
+            print(f"  server k={k} ready", flush=True)
+        verifies = {v: Verify(target, v) for v in verify_ms}
+        for k in args.ks:
+            engine = in_process_engine(model_dir, k, args) if "in_process" in modes else None
+            for b in args.batches:
+                for mode in modes:
+                    # one session (one attach) per (k, batch, mode): its rows run through every V in turn
+                    rows = Rows(SimConfig(b, k, args.ctx, args.max_len, 1000 if args.tiny else 128256,
+                                          3 * (128 if args.tiny else 4096), seed=b * 100 + k), target,
+                                torch.bfloat16, assume)
+                    try:
+                        drafter = InProcess(engine) if mode == "in_process" else \
+                            (ExactRemote if mode == "exact_remote" else PreDraft)(attach(servers[k][1], b, args))
+                    except Exception as exc:  # noqa: BLE001 - one configuration failing leaves the others
+                        print(f"  b={b} k={k} {mode}: FAILED to start: {exc!r}", flush=True)
+                        continue
+                    try:
+                        for v in verify_ms:
+                            if isinstance(drafter, PreDraft):
+                                drafter.picker.stats = PickerStats()  # per-V hit statistics
+                                drafter.unawaited = 0
+                            r = run(rows, drafter, verifies[v], args.steps, args.warmup)
+                            r.update(mode=mode, verify_ms=v, batch=b, k=k, outcomes=args.outcomes)
+                            results.append(r)
+                            _log_run(r)
+                            write(out, args, assume, name, modes, verify_ms, results, quiet=True)
+                    except Exception:  # noqa: BLE001
+                        traceback.print_exc()
+                        print(f"  b={b} k={k} {mode}: FAILED (above)", flush=True)
+                    finally:
+                        try:
+                            drafter.close()
+                        except Exception as exc:  # noqa: BLE001
+                            print(f"  close failed: {exc!r}", flush=True)
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    finally:
+        for proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in servers.values():
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    write(out, args, assume, name, modes, verify_ms, results)
+    return 0
+
+
+def _log_run(r: dict) -> None:
+    extra = (f" hit {r['hit_rate']:.2f} unawaited {r['unawaited']} not arrived {r['not_arrived']} "
+             f"remapped {r['remapped']} late sets {r['late_sets']}") if r["mode"] == "predraft" else ""
+    print(f"  V={r['verify_ms']:g} b={r['batch']:2d} k={r['k']} {r['mode']:12s} {r['tokens_per_s']:9.0f} tok/s  "
+          f"{r['tokens_per_step']:.2f} tok/step  step p50 {r['step_ms_p50']:.2f} ms{extra}", flush=True)
+
+
+def write(out: Path, args, assume: Assumptions, name: str, modes, verify_ms, results: list[dict],
+          quiet: bool = False) -> None:
+    """predraft_target.json and .md for the runs so far (written after every run: a run cut short keeps them)."""
+    lines = table(results, verify_ms, args.batches)
+    scales = {k: round(assume.predraft_scale(k), 4) for k in args.ks}
+    text = (f"Assumptions: the target's verify is {', '.join(f'{v:g}' for v in verify_ms)} ms of GPU work on "
+            f"{args.target_device} (a calibrated sleep kernel), whatever k and batch; accepted lengths drawn from "
+            f"acceptance per position {assume.acceptance} (conditional, last repeats for deeper k); rows verifying a "
+            f"pre-draft accept with those alphas times {scales} (pre-drafts give {assume.predraft_factor}x the exact "
+            f"drafts' tokens per step); an arrived pre-draft set predicts the outcome with probability "
+            f"{assume.hit_by_a} when a < k (last repeats) and {assume.hit_all} when all k are accepted; "
+            f"{args.outcomes} outcomes pre-drafted per row (k' = k); drafter: random-weight EAGLE-3 head of "
+            f"Llama-3.1-8B shapes ({'tiny' if args.tiny else 'bf16'}), Triton + CUDA graphs for drafts, "
+            f"pre-drafts eager, on {args.drafter_device} (remote, ZMQ over ipc://, hidden states copied to the host "
+            f"each step) or {args.target_device} (in-process, inputs on the device); context {args.ctx} growing by "
+            f"the accepted tokens; {args.steps} timed steps after {args.warmup} per configuration.")
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": name,
+            "torch": torch.__version__, "command": " ".join(sys.argv), "assumptions": text,
+            "model": asdict(assume), "modes": modes}
+    (out / "predraft_target.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    body = [f"# Pre-drafting against a simulated target ({name}, {meta['date']})", "",
+            "Target tokens/s (measured):", "", *lines, "", text, "", "Every run:", "",
+            "| V ms | batch | k | mode | tok/s | tok/step/row | step p50 ms | hit | unawaited | not arrived |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        body.append(f"| {r['verify_ms']:g} | {r['batch']} | {r['k']} | {r['mode']} | {r['tokens_per_s']:.0f} | "
+                    f"{r['tokens_per_step']:.2f} | {r['step_ms_p50']:.2f} | {r.get('hit_rate', 0):.2f} | "
+                    f"{r.get('unawaited', '-')} | {r.get('not_arrived', '-')} |")
+    (out / "predraft_target.md").write_text("\n".join(body) + "\n")
+    if not quiet:
+        print("\n".join(body), flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
