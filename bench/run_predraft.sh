@@ -26,3 +26,11 @@ grep -vE "^\|" "$OUT/predraft_target_log.txt" | tail -60
 [ -f "$OUT/predraft_target.md" ] && head -14 "$OUT/predraft_target.md"
 [ -f "$OUT/predraft_servers.log" ] && grep -iE "error|exception|traceback" "$OUT/predraft_servers.log" | head -20
 ls -la "$OUT"
+# The drafter's own costs behind the table (optional, PCOST=1): the decode-step draft D and the
+# pre-draft P after it, alone on cuda:1 (drafter/tools/bench/predraft.py: predraft.json, predraft.md).
+if [ -n "${PCOST:-}" ]; then
+  timeout "${PCOST_TIMEOUT:-80}" python3 -m drafter.tools.bench.predraft --out "$OUT" --device cuda:1 \
+    ${PCOST_ARGS:---batches 1,16 --ks 3,6 --iters 20} > "$OUT/predraft_cost_log.txt" 2>&1
+  echo "== cost bench rc $?"
+  grep -E "b=|^\| [0-9]" "$OUT/predraft_cost_log.txt" | head -12
+fi
