@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# Issue 21's device record in one call: the tensor-parallel GPU tests, then `drafter bench
-# --tensor-parallel-size N` (drafter/tools/bench/tp.py) for DeepSeek-V3 MTP as released (FP8 blocks)
-# and an EAGLE-3 head of Llama-3.3-70B shapes, batches 1-64, k 1 and 3, context 1024.
+# Issue 21/22's device record in one call: the tensor-parallel GPU tests, then `drafter bench
+# --tensor-parallel-size` (drafter/tools/bench/tp.py) for DeepSeek-V3 MTP as released (FP8 blocks)
+# and an EAGLE-3 head of Llama-3.3-70B shapes, batches 1/4/16/64, k 1 and 3, context 1024.
 #   OUT=/tmp/out bash bench/run_tp.sh                 # one GPU: TP = 1 through the spawned-rank code
-#   OUT=/tmp/out TP=2 bash bench/run_tp.sh            # 2+ GPUs (also runs the NCCL tests there)
-# Knobs: TP (default 1), SKIP_TESTS, SKIP_BENCH, TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_ARGS (replace the grid below).
-# A device call is 10 minutes at most: on a cold machine run the tests and the bench as two calls
-# (SKIP_BENCH=1, then SKIP_TESTS=1).
-# Writes $OUT/gpu.txt, tp_tests.txt, tp_bench_log.txt, bench_tp.json.
+#   OUT=/tmp/out TP=2 bash bench/run_tp.sh            # 2+ GPUs: the NCCL tests, then N = 1 and N = 2 in one
+#                                                     # bench run (speedup per row), graphs at both
+# Knobs: TP (default 1), SKIP_TESTS, SKIP_BENCH, TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_ARGS (replace the grid
+# below), BF16=1 (then DeepSeek with dequantised bf16 weights, k 3, into $OUT/bf16; BF16_TIMEOUT).
+# Bench rows stream into $OUT/rows.jsonl as they are measured: a timeout keeps what finished.
+# Writes $OUT/gpu.txt, tp_tests.txt, tp_bench_log.txt, rows.jsonl, bench_tp.json (and bf16/ likewise).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
 OUT=${OUT:-/tmp/drafter-out}
@@ -23,14 +24,24 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp_gpu.py \
-    > "$OUT/tp_tests.txt" 2>&1
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rA -o faulthandler_timeout=280 \
+    tests/gpu/test_tp_gpu.py > "$OUT/tp_tests.txt" 2>&1
+  echo "== tests rc $?"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/tp_tests.txt" | tail -8
 fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
+SIZES=1
+[ "$TP" != 1 ] && SIZES="1,$TP"
 # shellcheck disable=SC2086
-timeout "${BENCH_TIMEOUT:-540}" python3 -m drafter.tools.bench.tp --tensor-parallel-size "$TP" --out "$OUT" \
-  ${BENCH_ARGS:---heads deepseek-v3-mtp,eagle3-70b --batches 1,2,4,8,16,32,64 --ks 1,3 --contexts 1024} \
+timeout "${BENCH_TIMEOUT:-540}" python3 -m drafter.tools.bench.tp --tensor-parallel-size "$SIZES" --out "$OUT" \
+  ${BENCH_ARGS:---heads deepseek-v3-mtp,eagle3-70b --batches 1,4,16,64 --ks 1,3 --contexts 1024 --iters 10 --no-eager} \
   > "$OUT/tp_bench_log.txt" 2>&1
 echo "== bench rc $?"
-tail -32 "$OUT/tp_bench_log.txt"
+tail -40 "$OUT/tp_bench_log.txt"
+if [ -n "${BF16:-}" ]; then
+  timeout "${BF16_TIMEOUT:-240}" python3 -m drafter.tools.bench.tp --tensor-parallel-size "$SIZES" --out "$OUT/bf16" \
+    --heads deepseek-v3-mtp --deepseek-weights bf16 --batches 1,4,16,64 --ks 3 --contexts 1024 --iters 10 --no-eager \
+    > "$OUT/tp_bench_bf16_log.txt" 2>&1
+  echo "== bf16 bench rc $?"
+  tail -12 "$OUT/tp_bench_bf16_log.txt"
+fi

@@ -35,17 +35,20 @@ PLANS = ([(0, 9, 0), (1, 12, 0), (2, 5, 0)],
          [(0, Q, 0), (1, Q, 3), (2, Q, 1)])
 
 
-def greedy_drafts(rank: int, world: int, root: str, graphs: bool) -> dict[str, list[torch.Tensor]]:
+def greedy_drafts(rank: int, world: int, root: str, graphs: bool, device: str = "cpu"
+                  ) -> dict[str, list[torch.Tensor]]:
     """Per method: the greedy drafts of every call of PLANS on one rank (world 1 with graphs=False:
-    the unsharded eager reference); with graphs, also how many calls the graphs answered."""
+    the unsharded eager reference); with graphs, also [calls the graphs answered, of which by one
+    combined graph].  On a GPU the engine captures real CUDA graphs (tests/gpu/test_tp_gpu.py)."""
     out = {}
     for method in METHODS:
         d = Path(root) / method
-        cfg = replace(engine_config(method), max_num_seqs=4, max_num_batched_tokens=32, capture_sizes=(4,),
+        cfg = replace(engine_config(method, device), max_num_seqs=4, max_num_batched_tokens=32, capture_sizes=(4,),
                       token_capture_sizes=(16, 32), attention_backend="triton" if graphs else "reference")
         engine = DraftEngine.from_dirs(d / "head", d / "target", cfg, shard=Shard(rank, world))
-        if graphs:
+        if graphs and engine.device.type == "cpu":
             engine.graphs = GraphRunner(engine, emulate=True)
+        assert (engine.graphs is not None) == graphs
         spec = engine.spec
         sizes = BLOCK_SIZES.get(method, (BLOCK_SIZE,))
         scn = Scenario(block_sizes=sizes, num_blocks=(NUM_BLOCKS,) * len(sizes), vocab_size=spec.vocab_size,

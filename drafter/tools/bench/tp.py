@@ -1,6 +1,6 @@
 """`drafter bench --tensor-parallel-size N`: one head's propose call split over N ranks, timed.
 
-    python -m drafter.tools.bench.tp --tensor-parallel-size 2 --out bench/results/tp2
+    python -m drafter.tools.bench.tp --tensor-parallel-size 1,2 --out bench/results/tp2   # N = 1, then 2
     drafter bench --tensor-parallel-size 1 --heads deepseek-v3-mtp --batches 1,8,64 --ks 1 --contexts 1024
 (`drafter bench` takes its own defaults for batches, k and contexts: pass them.)
 
@@ -19,12 +19,23 @@ Heads:
   eagle3-70b       an EAGLE-3 head for Llama-3.3-70B: hidden 8192, 64 heads / 8 KV heads of 128,
                    intermediate 28672, draft vocabulary 32000 (target 128256), bf16
   deepseek-tiny, eagle3-tiny   the same code at make-tiny sizes (a CPU smoke run)
-Per row (head, k, ctx, batch): propose_us (rank 0: the whole call, graphs where the engine has
-them, i.e. at N = 1 on a GPU), eager_us (graphs off), propose_max_us (the slowest rank),
-bcast_us (one broadcast of the call's tensors packed as serve's leader sends them), drafts_agree
-(every rank drafted the same tokens), weight_bytes and peak_bytes per rank (max over ranks), and
-floor_weights_us (a rank's weight bytes at the measured copy bandwidth; GPU only).
-Writes OUT/bench_tp.json.
+--tensor-parallel-size takes a list (1,2): each N in turn on the same machine, and the rows of
+N > 1 carry speedup = the N = 1 row's propose_us / theirs.
+
+Per row (head, k, ctx, batch, world): propose_us (rank 0: the whole call, i.e. one drafter step of
+k forward passes, through CUDA graphs on a GPU at any N: the sharded step is captured with its
+NCCL collectives inside), eager_us (graphs off), propose_max_us (the slowest rank), bcast_us (one
+broadcast of the call's tensors packed as serve's leader sends them), nccl_us (N > 1: the step's
+collectives alone, the same kinds, shapes and order as one step issues them, replayed in one CUDA
+graph), drafts_agree (every rank drafted the same tokens), weight_bytes and peak_bytes per rank
+(max over ranks), floor_weights_us (all of a rank's weight bytes at the measured copy bandwidth),
+and floor_us / step_over_floor: floor_bytes, what one rank must read for the step (per forward
+pass: its dense weights, the embedding rows of its tokens, its routed experts that the pass's
+tokens hit in expectation under uniform routing, E_local * (1 - (1 - top_k / E) ** tokens), fc on
+the first pass only, MLA's absorbed W_UK / W_UV instead of kv_b_proj, and its KV cache for
+batch * ctx tokens), over the copy bandwidth (GPU only).
+Each row is appended to OUT/rows.jsonl and printed as soon as all ranks measured it (a run cut
+short keeps its rows); OUT/bench_tp.json holds them all at the end.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import multiprocessing
 import os
 import statistics
@@ -45,7 +57,7 @@ from torch import nn
 
 from drafter.engine.config import EngineConfig, KVGroupSpec
 from drafter.models.layers import LayerShape
-from drafter.models.sharding import Shard
+from drafter.models.sharding import Shard, recording
 from drafter.models.spec import ModelSpec
 from drafter.tools.bench.grid import random_kv
 
@@ -159,6 +171,9 @@ class Plan:
     iters: int
     eager: bool
     deepseek_fp8: bool
+    out: str = ""  # rank 0 appends each row to out/rows.jsonl as it is measured
+    bandwidth: float | None = None  # copy bytes per second (the floors), measured by the parent
+    baseline: tuple = ()  # ((head, k, ctx, batch), propose_us) of the N = 1 run: speedups
 
 
 def rank_device(base: str, rank: int) -> str:
@@ -240,14 +255,113 @@ def _rows_for_head(name: str, plan: Plan, shard: Shard, device: torch.device, dt
                             engine.graphs = graphs
                     row["drafts"] = step().draft_token_ids.cpu().tolist()
                 row["bcast_us"] = _bcast_us(call, device, timer, plan.iters)
+                if plan.world > 1:
+                    row["nccl_us"] = _collectives_us(_collectives_of(engine, call), shard, device, timer,
+                                                     plan.iters)
+                row["floor_bytes"] = propose_bytes(head, engine, k, b, ctx)
                 if device.type == "cuda":
                     row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
                 rows.append(row)
+                _publish(row, plan)
         del engine
     del head
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _collectives_of(engine, call: dict) -> list:
+    """(kind, shape, dtype) of every collective one eager step issues, in order (every rank runs it)."""
+    calls = []
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        with torch.inference_mode(), recording(calls):
+            engine.propose(**call, validate=False)
+    finally:
+        engine.graphs = graphs
+    return calls
+
+
+def _collectives_us(calls: list, shard: Shard, device: torch.device, timer, iters: int) -> float:
+    """The step's collectives alone (preallocated tensors of the recorded shapes), timed: one CUDA
+    graph of them on a GPU, as the step's graph issues them; eagerly on the host."""
+    tensors = [torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype in calls]
+
+    def issue() -> None:
+        for (kind, _, _), t in zip(calls, tensors):
+            if kind == "all_reduce":
+                torch.distributed.all_reduce(t)
+            else:
+                shard.all_gather_rows(t)
+    if device.type != "cuda":
+        return timer(issue, iters)
+    with torch.inference_mode():
+        issue()  # eager first: buffers and communicator ready
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            issue()
+    return timer(graph.replay, iters)
+
+
+def propose_bytes(head, engine, k: int, batch: int, ctx: int) -> int:
+    """What one rank reads for one propose call of `batch` requests at context ctx (see the module
+    doc's floor_bytes): k forward passes, the first over batch * (k + 1) tokens, the others over batch."""
+    from drafter.models.moe import MoE
+
+    dense = fc = routed = embed_row = 0
+    for name, t in list(head.named_parameters()) + list(head.named_buffers()):
+        nbytes = t.numel() * t.element_size()
+        if "embed_tokens" in name:
+            embed_row = nbytes // t.shape[0]
+        elif ".experts." in name:
+            routed += nbytes
+        elif name.startswith("fc."):
+            fc += nbytes
+        elif "kv_b_proj" not in name:  # MLA decodes through the absorbed w_uk / w_uv buffers
+            dense += nbytes
+    moe = next((m for m in head.modules() if isinstance(m, MoE)), None)
+    kv_token = sum(_bytes_per_cached_token(c) for c in engine.kv.layers)
+    total = fc
+    for tokens in [batch * (k + 1)] + [batch] * (k - 1):
+        total += dense + tokens * embed_row + batch * ctx * kv_token
+        if moe is not None and routed:
+            local = len(moe.experts)
+            hit = local * (1 - (1 - moe.shape.top_k / moe.shape.num_experts) ** tokens)
+            total += math.ceil(hit) * routed // local
+    return total
+
+
+def _bytes_per_cached_token(cache: torch.Tensor) -> int:
+    """A layer's cache bytes per token: [2, blocks, block_size, kv_heads, head_dim] (GQA K and V)
+    or [blocks, block_size, kv_lora + rope] (MLA's latent)."""
+    tokens = cache.shape[1] * cache.shape[2] if cache.dim() == 5 else cache.shape[0] * cache.shape[1]
+    return cache.numel() * cache.element_size() // tokens
+
+
+def _publish(row: dict, plan: Plan) -> None:
+    """Every rank's copy of the row to rank 0, which appends the merged row to out/rows.jsonl and prints it."""
+    rows = [None] * plan.world
+    torch.distributed.all_gather_object(rows, dict(row))
+    if plan.rank != 0:
+        return
+    merged = finish_row(merge([[r] for r in rows])[0], plan.bandwidth, dict(plan.baseline))
+    if plan.out:
+        with open(Path(plan.out, "rows.jsonl"), "a") as f:
+            f.write(json.dumps(merged) + "\n")
+    print(fmt_row(merged), flush=True)
+
+
+def finish_row(r: dict, bandwidth: float | None, baseline: dict) -> dict:
+    """The floors (with a copy bandwidth) and the speedup over the N = 1 row (when there is one)."""
+    if bandwidth:
+        r["floor_weights_us"] = r["weight_bytes"] * 1e6 / bandwidth
+        r["floor_us"] = r["floor_bytes"] * 1e6 / bandwidth
+        r["step_over_floor"] = r["propose_us"] / r["floor_us"]
+    one = baseline.get((r["head"], r["k"], r["ctx"], r["batch"]))
+    if one is not None and r["world"] > 1:
+        r["speedup"] = one / r["propose_us"]
+    return r
 
 
 def rank_main(plan: Plan, pipe) -> None:
@@ -285,6 +399,8 @@ def merge(per_rank: list[list[dict]]) -> list[dict]:
         first.pop("rank")
         first["propose_max_us"] = max(r["propose_us"] for r in rows)
         first["weight_bytes"] = max(r["weight_bytes"] for r in rows)
+        if "floor_bytes" in first:
+            first["floor_bytes"] = max(r["floor_bytes"] for r in rows)
         if "peak_bytes" in first:
             first["peak_bytes"] = max(r["peak_bytes"] for r in rows)
         first["drafts_agree"] = all(d == drafts[0] for d in drafts)
@@ -337,7 +453,7 @@ def _copy_bandwidth(device: str) -> float | None:
 
 
 def run(args) -> dict:
-    world = args.tensor_parallel_size
+    worlds = args.tensor_parallel_size if isinstance(args.tensor_parallel_size, list) else [args.tensor_parallel_size]
     heads = tuple(h for h in args.heads.split(",") if h)
     unknown = [h for h in heads if h not in HEADS]
     if unknown:
@@ -347,24 +463,23 @@ def run(args) -> dict:
             raise SystemExit(f"drafter bench --tensor-parallel-size: this torch ({torch.__version__}) sees no GPU; "
                              "--device cpu runs the ranks on the host (gloo)")
         base = int(args.device.partition(":")[2] or 0)
-        if base + world > torch.cuda.device_count():
-            raise SystemExit(f"drafter bench --tensor-parallel-size {world}: needs {world} GPUs from {args.device}, "
-                             f"{torch.cuda.device_count()} visible")
-    plan = Plan(0, world, 0, args.device, heads, tuple(args.batches), tuple(args.ks), tuple(args.contexts),
-                args.iters, not args.no_eager, args.deepseek_weights == "fp8")
+        if base + max(worlds) > torch.cuda.device_count():
+            raise SystemExit(f"drafter bench --tensor-parallel-size {max(worlds)}: needs {max(worlds)} GPUs from "
+                             f"{args.device}, {torch.cuda.device_count()} visible")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     bw = _copy_bandwidth(args.device)
-    rows = merge(spawn_ranks(plan))
-    for r in rows:
-        if bw:
-            r["floor_weights_us"] = r["weight_bytes"] * 1e6 / bw
-        print(fmt_row(r), flush=True)
+    rows: list[dict] = []
+    for world in worlds:
+        baseline = tuple(((r["head"], r["k"], r["ctx"], r["batch"]), r["propose_us"]) for r in rows if r["world"] == 1)
+        plan = Plan(0, world, 0, args.device, heads, tuple(args.batches), tuple(args.ks), tuple(args.contexts),
+                    args.iters, not args.no_eager, args.deepseek_weights == "fp8", str(out), bw, baseline)
+        rows += [finish_row(r, bw, dict(baseline)) for r in merge(spawn_ranks(plan))]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "drafter bench " + " ".join(sys.argv[1:]), "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
-            "tensor_parallel_size": world, "copy_bandwidth": bw,
+            "tensor_parallel_size": worlds[0] if len(worlds) == 1 else worlds, "copy_bandwidth": bw,
             "deepseek_weights": args.deepseek_weights}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "rows": rows}
     (out / "bench_tp.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out / 'bench_tp.json'} ({len(rows)} rows)")
@@ -381,17 +496,19 @@ def run_from_grid(args) -> dict:
 
 
 def fmt_row(r: dict) -> str:
-    eager = f"{r['eager_us']:9.0f}" if "eager_us" in r else f"{'-':>9}"
-    peak = f"{r['peak_bytes'] / 2**30:6.1f}G" if "peak_bytes" in r else f"{'-':>7}"
+    def opt(key: str, spec: str, scale: float = 1.0, unit: str = "") -> str:
+        return f"{r[key] * scale:{spec}}{unit}" if key in r else "-"
     return (f"{r['head']:16s} tp={r['world']} k={r['k']} ctx={r['ctx']:5d} b={r['batch']:3d}  "
-            f"propose {r['propose_us']:9.0f} us (max rank {r['propose_max_us']:9.0f})  eager {eager}  "
-            f"bcast {r['bcast_us']:7.0f}  weights {r['weight_bytes'] / 2**30:6.2f}G  peak {peak}  "
-            f"agree {r['drafts_agree']}")
+            f"propose {r['propose_us']:9.0f} us (max rank {r['propose_max_us']:9.0f})  x{opt('speedup', '.2f')}  "
+            f"nccl {opt('nccl_us', '.0f')}  floor {opt('floor_us', '.0f')} ({opt('step_over_floor', '.2f')}x)  "
+            f"eager {opt('eager_us', '.0f')}  bcast {r['bcast_us']:.0f}  weights {r['weight_bytes'] / 2**30:.2f}G  "
+            f"peak {opt('peak_bytes', '.1f', 2**-30, 'G')}  graphs {r['graphs']}  agree {r['drafts_agree']}")
 
 
 def add_arguments(p: argparse.ArgumentParser, *, with_size: bool = True) -> None:
     if with_size:
-        p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the head over [1]")
+        p.add_argument("--tensor-parallel-size", type=_ints, default=[1],
+                       help="ranks to split the head over; a list (1,2) runs each in turn [1]")
     p.add_argument("--out", default="bench/results/latest-tp", help="folder for bench_tp.json")
     p.add_argument("--heads", default=DEFAULT_HEADS, help=f"comma-separated, from {HEADS} [{DEFAULT_HEADS}]")
     p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32, 64], help="batch sizes [1,2,...,64]")
