@@ -1,0 +1,128 @@
+"""coordinator.bench.predraft_target, the simulated target of issue 23's GPU measurement, on CPU:
+its calls are ones the drafter reads the right outcomes from, the pushed pre-drafts are found
+and used (every row a hit: the call goes out without waiting), pushes that come after the pick
+are never used, and the acceptance arithmetic behind the draws.  The drafter side is the real
+engine and the real PreDraftService over an in-memory "socket" (no server, no timing)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from coordinator.bench.predraft_target import Assumptions, ExactRemote, InProcess, PreDraft, Rows, SimConfig, Verify, run
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
+from drafter.service.predraft import PreDraftService
+from drafter.tools.bench.grid import random_head
+from drafter.tools.bench.predraft import TINY
+from drafter.wire.predraft import outcomes_of_call
+from drafter.wire.records import DraftOutput
+from tests.support.pair import one_torch_thread  # noqa: F401 (fixture)
+
+K, BATCH, CTX = 3, 2, 48
+MAX_LEN = CTX + 60 * (K + 1) + 64
+
+
+def _engine(outcomes: int) -> DraftEngine:
+    head = random_head(TINY, torch.device("cpu"), torch.float32)
+    return DraftEngine(head, TINY, EngineConfig(
+        method="eagle3", num_speculative_tokens=K, max_model_len=MAX_LEN, max_num_seqs=BATCH,
+        max_num_batched_tokens=BATCH * (K + 1), kv_groups=(KVGroupSpec(16, BATCH * -(-MAX_LEN // 16) + 1),),
+        dtype="float32", attention_backend="reference", predraft_outcomes=outcomes))
+
+
+class MemoryClient:
+    """What the bench's ZMQ client does, in memory: each call is drafted by the engine, then the
+    real PreDraftService pre-drafts and 'pushes'; pushes reach on_push when the target polls
+    (late=True: only after the target has picked, i.e. always too late)."""
+
+    def __init__(self, engine: DraftEngine, late: bool = False):
+        self.engine, self.late = engine, late
+        self.service = PreDraftService(engine)
+        self.session = SimpleNamespace(id="s", bases=(0,), block_sizes=(16,), num_speculative_tokens=K)
+        self.on_push = None
+        self.queue: list = []
+        self.sent: list = []  # (request, whether it went without waiting)
+
+    def _serve(self, request) -> torch.Tensor:
+        inp = request.inputs
+        out = self.engine.propose(**{n: getattr(inp, n) for n in inp.__dataclass_fields__ if
+                                     getattr(inp, n) is not None}, validate=False)
+        item = SimpleNamespace(call=request, session=self.session, push=self.queue.append)
+        self.service.after_batch([item], [out])
+        return out.draft_token_ids
+
+    def poll_pushes(self, timeout: float = 0.0, until=None) -> None:
+        if not self.late:
+            self.flush()
+
+    def flush(self) -> None:
+        for pre in self.queue:
+            self.on_push(pre)
+        self.queue.clear()
+
+    def request_drafts(self, request) -> DraftOutput:
+        if self.late:
+            self.flush()  # the previous call's push, read inside this round trip: after this call's pick
+        drafts = self._serve(request)
+        self.sent.append((request, False))
+        return DraftOutput(drafts, None, BATCH, BATCH * (K + 1))
+
+    def send_nowait(self, request) -> bool:
+        self._serve(request)
+        self.sent.append((request, True))
+        return True
+
+    def detach(self) -> None:
+        pass
+
+
+def _rows(seed: int = 3) -> Rows:
+    return Rows(SimConfig(BATCH, K, CTX, MAX_LEN, TINY.vocab_size, TINY.hidden_input_width, seed=seed),
+                torch.device("cpu"), torch.float32, Assumptions())
+
+
+def test_predraft_scale_gives_the_factor():
+    a = Assumptions(acceptance=(0.8, 0.7), predraft_factor=0.9)
+    assert a.tau(3) == pytest.approx(1 + 0.8 + 0.8 * 0.7 + 0.8 * 0.7 * 0.7)
+    for k in (1, 3, 6):
+        assert a.tau(k, a.predraft_scale(k)) == pytest.approx(0.9 * a.tau(k), rel=1e-6)
+    assert a.hit(3, 3) == a.hit_all and a.hit(5, 6) == a.hit_by_a[-1]
+
+
+def test_pushed_predrafts_are_picked_and_calls_read_right():
+    client = MemoryClient(_engine(4))
+    seen = []  # the drafter's count of hits, from the calls alone
+    client.service.on_record = lambda rows, hits, outcomes: seen.append(sum(hits.values()))
+    drafter = PreDraft(client)
+    rows = _rows()
+    r = run(rows, drafter, Verify(torch.device("cpu"), 0.0), steps=30, warmup=0)
+    print(f"\n[predraft target] hit {r['hit_rate']:.2f} by a {r['hits_by_a']}, unawaited {r['unawaited']}, "
+          f"remapped {r['remapped']}, {r['tokens_per_step']:.2f} tokens per step")
+    assert r["not_arrived"] == 0 and r["sets"] >= 30 and r["late_sets"] == 0
+    # hits are drawn at 0.5-0.94 by a: well above none, below all
+    assert 0.4 < r["hit_rate"] < 1.0 and r["unawaited"] > 0
+    # the drafter read every call's outcome as the target built it, and both ends agree on the drafts used
+    assert sum(seen) == sum(drafter.picker.stats.hits.values()) > 0
+    for request, nowait in client.sent[1:]:
+        outcomes = outcomes_of_call(request.inputs, request.accepted_counts)
+        assert all(o is not None and 0 <= o.accepted <= K for o in outcomes)
+    assert sum(nowait for _, nowait in client.sent) == r["unawaited"]
+
+
+def test_pushes_after_the_pick_are_never_used():
+    client = MemoryClient(_engine(4), late=True)
+    drafter = PreDraft(client)
+    r = run(_rows(), drafter, Verify(torch.device("cpu"), 0.0), steps=12, warmup=0)
+    assert r["hit_rate"] == 0.0 and r["unawaited"] == 0
+    assert r["not_arrived"] == 12 and r["late_sets"] >= 11
+
+
+def test_in_process_and_exact_remote_draw_the_same_outcomes():
+    """Same seed, no pre-drafts: the two baselines emit the same tokens (only their timing differs)."""
+    engine = _engine(0)
+    a = run(_rows(), InProcess(engine), Verify(torch.device("cpu"), 0.0), steps=10, warmup=2)
+    b = run(_rows(), ExactRemote(MemoryClient(_engine(0))), Verify(torch.device("cpu"), 0.0), steps=10, warmup=2)
+    assert a["tokens_per_step"] == b["tokens_per_step"] and a["tokens_per_step"] > 1.0
