@@ -6,14 +6,17 @@
   * sampling: the emitted tokens follow the target's own distribution (randomised PIT, KS test,
     fixed seeds), the same on every TP rank;
   * DP agreement: ranks with different batches, one idle, agree on one padded size every step;
-  * chaos: a drafter SIGKILLed mid-run and restarted: identical output, every step's wait within
-    the deadline plus a margin (measured and printed), drafts resume after the re-attach;
+  * chaos: a drafter SIGKILLed mid-run and restarted: identical output, every outage step fails
+    closed by a bounded path (a call given at most the step's budget and ended by that timeout or
+    a refusal, or no call while the circuit is open), drafts resume after the re-attach; the
+    longest step wait is printed, not asserted (wall time on a loaded box is not the mechanism);
   * routing: four DP ranks over two drafters: stable across client restarts; when a drafter is
     gone only its sessions move.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -31,7 +34,11 @@ from tests.support.pair import one_torch_thread, trained_pair  # noqa: F401 (fix
 
 K = 3
 DEADLINE = 2.0  # generous: 2 cores run 4 target ranks and 2 drafters at once
-MARGIN = 1.5
+# how a step of the chaos run may end without drafts while its drafter is dead or restarting:
+# the transport's own bounded failure (its timeout, a refused connection), the open circuit
+# (no call at all), or a re-attach to the restarted drafter (session_lost, attached)
+OUTAGE_REASONS = re.compile(r"^(attach )?(DEADLINE_EXCEEDED|UNAVAILABLE)$|^circuit_open$|^session_lost$|^attached$")
+TIMEOUT_TEXT = re.compile(r"within (\d+(?:\.\d+)?) ms")
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +175,25 @@ def test_chaos_drafter_killed_and_restarted_mid_run(pair, target, drafters, tmp_
     assert all(s.drafts_ok for s in spared.steps if s.kind == "draft") and spared.generation == 1
     print(f"\n[chaos/{victim_scheme}] {victim.name} SIGKILLed at step 3, restarted at step 8 (epoch {old_epoch} -> "
           f"{victim.epoch}); dp0 no-drafts reasons {reasons}, drafts back at its step {resumed}; dp1 untouched")
-    print(f"[chaos/{victim_scheme}] longest step wait {max(waits):.3f} s (deadline {deadline} s + margin {MARGIN} s), "
+    print(f"[chaos/{victim_scheme}] longest step wait {max(waits):.3f} s (deadline {deadline} s), "
           f"p50 {sorted(waits)[len(waits) // 2] * 1e3:.1f} ms over {len(waits)} rank-steps")
-    assert max(waits) <= deadline + MARGIN
+    _assert_failed_closed_within_budget(hit, deadline)
+
+
+def _assert_failed_closed_within_budget(hit, deadline: float) -> None:
+    """The deadline's mechanism, not wall time: every no-drafts step of the outage ended by a bounded
+    path, each timed-out call had been given at most the step's budget (its error names the timeout
+    it got), the dead drafter's calls were ended by their timeout or a refused connection at least
+    once, and the circuit opened (threshold 2: steps 3 and 4 fail; whether a later step finds it
+    still open or half-open for a trial depends on the step rate, so either is allowed)."""
+    misses = [e for e in hit.events if e.kind == "no_drafts"]
+    reasons = [e.detail.split(": ", 1)[0] for e in misses]
+    assert reasons and all(OUTAGE_REASONS.match(r) for r in reasons), reasons
+    given = [float(m.group(1)) for e in misses for m in TIMEOUT_TEXT.finditer(e.detail)]
+    assert all(t <= deadline * 1000 for t in given), (given, [e.detail for e in misses])
+    assert any(r.endswith(("DEADLINE_EXCEEDED", "UNAVAILABLE")) for r in reasons), reasons
+    assert any(e.kind == "circuit" and e.detail.endswith("-> open") for e in hit.events), \
+        [(e.kind, e.detail) for e in hit.events]
 
 
 def test_routing_is_stable_and_only_a_vanished_drafters_sessions_move(target, drafters, tmp_path):
