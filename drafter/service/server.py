@@ -61,6 +61,12 @@ def load_engine(cfg: ServerConfig, engine_cfg: EngineConfig, hold: threading.Eve
         hold.wait()
     if cfg.torch_threads > 0:
         torch.set_num_threads(cfg.torch_threads)
+    device = torch.device(engine_cfg.device)
+    if device.type == "cuda":
+        # this runs on the engine thread, which launches every kernel after it: Triton launches on the
+        # thread's current device, so --device cuda:1 must make cuda:1 current here (else "Pointer
+        # argument cannot be accessed from Triton" at the first fused kernel)
+        torch.cuda.set_device(device)
     t0 = time.monotonic()
     if cfg.tensor_parallel_size > 1:  # rank 0 here, ranks 1 .. N-1 spawned (drafter.service.tp)
         from drafter.service.tp.leader import load_tp_engine
