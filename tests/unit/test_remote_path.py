@@ -12,7 +12,6 @@ import concurrent.futures
 import os
 import stat
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -434,24 +433,27 @@ def test_engine_thread_replies_before_delivering_and_refuses_after_stop():
 
 
 def test_window_collects_what_arrives_and_a_plain_executor_still_works():
+    """The window is far longer than any stall of a loaded box; a batch of two fills the runner,
+    which ends the wait (so the test does not wait the window out): the second call must join the
+    first's batch whatever the timing."""
     log = []
     runner = _FakeRunner(log)
+    runner.max_batch = 2
     executor = concurrent.futures.ThreadPoolExecutor(1)
 
     async def main():
-        batcher = Batcher(runner, executor, window_s=0.2)
+        batcher = Batcher(runner, executor, window_s=600.0)
         batcher.start()
         first = asyncio.ensure_future(batcher.submit(None, _call(1)))
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # spacing only (the second usually arrives inside the window); not awaited on
         second = asyncio.ensure_future(batcher.submit(None, _call(2)))
         out = await asyncio.gather(first, second)
         await batcher.stop()
         return out
 
-    t0 = time.monotonic()
     assert asyncio.run(main()) == [10, 20]
     executor.shutdown()
-    assert log == [("batch", [1, 2])] and time.monotonic() - t0 < 5
+    assert log == [("batch", [1, 2])]
 
 
 def test_shutdown_answers_queued_requests():
