@@ -21,6 +21,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 import traceback
 import urllib.request
 from pathlib import Path
@@ -95,9 +96,10 @@ def run_nccl_ranks(root: Path, world: int = 2) -> list:
     procs = [ctx.Process(target=_rank, args=(r, world, store.port, str(root), str(root))) for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + RANK_TIMEOUT_S  # one bound for all ranks together
     try:
         for p in procs:
-            p.join(RANK_TIMEOUT_S)
+            p.join(max(0.0, deadline - time.monotonic()))
     finally:
         stuck = [r for r, p in enumerate(procs) if p.is_alive()]
         for p in procs:

@@ -19,8 +19,8 @@ Heads:
   eagle3-70b       an EAGLE-3 head for Llama-3.3-70B: hidden 8192, 64 heads / 8 KV heads of 128,
                    intermediate 28672, draft vocabulary 32000 (target 128256), bf16
   deepseek-tiny, eagle3-tiny   the same code at make-tiny sizes (a CPU smoke run)
---tensor-parallel-size takes a list (1,2): each N in turn on the same machine, and the rows of
-N > 1 carry speedup = the N = 1 row's propose_us / theirs.
+--tensor-parallel-size takes a list (1,2): each N in turn on the same machine (per head: all N for
+one head, then the next), and the rows of N > 1 carry speedup = the N = 1 row's propose_us / theirs.
 
 Per row (head, k, ctx, batch, world): propose_us (rank 0: the whole call, i.e. one drafter step of
 k forward passes, through CUDA graphs on a GPU at any N: the sharded step is captured with its
@@ -470,11 +470,14 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     bw = _copy_bandwidth(args.device)
     rows: list[dict] = []
-    for world in worlds:
-        baseline = tuple(((r["head"], r["k"], r["ctx"], r["batch"]), r["propose_us"]) for r in rows if r["world"] == 1)
-        plan = Plan(0, world, 0, args.device, heads, tuple(args.batches), tuple(args.ks), tuple(args.contexts),
-                    args.iters, not args.no_eager, args.deepseek_weights == "fp8", str(out), bw, baseline)
-        rows += [finish_row(r, bw, dict(baseline)) for r in merge(spawn_ranks(plan))]
+    for head in heads:  # every N for one head before the next: a run cut short keeps whole comparisons
+        for world in worlds:
+            baseline = tuple(((r["head"], r["k"], r["ctx"], r["batch"]), r["propose_us"]) for r in rows
+                             if r["world"] == 1)
+            plan = Plan(0, world, 0, args.device, (head,), tuple(args.batches), tuple(args.ks),
+                        tuple(args.contexts), args.iters, not args.no_eager, args.deepseek_weights == "fp8",
+                        str(out), bw, baseline)
+            rows += [finish_row(r, bw, dict(baseline)) for r in merge(spawn_ranks(plan))]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "drafter bench " + " ".join(sys.argv[1:]), "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
