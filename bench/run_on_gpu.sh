@@ -8,7 +8,7 @@
 # stubs drafter/_proto/drafter/v1/*_pb2*.py (`python -m drafter._proto.build` on any machine).
 # Knobs: SKIP_TESTS, SKIP_BENCH, SKIP_REMOTE, TEST_TIMEOUT, BENCH_TIMEOUT, REMOTE_TIMEOUT, REMOTE_ARGS;
 # TESTS (the test files, default the GPU set below); BOUND=1 adds issue 18's bound-session run
-# (python -m drafter.tools.bench.bound: bound.json, bound.md, bound_log.txt), BOUND_TIMEOUT, BOUND_ARGS;
+# (python -m coordinator.bench.bound: bound.json, bound.md, bound_log.txt), BOUND_TIMEOUT, BOUND_ARGS;
 # PINGPONG=1 adds the two-process event ping-pong floor (python -m drafter.tools.bench.ipc_pingpong:
 # pingpong.json, pingpong.md, pingpong_stdout.txt; run before BOUND), PINGPONG_TIMEOUT, PINGPONG_ARGS.
 # Issue 18 in one call (~8 min on a cold machine):
@@ -52,7 +52,7 @@ if [ -n "${PINGPONG:-}" ]; then
   tail -22 "$OUT/pingpong_stdout.txt"
 fi
 if [ -n "${BOUND:-}" ]; then
-  timeout "${BOUND_TIMEOUT:-420}" python3 -m drafter.tools.bench.bound --out "$OUT" ${BOUND_ARGS:-} > "$OUT/bound_stdout.txt" 2>&1
+  timeout "${BOUND_TIMEOUT:-420}" python3 -m coordinator.bench.bound --out "$OUT" ${BOUND_ARGS:-} > "$OUT/bound_stdout.txt" 2>&1
   echo "bound bench exit $?"
   tail -45 "$OUT/bound_stdout.txt"
 fi

@@ -66,27 +66,21 @@ def cannot_share(slabs, device: torch.device, support) -> str:
     return ""
 
 
-class IpcLink:
-    """One cuda_ipc binding's data path, for CudaIpcBoundClient and the RemoteProposer's
-    BoundTransport alike: the drafter's output opened once, the data socket, header-only steps.
-    `alive` turns False for good after anything that leaves the binding in doubt (a send with no
-    live connection, a timeout, a lost session): bind again for a new link."""
+class DeviceLink:
+    """What the GPU planes' data paths share (IpcLink: cuda_ipc; coordinator.transport.
+    bound_channel.ChannelLink: nccl_channel): the data socket, the StepDone exchange, the drafts as
+    views of an output on this GPU ([max_batch * width + 1] int64: drafts, then the error word), its
+    read-back.  `alive` turns False for good after anything that leaves the binding in doubt (a send
+    with no live connection, a timeout, a lost session): bind again for a new link."""
 
-    plane = wb.CUDA_IPC
+    plane = ""
 
-    def __init__(self, ctx: zmq.Context, slabs, device: torch.device, resp: wb.BindResponse, max_batch: int,
-                 groups: int, inputs_event, via: str = ""):
-        """inputs_event: this side's "inputs ready" event (its handle went in the BindRequest);
-        via: the control endpoint the Bind went to (a wildcard data endpoint is reached at its host).
-        DrafterError naming output.* when the drafter's output cannot be opened here."""
-        self.slabs, self.device, self.groups, self.inputs_event = slabs, device, groups, inputs_event
-        self.resp = msgspec.structs.replace(resp, endpoint=reachable(resp.endpoint, _host(via)))
+    def _setup(self, ctx: zmq.Context, device: torch.device, resp: wb.BindResponse, groups: int, via: str) -> None:
+        """via: the control endpoint the Bind went to (a wildcard data endpoint is reached at its host)."""
+        self.device, self.groups = device, groups
+        self.resp = msgspec.structs.replace(resp, endpoint=reachable(resp.endpoint, _host(via)),
+                                            store=reachable(resp.store, _host(via)) if resp.store else "")
         self.width = resp.drafts_width
-        words = -(-(max_batch * self.width + 1) // 8) * 8  # whole 64-byte rows
-        ref = cuda_slab.check_ref(resp.output, "output", words * 8)
-        out = slabs.open(ref, device, "output").view(torch.int64)  # [words]
-        self.output = out[:max_batch * self.width + 1]  # [max_batch * width + 1]: drafts..., error word
-        self.drafts_event = slabs.open_event(resp.drafts_event, device, "output")
         self.sock = connect_socket(ctx, self.resp.endpoint, data=True)
         self.alive = True
         self._steps = itertools.count(1)
@@ -110,15 +104,15 @@ class IpcLink:
 
     def exchange(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int, timeout_s: float,
                  accepted_counts: list[int] | None = None) -> int:
-        """Inputs event recorded, header sent, StepDone read (stamps kept); perf_counter_ns at the
-        start.  DrafterError: UNAVAILABLE 'data' when the data socket has no live connection
+        """The plane's part before the header (_before_send), header sent, StepDone read, the plane's
+        part after it (_after_reply), stamps kept; perf_counter_ns at the start.  DrafterError: UNAVAILABLE 'data' when the data socket has no live connection
         (nothing was sent), the drafter's refusal, or DEADLINE_EXCEEDED."""
         start = time.perf_counter_ns()
         step = next(self._steps)
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
-                             tokens_padded=tokens_padded, bind_id=self.resp.bind_id,
-                             accepted_counts=accepted_counts or [])
-        self.slabs.record(self.inputs_event, self.device)
+                             tokens_padded=tokens_padded, nbytes=self._nbytes(num_tokens),
+                             bind_id=self.resp.bind_id, accepted_counts=accepted_counts or [])
+        self._before_send(head)
         sent = time.perf_counter_ns()
         try:
             self.sock.send(wb.encode(head), flags=zmq.NOBLOCK)
@@ -126,6 +120,7 @@ class IpcLink:
             self.close()
             raise DrafterError(Code.UNAVAILABLE, "data", f"no live connection to {self.resp.endpoint}") from None
         done = self._reply(step, timeout_s)
+        self._after_reply(timeout_s)
         self.stamps = {"sent": sent, **dict(zip(wb.STAMPS, done.stamps)), "answered": time.perf_counter_ns()}
         return start
 
@@ -153,12 +148,25 @@ class IpcLink:
         GPU, which the current stream's later work sees (it waits on the drafts event).  The
         view is the next step's output too: copy what must outlive it."""
         start = self.exchange(num_tokens, batch, batch_padded, tokens_padded, timeout_s, accepted_counts)
-        self.slabs.wait(self.drafts_event, self.device)
+        self._arrive()
         drafts = self._drafts_views.get(batch)
         if drafts is None:
             drafts = self._drafts_views[batch] = self.output[:batch * self.width].view(batch, self.width)
         self.host_ns = time.perf_counter_ns() - start - self._waited_ns
         return drafts
+
+    def _nbytes(self, num_tokens: int) -> int:  # what the header says follows outside the socket
+        return 0
+
+    def _before_send(self, head: wb.StepHeader) -> None:
+        """The plane's work before the header goes (cuda_ipc: the "inputs ready" event)."""
+
+    def _after_reply(self, timeout_s: float) -> None:
+        """The plane's work after a StepDone with code 0 (nccl_channel: the output's recv posted)."""
+
+    def _arrive(self) -> None:
+        """The current stream waits for the drafter's output."""
+        raise NotImplementedError
 
     def read_back(self) -> torch.Tensor:
         """The output (drafts and error word) copied into a pinned host buffer on the current
@@ -190,20 +198,48 @@ class IpcLink:
                                                              "the step's rows were masked, its drafts are void")
 
 
+class IpcLink(DeviceLink):
+    """One cuda_ipc binding's data path, for CudaIpcBoundClient and the RemoteProposer's
+    BoundTransport alike: the drafter's output opened once, the data socket, header-only steps."""
+
+    plane = wb.CUDA_IPC
+
+    def __init__(self, ctx: zmq.Context, slabs, device: torch.device, resp: wb.BindResponse, max_batch: int,
+                 groups: int, inputs_event, via: str = ""):
+        """inputs_event: this side's "inputs ready" event (its handle went in the BindRequest).
+        DrafterError naming output.* when the drafter's output cannot be opened here."""
+        self.slabs, self.inputs_event = slabs, inputs_event
+        width = resp.drafts_width
+        ref = cuda_slab.check_ref(resp.output, "output", wb.output_words(max_batch, width) * 8)
+        out = slabs.open(ref, device, "output").view(torch.int64)  # [words]
+        self.output = out[:max_batch * width + 1]  # [max_batch * width + 1]: drafts..., error word
+        self.drafts_event = slabs.open_event(resp.drafts_event, device, "output")
+        self._setup(ctx, device, resp, groups, via)
+
+    def _before_send(self, head: wb.StepHeader) -> None:
+        self.slabs.record(self.inputs_event, self.device)
+
+    def _arrive(self) -> None:  # the "drafts ready" event
+        self.slabs.wait(self.drafts_event, self.device)
 
 
 class CudaIpcBoundClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, device="cuda", transport: str = "tcp", timeout_s: float = 5.0,
-                 allow_fallback: bool = True, force_ring: bool = False, slabs=None, host_wait: bool = False):
+                 allow_fallback: bool = True, force_ring: bool = False, slabs=None, host_wait: bool = False,
+                 channel: bool = False):
         """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests);
         force_ring: bind the host ring even where CUDA IPC would do (to compare the planes);
+        channel: bind the nccl_channel plane instead of cuda_ipc (the drafter on another GPU of this
+        host or on another host: coordinator.transport.bound_channel), the host ring where the
+        drafter refuses it and allow_fallback;
         host_wait: step() waits for the drafter's event on the host (cudaEventSynchronize) before
         queueing its read, so nothing of this context waits on the GPU while the drafter's kernels
         run (two contexts time-slice one GPU), instead of making the stream wait on it."""
         self.endpoint, self.layout, self.buffers = endpoint, layout, list(buffers)
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
         self.allow_fallback, self.force_ring, self.host_wait = allow_fallback, force_ring, host_wait
+        self.channel = channel
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -215,9 +251,9 @@ class CudaIpcBoundClient:
         self.groups = len(layout.kv_groups)
         self.ctx = zmq.Context()
         self.control = self._socket(endpoint, data=False)
-        self.link: IpcLink | None = None  # the cuda_ipc binding's data path
+        self.link: DeviceLink | None = None  # the cuda_ipc (IpcLink) or nccl_channel (ChannelLink) data path
         self.session: schema.AttachResponse | None = None
-        self.plane = ""  # after bind: wb.CUDA_IPC or wb.HOST_RING
+        self.plane = ""  # after bind: wb.CUDA_IPC, wb.NCCL_CHANNEL or wb.HOST_RING
         self.fallback_reason = ""
         self.ring = None  # the host-ring fallback (a HostRingClient)
         self.binds = 0
@@ -245,23 +281,30 @@ class CudaIpcBoundClient:
         return control_call(self.control, next(self._calls), method, body, decoder, deadline, self.timeout_s)
 
     def bind(self) -> str:
-        """Attach and bind over CUDA IPC, or fall back to the host ring; the plane in use."""
+        """Attach and bind over CUDA IPC (or the nccl_channel where asked), or fall back to the host
+        ring; the plane in use."""
         self.unbind()
         deadline = time.monotonic() + self.timeout_s
         self.session = self._call("Attach", msgspec.structs.replace(self.layout, cuda_ipc_capable=True), _ATTACH,
                                   deadline)
-        why = "force_ring" if self.force_ring else cannot_share(self.slabs, self.device, self.session.cuda_ipc)
+        want = wb.NCCL_CHANNEL if self.channel else wb.CUDA_IPC
+        if self.force_ring:
+            why = "force_ring"
+        elif self.channel:
+            why = "" if self.device.type == "cuda" or channel_backend() == "gloo" else "the slab is not on a GPU"
+        else:
+            why = cannot_share(self.slabs, self.device, self.session.cuda_ipc)
         if not why:
             try:
-                self._bind_ipc(deadline)
+                self._bind_channel(deadline) if self.channel else self._bind_ipc(deadline)
                 self.binds += 1
                 return self.plane
             except DrafterError as err:
-                if err.field not in ENVIRONMENT:
+                if err.field not in ENVIRONMENT and not (self.channel and err.field in channel_refusals()):
                     raise
                 why = f"the drafter refused {err.field}: {err.message}"
         if not self.allow_fallback and not self.force_ring:
-            raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"cuda_ipc is not possible: {why}")
+            raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"{want} is not possible: {why}")
         self._detach(deadline)
         self._bind_ring(why)
         self.binds += 1
@@ -284,6 +327,30 @@ class CudaIpcBoundClient:
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
         self.link = link
         self.plane = wb.CUDA_IPC
+
+    def _bind_channel(self, deadline: float) -> None:
+        """Bind the nccl_channel plane (this GPU named: NCCL refuses two ranks on one GPU) and join its group."""
+        from coordinator.transport.bound_channel import ChannelLink
+
+        uuid = cuda_ref.device_uuid(self.device) if self.device.type == "cuda" else ""
+        resp = self._call(wb.BIND_METHOD, wb.BindRequest(
+            session_id=self.session.session_id, epoch=self.session.epoch, plane=wb.NCCL_CHANNEL,
+            transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, device_uuid=uuid),
+            wb.BIND_RESPONSE_DECODER, deadline)
+        self.width = resp.drafts_width
+        link = ChannelLink(self.ctx, self.device, resp, self.max_batch, self.groups, self.slab, self.slots,
+                           via=self.endpoint)
+        try:
+            ready = link.connect(deadline - time.monotonic(), self.timeout_s)
+        except DrafterError:
+            link.close()
+            raise
+        if not ready:
+            link.close()
+            self.unbind()
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
+        self.link = link
+        self.plane = wb.NCCL_CHANNEL
 
     def _bind_ring(self, why: str) -> None:
         from coordinator.transport.bound_client import HostRingClient
@@ -337,7 +404,7 @@ class CudaIpcBoundClient:
         if self.plane == wb.HOST_RING:
             self.stamps = {}
             return self._ring_step(num_tokens, batch, batch_padded, tokens_padded)
-        if self.host_wait:
+        if self.host_wait and self.plane == wb.CUDA_IPC:
             self._exchange(num_tokens, batch, batch_padded, tokens_padded)
             self.slabs.synchronize(self.link.drafts_event)
         else:
@@ -352,7 +419,7 @@ class CudaIpcBoundClient:
         stream's later work sees; check() tells whether the step was in range."""
         if not self.plane:
             self._bind_in_step()
-        if self.plane != wb.CUDA_IPC:
+        if self.plane not in (wb.CUDA_IPC, wb.NCCL_CHANNEL):
             raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"bound over {self.plane}: use step()")
         drafts = self._live(lambda: self.link.step_async(num_tokens, batch, batch_padded, tokens_padded,
                                                          self.timeout_s))
@@ -398,6 +465,20 @@ class CudaIpcBoundClient:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return self.ring.step(num_tokens, batch, batch_padded, tokens_padded)
+
+
+def channel_backend() -> str:
+    """The nccl_channel's group backend (coordinator.transport.bound_channel.BACKEND)."""
+    from coordinator.transport import bound_channel
+
+    return bound_channel.BACKEND
+
+
+def channel_refusals() -> tuple[str, ...]:
+    """The fields of a Bind refusal that mean the drafter cannot serve the nccl_channel here."""
+    from coordinator.transport import bound_channel
+
+    return bound_channel.REFUSED
 
 
 def pinned_slab(client) -> torch.Tensor:

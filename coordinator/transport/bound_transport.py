@@ -63,7 +63,10 @@ import torch
 import zmq
 
 from coordinator.transport.bound_client import REBIND, BoundLink, BoundRing, connect_socket
-from coordinator.transport.bound_ipc import ENVIRONMENT, IpcLink, cannot_share
+from coordinator.transport.bound_channel import REFUSED as CHANNEL_REFUSED
+from coordinator.transport.bound_channel import ChannelLink
+from coordinator.transport.bound_ipc import ENVIRONMENT, DeviceLink, IpcLink, cannot_share
+from drafter.wire import cuda_ref
 from drafter.wire import bound as wb
 from drafter.wire import cuda_slab, schema
 from drafter.wire.errors import Code, DrafterError
@@ -74,7 +77,8 @@ log = logging.getLogger("coordinator.bound")
 
 MODES = ("auto", "off")
 DATA_TRANSPORTS = ("auto", "tcp", "ipc")
-AUTO = "auto"  # the plane: cuda_ipc where the caller's tensors are on a GPU the drafter reads, else host_ring
+AUTO = "auto"  # the plane: cuda_ipc where the caller's tensors are on a GPU the drafter reads, else
+# nccl_channel for tensors on a GPU (the drafter refusing it: host_ring), else host_ring
 PLANES = (AUTO, *wb.PLANES)
 SLABS = None  # the cuda_ipc plane's backend; None: cuda_slab.TorchSlabs (the CPU tests put a LocalSlabs here)
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
@@ -90,10 +94,11 @@ class BoundConfig:
     mode: str = "auto"  # auto: bind when the drafter can; off: the unbound Propose only
     transport: str = "auto"  # the data socket: auto = ipc for a drafter on loopback (tcp if it has none)
     # auto (or cuda_ipc): cuda_ipc where the caller's tensors are on a GPU the drafter reads over CUDA
-    # IPC, else host_ring; host_ring or gloo_channel: that plane always
+    # IPC, else nccl_channel for tensors on a GPU (host_ring once the drafter refused it), else
+    # host_ring; host_ring, gloo_channel or nccl_channel: that plane always
     plane: str = AUTO
     max_tokens: int = 0  # the ring's token rows; 0: max_num_seqs * (k + 1), within max_num_batched_tokens
-    channel_timeout_s: float = 5.0  # gloo_channel: joining and each step's send
+    channel_timeout_s: float = 5.0  # gloo_channel, nccl_channel: joining (and gloo's each step's send)
     device: str = ""  # where the caller's tensors live, to bind the right plane at attach; "": learnt from the steps
 
     def __post_init__(self):
@@ -158,6 +163,7 @@ class BoundTransport:
         self._planes: dict[torch.device, str] = {}  # the plane for the caller's tensors on each device
         self._support = None  # the drafter's CudaIpcSupport (its AttachResponse's, or asked by Info)
         self._ipc_refused = ""  # why the drafter refused or could not serve a cuda_ipc binding: host ring since
+        self._nccl_refused = ""  # why the drafter refused or could not serve an nccl_channel binding
         self._slabs = None  # the cuda_ipc backend (SLABS or TorchSlabs)
         self._slab: BoundRing | None = None  # cuda_ipc: the ring's layout on the caller's GPU, shared with the drafter
         self._events: dict[torch.device, tuple] = {}  # cuda_ipc: device -> ("inputs ready" event, its handle)
@@ -221,7 +227,7 @@ class BoundTransport:
     # ------------------------------------------------------------------ the bound step
     def _bound_step(self, request: ProposeRequest, deadline: float) -> DraftOutput:
         accepted = request.accepted_counts.tolist() if request.accepted_counts is not None else None
-        if isinstance(self.link, IpcLink):
+        if isinstance(self.link, DeviceLink):  # cuda_ipc or nccl_channel: the slab on the caller's GPU
             return self._ipc_step(request, accepted, deadline)
         t0 = time.perf_counter()
         device = request.inputs.target_hidden_states.device
@@ -238,8 +244,8 @@ class BoundTransport:
         return DraftOutput(drafts, None, request.batch_padded, request.tokens_padded)
 
     def _ipc_step(self, request: ProposeRequest, accepted: list[int] | None, deadline: float) -> DraftOutput:
-        """The cuda_ipc step: one device copy per tensor into the shared slab (the current stream),
-        the header, then the drafts on the GPU ([batch, k] int64, a copy of the drafter's output
+        """The cuda_ipc (and nccl_channel) step: one device copy per tensor into the shared slab (the
+        current stream; nccl_channel: sent by NCCL), the header, then the drafts on the GPU ([batch, k] int64, a copy of the drafter's output
         queued on the current stream after its wait on the drafts event); the error word is the
         one host read (8 bytes and a stream sync): a set word raises INVALID_ARGUMENT naming its field."""
         t0 = time.perf_counter()
@@ -285,19 +291,25 @@ class BoundTransport:
 
     def _plane(self) -> str:
         """The plane for the caller's tensors (cached per device): cuda_ipc where they are on a GPU
-        this drafter reads over CUDA IPC (as CudaIpcBoundClient decides), else the host ring; a
-        plane the config names, always."""
+        this drafter reads over CUDA IPC (as CudaIpcBoundClient decides), else nccl_channel where
+        they are on a GPU and the drafter has not refused it, else the host ring; a plane the config
+        names, always."""
         if self.cfg.plane not in (AUTO, wb.CUDA_IPC):
             return self.cfg.plane
         device = self._device
-        if device is None or self._ipc_refused:
+        if device is None:
             return wb.HOST_RING
         plane = self._planes.get(device)
         if plane is None:
             why = cannot_share(self._backend(), device, self._support)
-            plane = self._planes[device] = wb.HOST_RING if why else wb.CUDA_IPC
+            plane = wb.CUDA_IPC if not why else wb.NCCL_CHANNEL if device.type == "cuda" else wb.HOST_RING
             if why and device.type == "cuda":
-                log.info("bound session: the host ring for tensors on %s (%s)", device, why)
+                log.info("bound session: not cuda_ipc for tensors on %s (%s); %s", device, why, plane)
+            self._planes[device] = plane
+        if plane == wb.CUDA_IPC and self._ipc_refused:
+            plane = wb.NCCL_CHANNEL if device.type == "cuda" else wb.HOST_RING
+        if plane == wb.NCCL_CHANNEL and self._nccl_refused:
+            plane = wb.HOST_RING
         return plane
 
     def _backend(self):
@@ -337,10 +349,14 @@ class BoundTransport:
         if self.control is None:
             self.control = connect_socket(self.ctx, self.endpoint, data=False)
         slab = self._share(buffers) if plane == wb.CUDA_IPC else None
+        uuid = ""
+        if plane == wb.NCCL_CHANNEL:  # the slab on the caller's GPU, sent by NCCL; its GPU named
+            self._device_slab(buffers)
+            uuid = cuda_ref.device_uuid(self._device) if self._device.type == "cuda" else ""
         self._max_batch = session.max_num_seqs
         self._calls += 1
         body = wb.BindRequest(session_id=session_id, epoch=epoch, plane=plane, transport=transport,
-                              buffers=buffers, max_batch=session.max_num_seqs, slab=slab)
+                              buffers=buffers, max_batch=session.max_num_seqs, slab=slab, device_uuid=uuid)
         env = schema.Envelope(call_id=self._calls, method=wb.BIND_METHOD)
         try:
             self.control.send_multipart([wb.encode(env), wb.encode(body)], flags=zmq.NOBLOCK)
@@ -352,11 +368,15 @@ class BoundTransport:
         """The slab on the caller's device (kept while its layout and device stay), shared with
         this device's "inputs ready" event: its reference for the Bind."""
         device, slabs = self._device, self._backend()
-        if self._slab is None or self._slab.buffers != buffers or self._slab.slab.device != device:
-            self._slab = BoundRing(buffers, device=device)
+        self._device_slab(buffers)
         if device not in self._events:
             self._events[device] = slabs.new_event(device)
         return slabs.share(self._slab.slab, self._events[device][1])
+
+    def _device_slab(self, buffers: list[wb.BufferSpec]) -> None:
+        """The ring's layout on the caller's device (kept while its layout and device stay)."""
+        if self._slab is None or self._slab.buffers != buffers or self._slab.slab.device != self._device:
+            self._slab = BoundRing(buffers, device=self._device)
 
     def _advance(self, session, until: float) -> None:
         """Take the Bind's reply and connect its data socket, waiting until `until` at most."""
@@ -388,6 +408,8 @@ class BoundTransport:
                 self._connecting = None
                 link.close()
                 log.warning("bound session %s: %s; steps go unbound", session_id, exc.message)
+                if link.plane == wb.NCCL_CHANNEL:  # the channel could not be joined: the host ring from now on
+                    self._nccl_refused = exc.message
                 return
             if ready:
                 self.link, self.bound_to, self._connecting = link, session_id, None
@@ -396,6 +418,9 @@ class BoundTransport:
 
     def _link(self, resp: wb.BindResponse, pending: _Pending):
         """The data path of a binding the drafter accepted (not connected yet)."""
+        if pending.plane == wb.NCCL_CHANNEL:
+            return ChannelLink(self.ctx, self._slab.slab.device, resp, self._max_batch, len(self.spec.kv_groups),
+                               self._slab.slab, self._slab.slots, via=self.endpoint)
         if pending.plane != wb.CUDA_IPC:
             return BoundLink(self.ctx, self.ring, resp, pending.plane, self.endpoint)
         device = self._slab.slab.device
@@ -404,10 +429,10 @@ class BoundTransport:
 
     def _no_ipc(self, pending: _Pending, session, why: str) -> None:
         """The drafter cannot serve this target over CUDA IPC (another container, no --allow-cuda-ipc
-        after all): the host ring from now on, asked for at once."""
+        after all): the nccl_channel (tensors on a GPU) or the host ring from now on, asked for at once."""
         self._ipc_refused = why
-        log.warning("session %s: cuda_ipc is not possible (%s); binding the host ring", pending.session_id, why)
-        self._send_bind(pending.session_id, pending.epoch, pending.transport, session, wb.HOST_RING)
+        log.warning("session %s: cuda_ipc is not possible (%s); binding %s", pending.session_id, why, self._plane())
+        self._send_bind(pending.session_id, pending.epoch, pending.transport, session, self._plane())
 
     def _bind_refused(self, pending: _Pending, error, session) -> None:
         try:
@@ -419,6 +444,11 @@ class BoundTransport:
             self._send_bind(pending.session_id, pending.epoch, "tcp", session, pending.plane)
         elif pending.plane == wb.CUDA_IPC and error.field in ENVIRONMENT:
             self._no_ipc(pending, session, f"the drafter refused {error.field}: {error.message}")
+        elif pending.plane == wb.NCCL_CHANNEL and self.cfg.plane != wb.NCCL_CHANNEL and error.field in CHANNEL_REFUSED:
+            self._nccl_refused = f"the drafter refused {error.field}: {error.message}"
+            log.warning("session %s: nccl_channel is not possible (%s); binding the host ring", pending.session_id,
+                        self._nccl_refused)
+            self._send_bind(pending.session_id, pending.epoch, pending.transport, session, wb.HOST_RING)
         elif code not in REBIND:  # a lost session is the unbound call's to report
             self._refuse(pending.session_id, f"{code.name} {error.field}: {error.message}")
 

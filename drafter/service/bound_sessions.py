@@ -42,13 +42,14 @@ import torch.distributed as dist
 import zmq
 
 from drafter.wire import bound as wb
+from drafter.wire.bound_channel import DRAFTER_RANK, GLOO, close_group, open_group
 from drafter.wire.errors import Code, DrafterError, InvalidInput, invalid
 from drafter.wire.tensors import DTYPES
 
 log = logging.getLogger("drafter.service.bound")
 
-POLL_MS = 100
-_CHANNEL_TIMEOUT = datetime.timedelta(seconds=30)  # gloo_channel: joining, and each step's payload  # how often an idle data thread looks whether its session or the server is gone
+POLL_MS = 100  # how often an idle data thread looks whether its session or the server is gone
+_CHANNEL_TIMEOUT = datetime.timedelta(seconds=30)  # the channel planes: joining, and each step's payload
 
 
 def itemsize(dtype: str) -> int:
@@ -104,6 +105,8 @@ class BoundPlane:
         cls = BoundSession
         if req.plane == wb.CUDA_IPC:  # the slab shared once over CUDA IPC (drafter.service.bound_ipc)
             from drafter.service.bound_ipc import IpcBoundSession as cls
+        elif req.plane == wb.NCCL_CHANNEL:  # GPU to GPU over NCCL (drafter.service.bound_channel)
+            from drafter.service.bound_channel import ChannelSession as cls
         elif req.plane == wb.HOST_RING:  # on a GPU: the checks there (drafter.service.bound_ipc)
             from drafter.service.bound_ipc import ring_session_class
 
@@ -208,9 +211,9 @@ class BoundSession:
         self.plane_name = req.plane
         self.sock: zmq.Socket | None = None
         self.endpoint = ""
-        self.store = None  # gloo_channel: the TCPStore this drafter hosts for the binding
+        self.store = None  # the channel planes: the TCPStore this drafter hosts for the binding
         self.store_endpoint = ""
-        self.channel = None  # gloo_channel: the two-rank process group, built by the data thread
+        self.channel = None  # the channel planes: the two-rank process group, built by the data thread
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._accepted: list[int] = []  # the step's accepted counts (StepHeader), recorded after its reply
@@ -228,7 +231,7 @@ class BoundSession:
             sock.bind(endpoint)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.sock = sock
-        if self.plane_name == wb.GLOO_CHANNEL:
+        if self.plane_name in wb.CHANNELS:
             host = self.plane.server.host
             self.store = dist.TCPStore(host, 0, 2, True, timeout=_CHANNEL_TIMEOUT, wait_for_workers=False)
             self.store_endpoint = f"{host}:{self.store.port}"
@@ -250,8 +253,7 @@ class BoundSession:
         sock, ring = self.sock, memoryview(self.ring.numpy())
         try:
             if self.store is not None:  # waits for the target to join (rank 0), at most the timeout
-                self.channel = dist.ProcessGroupGloo(dist.PrefixStore(self.bind_id, self.store), 1, 2,
-                                                     _CHANNEL_TIMEOUT)
+                self.channel = self._open_channel()
             while self._alive():
                 if not sock.poll(POLL_MS):
                     continue
@@ -264,16 +266,21 @@ class BoundSession:
                                                         self.core.desc.num_speculative_tokens)
         except zmq.ZMQError as exc:
             log.debug("bound data socket ended: %s", exc)
-        except RuntimeError as exc:  # the gloo channel failed (its peer went away, a timeout)
+        except (RuntimeError, TimeoutError) as exc:  # the channel failed (its peer went away, a timeout)
             log.warning("bound channel ended: %s", exc, extra={"event": "bound_channel_failed"})
         finally:
             self._stop.set()
+            close_group(self.channel)
             self.channel = self.store = None
             sock.close(linger=0)
             if self.endpoint.startswith("ipc://"):
                 from drafter.wire.ipc import unlink_ipc
 
                 unlink_ipc(self.endpoint)
+
+    def _open_channel(self):
+        """The gloo_channel's group (rank 1), joined here: blocks until the target joined, at most the timeout."""
+        return open_group(GLOO, self.store, self.bind_id, DRAFTER_RANK, _CHANNEL_TIMEOUT)
 
     def _receive_and_run(self, sock: zmq.Socket, ring: memoryview) -> tuple[wb.StepDone, bytes]:
         header_frame = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""

@@ -11,12 +11,19 @@ its engine was bound to once (drafter.engine.bound).  The hidden states lie last
 holds every small buffer whole and the first num_tokens rows of the hidden states, nothing else
 the step does not need.
 
-Two planes carry the ring's bytes, the same protocol above them: "host_ring" sends them as the
+Three planes carry the ring's bytes, the same protocol above them: "host_ring" sends them as the
 step's second ZMQ frame; "gloo_channel" sends them by a point-to-point send on a two-rank
 torch.distributed process group (gloo) that the two sides build from a TCPStore the drafter
 hosts (BindResponse.store) under a key prefix of this binding (BindResponse.channel): the target
 is rank 0, the drafter rank 1; the step header and the reply still go over the data socket.
-With NCCL in place of gloo the same channel would carry GPU tensors between GPUs (not built).
+"nccl_channel" is that channel with NCCL on two GPUs (another GPU of the host, or another host):
+the target's GPU slab prefix goes by one send into the drafter's GPU slab, the drafter checks and
+masks it on its GPU (the step guard, as on cuda_ipc) and sends its whole output (drafts, then the
+error word: output_words) back by one send into the target's output; StepDone on the data socket
+says the output was sent (code 0) or that it was not (a refusal).  Both sides first exchange one
+word (the handshake: NCCL builds the communicator at the first operation, which both must join).
+NCCL refuses two ranks on one GPU: BindRequest.device_uuid names the target's, and the drafter
+refuses a binding whose GPU is its own (FAILED_PRECONDITION "device_uuid").
 "cuda_ipc" (same host, both sides on CUDA) carries no bytes at all: at Bind the target shares its
 slab, a CUDA allocation, once (BindRequest.slab, a CUDA IPC reference to it viewed as
 [ring_bytes / 64, 16] float32, with the handle of its "inputs ready" interprocess event) and the
@@ -44,8 +51,10 @@ from drafter.wire.schema import CudaIpcTensor
 BIND_METHOD = "Bind"
 HOST_RING = "host_ring"
 GLOO_CHANNEL = "gloo_channel"
+NCCL_CHANNEL = "nccl_channel"
 CUDA_IPC = "cuda_ipc"
-PLANES = (HOST_RING, GLOO_CHANNEL, CUDA_IPC)
+PLANES = (HOST_RING, GLOO_CHANNEL, CUDA_IPC, NCCL_CHANNEL)
+CHANNELS = (GLOO_CHANNEL, NCCL_CHANNEL)  # the planes on a two-rank process group from the drafter's TCPStore
 TRANSPORTS = ("tcp", "ipc")
 HIDDEN = "target_hidden_states"
 ALIGN = 64  # bytes: every buffer of the ring starts on a cache line
@@ -74,6 +83,7 @@ class BindRequest(msgspec.Struct, forbid_unknown_fields=True):
     max_batch: int = 0  # rows of the drafts output (the drafter keeps it; its rows come back in StepDone's frame)
     slab: CudaIpcTensor | None = None  # cuda_ipc: the target's slab ([ring_bytes / 64, 16] float32) and its
     # "inputs ready" event (step_event_handle)
+    device_uuid: str = ""  # nccl_channel: the target's GPU (NCCL refuses two ranks on one GPU)
 
 
 class BindResponse(msgspec.Struct, forbid_unknown_fields=True):
@@ -81,8 +91,8 @@ class BindResponse(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: str = ""  # the session's data socket
     ring_bytes: int = 0
     drafts_width: int = 0
-    store: str = ""  # gloo_channel: the drafter's TCPStore, "host:port"
-    channel: str = ""  # gloo_channel: the store key prefix of this binding's process group
+    store: str = ""  # gloo_channel, nccl_channel: the drafter's TCPStore, "host:port"
+    channel: str = ""  # gloo_channel, nccl_channel: the store key prefix of this binding's process group
     output: CudaIpcTensor | None = None  # cuda_ipc: the drafter's output ([max_batch * width + 1] int64 at the
     # start of [rows, 16] float32): the drafts row-major, then the step's error word
     drafts_event: bytes = b""  # cuda_ipc: the drafter's "drafts ready" interprocess event
@@ -146,6 +156,12 @@ def step_bytes(slots: list[Slot], num_tokens: int) -> int:
     hidden states' first num_tokens rows."""
     hidden = next(s for s in slots if s.name == HIDDEN)
     return hidden.offset + num_tokens * hidden.row_bytes
+
+
+def output_words(max_batch: int, width: int) -> int:
+    """int64 words of a drafter's output on the cuda_ipc and nccl_channel planes: max_batch rows of
+    width drafts, then one error word, rounded up to whole 64-byte rows (both ends allocate it so)."""
+    return -(-(max_batch * width + 1) // 8) * 8
 
 
 SLAB_ROW = 16  # a shared slab or output travels as [bytes / 64, 16] float32 (one cache line a row)

@@ -199,7 +199,8 @@ def test_a_drafter_listening_everywhere_is_reached_where_the_bind_went(address, 
 
 def test_the_plane_follows_where_the_tensors_live_and_what_the_drafter_serves(monkeypatch):
     """auto: the host ring until a step says where the tensors live; cuda_ipc only for a GPU of this
-    host that the drafter advertised (CudaIpcSupport); a plane the config names, always."""
+    host that the drafter advertised (CudaIpcSupport), else nccl_channel for tensors on a GPU until
+    the drafter refused it, then the host ring; a plane the config names, always."""
     from coordinator.transport import bound_transport
     from drafter.wire import cuda_ref
     from drafter.wire.cuda_slab import LocalSlabs
@@ -213,13 +214,16 @@ def test_the_plane_follows_where_the_tensors_live_and_what_the_drafter_serves(mo
     for support in (None, CudaIpcSupport(enabled=False, reason="off"),
                     CudaIpcSupport(enabled=True, host_id="another host", device_uuids=["GPU-x"])):
         t._device, t._support, t._planes = gpu, support, {}
-        assert t._plane() == wb.HOST_RING, support
+        assert t._plane() == wb.NCCL_CHANNEL, support
     monkeypatch.setattr(cuda_ref, "device_uuid", lambda device: "GPU-x")
     t._support, t._planes = CudaIpcSupport(enabled=True, host_id=cuda_ref.host_id(), device_uuids=["GPU-x"]), {}
     assert t._plane() == wb.CUDA_IPC, "this host, a GPU the drafter reads"
     t._ipc_refused = "the drafter refused slab.handle"
-    assert t._plane() == wb.HOST_RING, "refused once: the host ring from then on"
+    assert t._plane() == wb.NCCL_CHANNEL, "cuda_ipc refused once: the NCCL channel from then on"
+    t._nccl_refused = "the drafter refused plane"
+    assert t._plane() == wb.HOST_RING, "both refused: the host ring from then on"
     monkeypatch.setattr(bound_transport, "SLABS", LocalSlabs())
     local = BoundTransport(_Plain("zmq"), SPEC, BoundConfig(device="cpu"))
     assert local._plane() == wb.CUDA_IPC, "the in-process stand-in serves any device"
     assert BoundTransport(_Plain("zmq"), SPEC, BoundConfig(plane="host_ring", device="cpu"))._plane() == wb.HOST_RING
+    assert BoundTransport(_Plain("zmq"), SPEC, BoundConfig(plane="nccl_channel"))._plane() == wb.NCCL_CHANNEL

@@ -1,56 +1,37 @@
-"""Bound remote drafting vs in-process on one GPU host: the cuda_ipc plane, the host ring, unbound.
+"""The drafter's half of the bound-session bench: in-process timings and the served drafter.
 
-    python -m drafter.tools.bench.bound --out DIR [--batches 1,16,64 --k 3 --ctx 1024 --iters 300]
+    python -m coordinator.bench.bound --out DIR [--batches 1,16,64 --k 3 --ctx 1024 --iters 300
+                                                 --device cuda:0 --drafter-device cuda:1 --targets 2]
 
-EAGLE-3 / Llama-3.1-8B shapes with random weights (only config.json is written; each process
-builds the weights on the GPU).  First, in this process, per batch: the trusted in-process
-`propose(validate=False)` on GPU inputs and the in-process bound call (engine.bind, then
-bound.propose), each with the drafts copied to the host.  Then the engine is freed and one
-`drafter serve` process starts on the same GPU (CUDA IPC allowed) with every batch captured, and
-per batch these clients attach a session and time the same decode step:
+The CLI and the clients (the target's side) live in coordinator.bench.bound: the drafter package
+never imports coordinator.  Here, EAGLE-3 / Llama-3.1-8B shapes with random weights (only
+config.json is written; each process builds the weights on its GPU):
 
-  * cuda_ipc: coordinator.transport.bound_ipc over CUDA IPC (header-only steps, drafts and the
-    error word read back together); also its host time per step on the target side (the step
-    without the wait for the reply, from step_async);
-  * cuda_ipc_host_wait: the same, the target's host waiting on the drafter's event before its
-    read instead of its stream (host_wait=True: no work of the target's context pending while
-    the drafter's kernels run);
-  * host_ring: the same client forced onto the host ring over tcp (one device-to-host copy of the
-    slab's prefix, one zero-copy frame);
-  * unbound: today's ZmqDrafterClient over tcp (the CPU tensors encoded per call), and with the
-    hidden states as a per-step CUDA IPC reference (unbound_cuda_ipc).
-
-In-process also: the bound call behind the cuda_ipc plane's step guard (drafter.engine.step_guard
-captured over a device slab laid out as the remote target's, the engine bound to its outputs),
-and the guard's replay alone (CUDA events): what the guard adds without any second process.
-The cuda_ipc steps are stamped on both sides (perf_counter_ns, CLOCK_MONOTONIC: one clock for
-both processes): the medians of each stage, "where the microseconds go", in bound.md.
-
-Reported: p50 / p99 of each, remote p50 / in-process p50 (against the trusted propose and against
-the in-process bound call), the cuda_ipc host time p50 / p99; bound.json and bound.md in --out,
-rewritten after every batch (a run cut short keeps what it measured).
+  * in_process: per batch, in this process on the target's GPU, the trusted
+    `propose(validate=False)` on GPU inputs and the in-process bound call (engine.bind, then
+    bound.propose), each with the drafts copied to the host; and the bound call behind the step
+    guard (drafter.engine.step_guard captured over a device slab laid out as the remote
+    target's, the engine bound to its outputs) with the guard's replay alone (CUDA events): what
+    the guard adds without any second process;
+  * start_server: one `drafter serve` process on the drafter's GPU (CUDA IPC allowed) with every
+    batch captured, which the clients then attach to.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from drafter.tools.bench.grid import bind_call, decode_call
-from drafter.tools.bench.remote import HEAD_CONFIG, TINY, _build, server_args, wait_ready
+from drafter.tools.bench.remote import HEAD_CONFIG, TINY, _build, server_args, wait_ready  # noqa: F401 (the CLI's)
 
-CLIENTS = ("cuda_ipc", "cuda_ipc_host_wait", "host_ring", "unbound", "unbound_cuda_ipc")
 WARMUP = 30
 
 
@@ -70,10 +51,11 @@ def _time(fn, iters: int, warmup: int = WARMUP) -> dict:
     return _stats(out)
 
 
-def engine_args(model_dir: str, args) -> list[str]:
-    """`drafter serve` arguments: one engine for every batch (each captured), CUDA IPC allowed."""
+def engine_args(model_dir: str, args, device: str) -> list[str]:
+    """`drafter serve` arguments for an engine on `device`: one engine for every batch (each
+    captured), CUDA IPC allowed."""
     top = max(args.batches)
-    argv = server_args(model_dir, top, args.k, args.ctx, args.kv_blocks, args.device)
+    argv = server_args(model_dir, top, args.k, args.ctx, args.kv_blocks, device)
     sizes = {"--capture-sizes": ",".join(map(str, args.batches)),
              "--token-capture-sizes": ",".join(str(b * (args.k + 1)) for b in args.batches),
              "--max-sessions": "8"}
@@ -88,7 +70,7 @@ def _engine(model_dir: str, args):
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    return _build(engine_config(from_args(p.parse_args(engine_args(model_dir, args)))), model_dir)
+    return _build(engine_config(from_args(p.parse_args(engine_args(model_dir, args, args.device)))), model_dir)
 
 
 def _call(args, batch: int) -> dict:
@@ -192,8 +174,9 @@ def _replay_us(guard, n: int, b: int, iters: int) -> float:
 
 
 def start_server(model_dir: str, args, log):
+    """`drafter serve` (random weights) on args.drafter_device; (process, its tcp endpoint)."""
     run_dir = tempfile.mkdtemp(prefix="drafter-bound-")
-    cmd = [sys.executable, "-m", "drafter.tools.bench.remote", "serve", *engine_args(model_dir, args),
+    cmd = [sys.executable, "-m", "drafter.tools.bench.remote", "serve", *engine_args(model_dir, args, args.drafter_device),
            "--zmq-ipc", f"{run_dir}/drafter.sock"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
@@ -227,233 +210,10 @@ def fill(views: dict, call: dict) -> tuple[int, int]:
     return call["target_token_ids"].shape[0], call["next_token_ids"].shape[0]
 
 
-def layout(endpoint: str, args):
-    from coordinator.transport import ZmqDrafterClient
-    from drafter.wire import schema
-
-    probe = ZmqDrafterClient(endpoint, timeout_s=30)
-    info = probe.info()
-    probe.close()
-    return schema.AttachRequest(
-        protocol_version=info.protocol_version, method=info.method, num_speculative_tokens=info.num_speculative_tokens,
-        speculative_token_tree=info.speculative_token_tree, hidden_dtype="bfloat16", hidden_size=info.hidden_size,
-        num_aux_layers=info.num_aux_layers, max_model_len=info.limits.max_model_len,
-        max_num_seqs=info.limits.max_num_seqs, max_num_batched_tokens=info.limits.max_num_batched_tokens,
-        kv_groups=[schema.KVGroup(block_size=g.block_size, num_blocks=args.session_blocks)
-                   for g in info.limits.kv_groups], client_name="bench-bound")
-
-
-def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> dict:
-    """One bound session timed: p50/p99 of step() (drafts on the host), for the cuda_ipc plane the
-    stages of the step, and for cuda_ipc the host time of step_async on the target side."""
-    from coordinator.transport.bound_ipc import CudaIpcBoundClient
-
-    plane = "host_ring" if name == "host_ring" else "cuda_ipc"
-    client = CudaIpcBoundClient(endpoint, layout(endpoint, args), buffers(args, batch, columns), max_batch=batch,
-                                device=args.device, timeout_s=30, allow_fallback=False,
-                                force_ring=plane == "host_ring", host_wait=name == "cuda_ipc_host_wait")
-    try:
-        got = client.bind()
-        if got != plane:
-            raise RuntimeError(f"asked for {plane}, bound {got}: {client.fallback_reason}")
-        n, b = fill(client.views, _call(args, batch))
-        torch.cuda.synchronize()
-        result = {"rtt": _time(lambda: client.step(n, b), args.iters), "drafts": client.step(n, b).tolist()}
-        if plane == "cuda_ipc":
-            result["stages"] = stages(client, n, b, args.iters)
-        if name == "cuda_ipc":
-            host = []
-            stream = torch.cuda.current_stream()
-            for i in range(WARMUP + args.iters):
-                client.step_async(n, b)
-                if i >= WARMUP:
-                    host.append(client.host_ns / 1e3)
-                stream.synchronize()  # the target consumes the drafts before its next step
-            result["target_host"] = _stats(host)
-            client.check()
-        client.detach()
-        return result
-    finally:
-        client.close()
-
-
-STAGES = (  # (name, from stamp, to stamp): the cuda_ipc step's path, target -> drafter -> target
-    ("target: header to socket", "sent", "received"),
-    ("drafter: header read to step start", "received", "started"),
-    ("drafter: step start to GPU work queued", "started", "queued"),
-    ("drafter: queued to reply encoded", "queued", "replied"),
-    ("reply to target", "replied", "answered"),
-    ("target: reply to drafts on host", "answered", "read"),
-    ("GPU tail: queued to drafts on host", "queued", "read"),
-    ("whole step", "sent", "read"))
-
-
-def stages(client, n: int, b: int, iters: int) -> dict:
-    """Medians (and p99) of each stage of the cuda_ipc step from the two sides' stamps."""
-    rows: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
-    for _ in range(WARMUP):
-        client.step(n, b)
-    for _ in range(iters):
-        client.step(n, b)
-        st = client.stamps
-        if not all(k in st for _, a, z in STAGES for k in (a, z)):
-            return {"error": f"unstamped reply: {sorted(st)}"}
-        for name, a, z in STAGES:
-            rows[name].append((st[z] - st[a]) / 1e3)
-    return {name: _stats(xs) for name, xs in rows.items()}
-
-
-def unbound_client(endpoint: str, args, batch: int, share_cuda: bool) -> dict:
-    from coordinator.transport import ZmqDrafterClient
-
-    client = ZmqDrafterClient(endpoint, timeout_s=30, share_cuda=share_cuda)
-    try:
-        client.attach(layout(endpoint, args))
-        call = _call(args, batch)
-        if share_cuda:
-            call["target_hidden_states"] = call["target_hidden_states"].to(args.device)
-        ids = iter(range(1, 10**9))
-        result = {"rtt": _time(lambda: client.propose(request_id=next(ids), **call).draft_token_ids, args.iters)}
-        if share_cuda:
-            result["cuda_ipc_used"] = client.cuda.enabled
-        client.detach()
-        return result
-    finally:
-        client.close()
-
-
-def table(result: dict) -> str:
-    """The markdown summary: one row per batch and client."""
-    lines = [f"# Bound remote drafting vs in-process ({result['meta']['device']}, {result['meta']['date']})", "",
-             f"EAGLE-3 Llama-3.1-8B shapes, k = {result['meta']['k']}, ctx {result['meta']['ctx']}; "
-             "p50 / p99 in us; ratio = remote p50 / in-process trusted propose p50 "
-             "(in brackets: / in-process bound call p50)", "",
-             "| batch | path | p50 | p99 | ratio | target host time p50 / p99 |", "|---|---|---|---|---|---|"]
-    for b, row in result["batches"].items():
-        local = row["in_process"]
-        for name in ("trusted_propose", "bound_propose"):
-            lines.append(f"| {b} | in-process {name} | {local[name]['p50_us']:.0f} | {local[name]['p99_us']:.0f} | | |")
-        for name, r in row.get("remote", {}).items():
-            if "error" in r:
-                lines.append(f"| {b} | {name} | failed: {r['error'][:80]} | | | |")
-                continue
-            host = r.get("target_host")
-            host_text = f"{host['p50_us']:.1f} / {host['p99_us']:.1f}" if host else ""
-            lines.append(f"| {b} | {name} | {r['rtt']['p50_us']:.0f} | {r['rtt']['p99_us']:.0f} | "
-                         f"{r['ratio']:.2f} ({r['ratio_bound']:.2f}) | {host_text} |")
-    lines += _guard_lines(result)
-    lines += _stage_lines(result)
-    return "\n".join(lines) + "\n"
-
-
-def _guard_lines(result: dict) -> list[str]:
-    rows = [(b, r["in_process"]) for b, r in result["batches"].items() if "guarded_bound" in r["in_process"]]
-    if not rows:
-        return []
-    out = ["", "In-process, one process: the bound call alone, behind the step guard, and the guard's replay on "
-               "the GPU (CUDA events): fused (Triton) and the torch reference", "",
-           "| batch | bound p50 | guarded bound p50 / p99 | guard GPU us | reference guard GPU us |",
-           "|---|---|---|---|---|"]
-    for b, r in rows:
-        g = r["guarded_bound"]
-        out.append(f"| {b} | {r['bound_propose']['p50_us']:.0f} | {g['p50_us']:.0f} / {g['p99_us']:.0f} | "
-                   f"{r['guard_gpu_us']:.1f} | {r.get('reference_guard_gpu_us', 0):.1f} |")
-    return out
-
-
-def _stage_lines(result: dict) -> list[str]:
-    """Where the cuda_ipc step's microseconds go: a column per batch and client, p50 (p99) per stage."""
-    rows = {f"{b} {name}": r["remote"][name].get("stages") for b, r in result["batches"].items()
-            for name in ("cuda_ipc", "cuda_ipc_host_wait") if "stages" in r.get("remote", {}).get(name, {})}
-    rows = {key: st for key, st in rows.items() if st and "error" not in st}
-    if not rows:
-        return []
-    out = ["", "cuda_ipc step stages (perf_counter_ns on both sides, one host clock): p50 (p99) us", "",
-           "| stage | " + " | ".join(f"batch {key}" for key in rows) + " |", "|---|" + "---|" * len(rows)]
-    for name, _, _ in STAGES:
-        out.append(f"| {name} | " + " | ".join(f"{st[name]['p50_us']:.0f} ({st[name]['p99_us']:.0f})"
-                                              for st in rows.values()) + " |")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="python -m drafter.tools.bench.bound", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="bench/results/latest")
-    p.add_argument("--batches", default="1,16,64")
-    p.add_argument("--k", type=int, default=3)
-    p.add_argument("--ctx", type=int, default=1024)
-    p.add_argument("--kv-blocks", type=int, default=32768)
-    p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--device", default="cuda:0")
-    p.add_argument("--clients", default=",".join(CLIENTS))
-    p.add_argument("--tiny", action="store_true", help="a tiny head (a quick check of this script)")
-    args = p.parse_args(argv)
-    args.batches = [int(b) for b in args.batches.split(",")]
-    args.clients = [c for c in args.clients.split(",") if c]
-    unknown = set(args.clients) - set(CLIENTS)
-    if unknown:
-        raise SystemExit(f"--clients: unknown {sorted(unknown)}; choose from {CLIENTS}")
-    args.head = {**HEAD_CONFIG, **(TINY if args.tiny else {})}
-    args.session_blocks = args.kv_blocks // 4
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    lines: list[str] = []
-
-    def log(msg):
-        print(msg, flush=True)
-        lines.append(msg)
-
-    model_dir = tempfile.mkdtemp(prefix="eagle3-8b-config-")
-    Path(model_dir, "config.json").write_text(json.dumps(args.head))
-    device_name = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu"
-    result = {"meta": {"device": device_name, "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-        "%Y-%m-%d %H:%M UTC"), "k": args.k, "ctx": args.ctx, "torch": torch.__version__,
-        "command": "python -m drafter.tools.bench.bound " + " ".join(argv)}, "batches": {}}
-
-    def save():
-        (out / "bound.json").write_text(json.dumps(result, indent=1))
-        (out / "bound.md").write_text(table(result))
-        (out / "bound_log.txt").write_text("\n".join(lines) + "\n")
-
-    local, columns = in_process(model_dir, args, log)
-    for b in args.batches:
-        result["batches"][b] = {"in_process": local[b], "remote": {}}
-    save()
-    proc, endpoint = start_server(model_dir, args, log)
-    try:
-        for b in args.batches:
-            row = result["batches"][b]
-            for name in args.clients:
-                try:
-                    if name in ("cuda_ipc", "cuda_ipc_host_wait", "host_ring"):
-                        r = bound_client(endpoint, args, b, columns, name)
-                    else:
-                        r = unbound_client(endpoint, args, b, share_cuda=name == "unbound_cuda_ipc")
-                except Exception as exc:  # noqa: BLE001 - one path failing keeps the others' figures
-                    row["remote"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-                    log(f"batch {b} {name}: FAILED {type(exc).__name__}: {exc}")
-                    continue
-                r["ratio"] = r["rtt"]["p50_us"] / row["in_process"]["trusted_propose"]["p50_us"]
-                r["ratio_bound"] = r["rtt"]["p50_us"] / row["in_process"]["bound_propose"]["p50_us"]
-                row["remote"][name] = r
-                host = r.get("target_host")
-                log(f"batch {b} {name}: p50 {r['rtt']['p50_us']:.0f} us, p99 {r['rtt']['p99_us']:.0f} us, "
-                    f"ratio {r['ratio']:.2f} (vs bound {r['ratio_bound']:.2f})"
-                    + (f", target host time p50 {host['p50_us']:.1f} us p99 {host['p99_us']:.1f} us" if host else ""))
-                save()
-            bound = {k: v.get("drafts") for k, v in row["remote"].items() if "drafts" in v}
-            if len(set(json.dumps(v) for v in bound.values())) > 1:
-                log(f"batch {b}: the bound planes drafted differently: {sorted(bound)}")
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        save()
-    print(table(result))
-    return 0
+    """The bench's CLI moved to the client side (it drives clients): say where."""
+    print("the bound-session bench runs as: python -m coordinator.bench.bound --out DIR ...", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,151 @@
+"""Bound sessions on the nccl_channel plane: the ring's bytes GPU to GPU over NCCL, no IPC.
+
+    Bind (plane "nccl_channel", drafter.service.bound_sessions dispatches here):
+        refused (FAILED_PRECONDITION "plane") where the engine is not on a GPU or torch has no NCCL,
+        and ("device_uuid") where the target's GPU is the engine's (NCCL refuses two ranks on one GPU)
+        a slab in the ring's layout on the engine's GPU, the step guard over views of it, the engine
+        bound to the guard's outputs and the slab's hidden states (drafter.service.bound_ipc._Guarded)
+        a TCPStore for the binding (BindResponse.store); the data thread joins the two-rank NCCL
+        group as rank 1 and takes the target's handshake word (drafter.wire.bound_channel)
+    each step ([identity, StepHeader] on the session's data socket), on the data thread:
+        header read; a header that cannot be read, or an nbytes the slab cannot hold, ends the
+            binding (the channel's bytes could not be told apart from the next step's: bind again)
+        recv of the slab's first nbytes from the target posted (its own NCCL stream)
+        under the engine's lock: the sizes checked on the host, the stream waits on the recv (no host
+            sync), guard.step (checks and masks every field, the error word into the output),
+            bound.propose (drafts into the output), then one send of the whole output to the target
+        [identity, StepDone] at once, stamped as on cuda_ipc; a refused step sends no output
+
+The target posts its recv of the output only after a StepDone with code 0, so both ends' operations
+stay paired whatever the drafter refuses.  The step's transfers run on NCCL's stream and the
+engine's stream waits on them on the GPU; a target gone mid-transfer leaves that wait pending until
+the group's timeout aborts its communicator (TORCH_NCCL_ASYNC_ERROR_HANDLING=2, set by
+drafter.wire.bound_channel.open_group): the engine's stream waits at most that long.
+
+BACKEND chooses the group's backend: NCCL; the CPU tests put gloo here to run this same session on
+host tensors (the guard eagerly on the CPU, the output sent by gloo).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import zmq
+
+from drafter.service.bound_ipc import _engine_device, _Guarded, on_engine
+from drafter.service.bound_sessions import BoundSession, _view
+from drafter.wire import bound as wb
+from drafter.wire import bound_channel as bc
+from drafter.wire import cuda_ref
+from drafter.wire.errors import Code, DrafterError, invalid
+
+BACKEND = bc.NCCL  # the tests put bc.GLOO here (a CPU engine, host tensors)
+JOIN_TIMEOUT = datetime.timedelta(seconds=30)  # the target's join and handshake; each transfer's NCCL timeout
+
+
+def check_plane(engine, req: wb.BindRequest) -> torch.device:
+    """The engine's device where it can serve this nccl_channel binding; FAILED_PRECONDITION naming
+    "plane" (no GPU engine, no NCCL) or "device_uuid" (the target's GPU is the engine's)."""
+    device = _engine_device(engine)
+    if BACKEND == bc.GLOO:
+        return device
+    if device.type != "cuda" or not bc.nccl_available():
+        raise DrafterError(Code.FAILED_PRECONDITION, "plane",
+                           f"nccl_channel needs the drafter's engine on a GPU and torch with NCCL "
+                           f"(engine on {device}, NCCL {'built' if bc.nccl_available() else 'not available'})")
+    if not req.device_uuid:
+        raise invalid("device_uuid", "an nccl_channel binding names the target's GPU")
+    if req.device_uuid == cuda_ref.device_uuid(device):
+        raise DrafterError(Code.FAILED_PRECONDITION, "device_uuid",
+                           f"the target's GPU is the drafter's ({device}): NCCL refuses two ranks on one GPU; "
+                           "bind cuda_ipc or host_ring, or run the drafter on another GPU")
+    return device
+
+
+class ChannelSession(_Guarded, BoundSession):
+    """One session bound over a NCCL channel: the slab on the engine's GPU, the guard, the output
+    sent back by the channel."""
+
+    def __init__(self, plane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
+        self._own(plane, s, slots)
+        engine = self.core.engine
+        self.device = check_plane(engine, req)
+        self.slab = torch.zeros(total, dtype=torch.uint8, device=self.device)  # [total]: the target's step lands here
+        self.ring = torch.empty(0, dtype=torch.uint8)  # no bytes arrive on the data socket
+        self.views = {sl.name: _view(self.slab, sl) for sl in slots}
+        self.groups = len(s.num_blocks)
+        self._bind_engine(engine, s, req.max_batch)  # self.output: [output_words] int64 (drafts, error word)
+        self._sent = None  # the last step's send of the output (the next step orders after it)
+        self._link_state(req)
+
+    # ------------------------------------------------------------------ the channel
+    def _open_channel(self):
+        """The binding's NCCL group (rank 1), and the target's handshake word (the communicator built)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        group = bc.open_group(BACKEND, self.store, self.bind_id, bc.DRAFTER_RANK, JOIN_TIMEOUT)
+        try:
+            bc.handshake(group, bc.DRAFTER_RANK, self.device, time.monotonic() + JOIN_TIMEOUT.total_seconds())
+        except BaseException:
+            bc.close_group(group)
+            raise
+        return group
+
+    # ------------------------------------------------------------------ data socket
+    def _receive_and_run(self, sock: zmq.Socket, ring) -> tuple[wb.StepDone, bytes]:
+        """[StepHeader] only; the prefix comes down the channel, the output goes back by it."""
+        received = time.perf_counter_ns()
+        header_frame = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
+        extra = 0
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv()
+            extra += 1
+        try:
+            head = wb.STEP_DECODER.decode(header_frame)
+        except Exception as exc:  # noqa: BLE001 - msgspec's errors name the path
+            self._stop.set()  # how many bytes the target sent is unknown: the channel is out of step
+            return wb.StepDone(step=0, code=int(Code.FAILED_PRECONDITION), field="header",
+                               message=f"{exc}; the channel is closed, bind again"), b""
+        if not 0 < head.nbytes <= self.slab.numel():
+            self._stop.set()
+            return self._refused(head, DrafterError(Code.FAILED_PRECONDITION, "nbytes", (
+                f"{head.nbytes} bytes do not fit the slab of {self.slab.numel()}; the channel is closed, "
+                "bind again"))), b""
+        arrived = self.channel.recv([self.slab[:head.nbytes]], bc.TARGET_RANK, 0)
+        if self.device.type != "cuda":  # gloo: the host waits here, outside the engine's lock
+            arrived.wait()
+        if extra:
+            return self._refused(head, invalid("frames", "an nccl_channel step is [StepHeader] alone")), b""
+        try:
+            self.admit(head)
+            started, queued = on_engine(self, self._timed, head, arrived)
+        except DrafterError as exc:
+            return self._refused(head, exc), b""
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: the step still gets its answer
+            import logging
+
+            logging.getLogger("drafter.service.bound").exception("nccl_channel bound step failed")
+            return wb.StepDone(step=head.step, code=int(Code.INTERNAL), message=repr(exc)), b""
+        return wb.StepDone(step=head.step, stamps=[received, started, queued, time.perf_counter_ns()]), b""
+
+    def _timed(self, head: wb.StepHeader, arrived) -> tuple[int, int]:
+        started = time.perf_counter_ns()
+        self.run_channel_step(head, arrived)
+        return started, time.perf_counter_ns()
+
+    # ------------------------------------------------------------------ one step (engine lock held)
+    def run_channel_step(self, head: wb.StepHeader, arrived) -> None:
+        """Sizes on the host; then queued: wait for the prefix, guard, replay, send the output."""
+        self._check_sizes(head)
+        want = wb.step_bytes(self.slots, head.num_tokens)
+        if head.nbytes != want:
+            raise invalid("ring", f"{head.nbytes} bytes for {head.num_tokens} tokens; the layout needs {want}")
+        if self.device.type == "cuda":
+            arrived.wait()  # the engine's stream waits for the prefix (NCCL's stream), no host sync
+        if self._sent is not None:  # the last output's send done before the guard rewrites the output
+            sent, self._sent = self._sent, None  # (GPU: the stream waits; gloo: done, the target had it)
+            sent.wait()
+        self._guard_and_replay(head)
+        self._sent = self.channel.send([self.output], bc.TARGET_RANK, 0)  # the target's recv follows StepDone

@@ -1,0 +1,110 @@
+"""The two-rank process group of a bound session's channel planes, for both ends.
+
+    group = open_group(backend, store, prefix, rank, timeout)   # gloo (CPU tensors) or nccl (GPU tensors)
+    handshake(group, rank, device, deadline)                   # nccl_channel: the communicator built
+    settle(work, deadline, what)                               # a send or recv done, or TimeoutError
+    close_group(group)                                         # aborted: nothing of it left pending
+
+The drafter hosts the TCPStore (drafter.wire.bound.BindResponse.store) and is rank 1; the target
+is rank 0.  "gloo_channel" is gloo on host tensors; "nccl_channel" is NCCL between two GPUs.  NCCL
+builds a communicator at a group's first operation, and both ranks block in it until both joined,
+so the nccl_channel's two ends exchange one word right after they joined (handshake) rather than
+inside the first step: the target's first send would otherwise wait for a drafter that only posts
+its recv once it has the step's header, which the target sends after that send.
+
+Bounded waits: settle() polls a work's completion against a deadline (a work's wait() on NCCL
+only orders the current stream; on gloo it blocks up to the group's timeout).  A NCCL group is
+made with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 unless the environment says otherwise, so an operation
+past the group's timeout aborts this channel's communicator and leaves the process running (the
+default would end the process: a drafter serves other sessions).  Neutral: torch only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+GLOO, NCCL = "gloo", "nccl"
+DRAFTER_RANK, TARGET_RANK = 1, 0
+HANDSHAKE_WORD = 0x5EED  # what the target's handshake sends; the drafter checks it
+
+
+def nccl_available() -> bool:
+    """Whether this process can build a NCCL channel (torch with NCCL, a GPU)."""
+    return torch.cuda.is_available() and dist.is_nccl_available()
+
+
+def open_group(backend: str, store, prefix: str, rank: int, timeout: datetime.timedelta):
+    """This end (rank) of the binding's two-rank group on `store` under `prefix`.  Gloo joins
+    here (blocking up to timeout); NCCL joins at its first operation (handshake)."""
+    prefixed = dist.PrefixStore(prefix, store)
+    if backend == GLOO:
+        return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+    if backend != NCCL:
+        raise ValueError(f"channel backend {backend!r}: {GLOO} or {NCCL}")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort the communicator, not the process
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
+
+
+def handshake(group, rank: int, device: torch.device, deadline: float) -> None:
+    """One word from the target to the drafter (the NCCL communicator is built by it); raises
+    RuntimeError where the drafter reads another word, TimeoutError past deadline (time.monotonic)."""
+    word = torch.full((1,), HANDSHAKE_WORD if rank == TARGET_RANK else 0, dtype=torch.int64,
+                      device=device)  # [1]
+    on_gpu = word.device.type == "cuda"
+    if rank == TARGET_RANK:
+        settle(group.send([word], DRAFTER_RANK, 0), deadline, "the channel's handshake", on_gpu)
+        return
+    work = group.recv([word], TARGET_RANK, 0)
+    settle(work, deadline, "the channel's handshake", on_gpu)
+    if on_gpu:
+        work.wait()  # the current stream (the read below) after the recv; a gloo work is waited for once only
+    if int(word.cpu()[0]) != HANDSHAKE_WORD:
+        raise RuntimeError(f"the channel's handshake carried {int(word.cpu()[0]):#x}")
+
+
+def settle(work, deadline: float, what: str, on_gpu: bool = True) -> None:
+    """Until `work` completed; TimeoutError past deadline (time.monotonic), RuntimeError where it
+    failed.  on_gpu (NCCL): poll the work's own completion, no host sync on a stream; else (gloo,
+    whose works complete only inside wait): wait for what is left of the deadline."""
+    if not on_gpu:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{what}: not done in time")
+        try:
+            work.wait(datetime.timedelta(seconds=left))
+        except RuntimeError as exc:
+            raise TimeoutError(f"{what}: {exc}") from None
+        return
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not done in time")
+        os.sched_yield()  # another thread of this process (a ZMQ poll, the engine) may run
+    try:
+        failure = work.exception()
+    except (RuntimeError, NotImplementedError):  # a backend that keeps no exception: completion is all it says
+        failure = None
+    if failure is not None:
+        raise RuntimeError(f"{what} failed: {failure}")
+
+
+def close_group(group) -> None:
+    """Abort the group (any operation still pending on it ends); errors ignored: it is going away."""
+    if group is None:
+        return
+    for name in ("abort", "shutdown"):
+        fn = getattr(group, name, None)
+        if fn is None:
+            continue
+        try:
+            fn()
+            return
+        except RuntimeError:
+            continue
