@@ -325,6 +325,26 @@ def target_main(spec_json: str) -> int:
 
 
 
+def remote_client(endpoint: str, args, b: int, columns: int, name: str, row: dict, log) -> None:
+    """One client at one batch timed into row["remote"][name] (its error where it failed)."""
+    try:
+        if name in BOUND:
+            r = bound_client(endpoint, args, b, columns, name)
+        else:
+            r = unbound_client(endpoint, args, b, share_cuda=name == "unbound_cuda_ipc")
+    except Exception as exc:  # noqa: BLE001 - one path failing keeps the others' figures
+        row["remote"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        log(f"batch {b} {name}: FAILED {type(exc).__name__}: {exc}")
+        return
+    r["ratio"] = r["rtt"]["p50_us"] / row["in_process"]["trusted_propose"]["p50_us"]
+    r["ratio_bound"] = r["rtt"]["p50_us"] / row["in_process"]["bound_propose"]["p50_us"]
+    row["remote"][name] = r
+    host = r.get("target_host")
+    log(f"batch {b} {name}: p50 {r['rtt']['p50_us']:.0f} us, p99 {r['rtt']['p99_us']:.0f} us, "
+        f"ratio {r['ratio']:.2f} (vs bound {r['ratio_bound']:.2f})"
+        + (f", target host time p50 {host['p50_us']:.1f} us p99 {host['p99_us']:.1f} us" if host else ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["target"]:
@@ -352,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     args.clients = [c for c in (args.clients or ("nccl_channel,cuda_ipc,host_ring" if apart else ",".join(
         c for c in CLIENTS if c != "nccl_channel"))).split(",") if c]
     args.targets_plane = args.targets_plane or ("nccl_channel" if apart else "cuda_ipc")
-    if args.targets == 1 or args.targets < 0 or args.targets_plane not in BOUND:
-        raise SystemExit("--targets: 0 or N >= 2; --targets-plane: one of " + ",".join(BOUND))
+    if args.targets == 1 or args.targets < 0 or args.targets_plane not in BOUND \
+            or not 0 < args.targets_batch <= max(args.batches):
+        raise SystemExit("--targets: 0 or N >= 2; --targets-plane: one of " + ",".join(BOUND)
+                         + "; --targets-batch: at most the largest of --batches (the drafter's max_num_seqs)")
     unknown = set(args.clients) - set(CLIENTS)
     if unknown:
         raise SystemExit(f"--clients: unknown {sorted(unknown)}; choose from {CLIENTS}")
@@ -388,30 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     save()
     proc, endpoint = start_server(model_dir, args, log)
     try:
-        for b in args.batches:
-            row = result["batches"][b]
-            for name in args.clients:
-                try:
-                    if name in BOUND:
-                        r = bound_client(endpoint, args, b, columns, name)
-                    else:
-                        r = unbound_client(endpoint, args, b, share_cuda=name == "unbound_cuda_ipc")
-                except Exception as exc:  # noqa: BLE001 - one path failing keeps the others' figures
-                    row["remote"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-                    log(f"batch {b} {name}: FAILED {type(exc).__name__}: {exc}")
-                    continue
-                r["ratio"] = r["rtt"]["p50_us"] / row["in_process"]["trusted_propose"]["p50_us"]
-                r["ratio_bound"] = r["rtt"]["p50_us"] / row["in_process"]["bound_propose"]["p50_us"]
-                row["remote"][name] = r
-                host = r.get("target_host")
-                log(f"batch {b} {name}: p50 {r['rtt']['p50_us']:.0f} us, p99 {r['rtt']['p99_us']:.0f} us, "
-                    f"ratio {r['ratio']:.2f} (vs bound {r['ratio_bound']:.2f})"
-                    + (f", target host time p50 {host['p50_us']:.1f} us p99 {host['p99_us']:.1f} us" if host else ""))
-                save()
-            bound = {k: v.get("drafts") for k, v in row["remote"].items() if "drafts" in v}
-            if len(set(json.dumps(v) for v in bound.values())) > 1:
-                log(f"batch {b}: the bound planes drafted differently: {sorted(bound)}")
-        if args.targets:
+        if args.targets:  # first: a client that breaks the drafter (cuda_ipc across GPUs) cannot spoil it
             try:
                 result["targets"] = several_targets(endpoint, args, columns, log)
             except Exception as exc:  # noqa: BLE001 - what was measured stays
@@ -419,6 +418,14 @@ def main(argv: list[str] | None = None) -> int:
                                      "error": f"{type(exc).__name__}: {exc}"}
                 log(f"several targets: FAILED {type(exc).__name__}: {exc}")
             save()
+        for name in args.clients:  # every batch of one plane, then the next plane (in --clients order)
+            for b in args.batches:
+                remote_client(endpoint, args, b, columns, name, result["batches"][b], log)
+                save()
+        for b in args.batches:
+            bound = {k: v.get("drafts") for k, v in result["batches"][b]["remote"].items() if "drafts" in v}
+            if len(set(json.dumps(v) for v in bound.values())) > 1:
+                log(f"batch {b}: the bound planes drafted differently: {sorted(bound)}")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
