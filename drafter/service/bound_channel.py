@@ -10,7 +10,8 @@
     each step ([identity, StepHeader] on the session's data socket), on the data thread:
         header read; a header that cannot be read, or an nbytes the slab cannot hold, ends the
             binding (the channel's bytes could not be told apart from the next step's: bind again)
-        recv of the slab's first nbytes from the target posted (its own NCCL stream)
+        recv of the slab's first nbytes from the target posted (its own NCCL stream, from an idle
+            side stream: it starts at once, not after other sessions' queued steps)
         under the engine's lock: the sizes checked on the host, the stream waits on the recv (no host
             sync), guard.step (checks and masks every field, the error word into the output),
             bound.propose (drafts into the output), then one send of the whole output to the target
@@ -78,6 +79,10 @@ class ChannelSession(_Guarded, BoundSession):
         self.groups = len(s.num_blocks)
         self._bind_engine(engine, s, req.max_batch)  # self.output: [output_words] int64 (drafts, error word)
         self._sent = None  # the last step's send of the output (the next step orders after it)
+        # the stream the prefix's recv is posted from: an idle one, so the recv starts at once (the
+        # slab is free by then: the target sends a step only after it received the last one's output,
+        # which this side sends after that step's replay)
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._link_state(req)
 
     # ------------------------------------------------------------------ the channel
@@ -113,8 +118,11 @@ class ChannelSession(_Guarded, BoundSession):
             return self._refused(head, DrafterError(Code.FAILED_PRECONDITION, "nbytes", (
                 f"{head.nbytes} bytes do not fit the slab of {self.slab.numel()}; the channel is closed, "
                 "bind again"))), b""
-        arrived = self.channel.recv([self.slab[:head.nbytes]], bc.TARGET_RANK, 0)
-        if self.device.type != "cuda":  # gloo: the host waits here, outside the engine's lock
+        if self._side is not None:  # NCCL's stream then waits for nothing of the engine's (other sessions' steps)
+            with torch.cuda.stream(self._side):
+                arrived = self.channel.recv([self.slab[:head.nbytes]], bc.TARGET_RANK, 0)
+        else:  # gloo: the host waits here, outside the engine's lock
+            arrived = self.channel.recv([self.slab[:head.nbytes]], bc.TARGET_RANK, 0)
             arrived.wait()
         if extra:
             return self._refused(head, invalid("frames", "an nccl_channel step is [StepHeader] alone")), b""

@@ -16,6 +16,8 @@ On the gloo_channel plane the data socket carries only [identity, StepHeader]; t
 by a point-to-point recv on the binding's two-rank gloo group (rank 1 here), straight into the
 ring, from a TCPStore this drafter hosts for the binding.  Its bytes cannot be told apart from
 the next step's, so a header that cannot be read ends the binding (FAILED_PRECONDITION: bind again).
+The nccl_channel plane (drafter.service.bound_channel) is that channel with NCCL between two GPUs,
+the step guard on the drafter's GPU and the output sent back down the channel.
 
 No per-tensor Python work per step: no decode, no staging, no per-field range pass.  A step whose
 flag word is set is refused with INVALID_ARGUMENT naming the first bad field and never reaches
