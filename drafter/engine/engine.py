@@ -74,19 +74,19 @@ class DraftEngine:
             config.speculative_token_tree)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
-        # a tensor-parallel head (world > 1) keeps the Llama modules' own torch code, collectives
-        # between them: fuse_head's GEMM epilogues add the residual and take the norm's sums of squares
-        # of a row-parallel GEMM's output, which on a shard is a partial sum (only the all-reduce makes
-        # it whole).  deepseek_mtp's MLA / MoE layers run drafter.kernels' own at any world.  CUDA
-        # graphs capture the sharded step with its collectives inside (drafter.engine.graphs)
+        # a tensor-parallel head (world > 1) fuses only what is exact on a shard
+        # (drafter.models.shard_fusion: fuse_head's o / down epilogues would add the residual to a
+        # rank's partial sum); deepseek_mtp's MLA / MoE layers run drafter.kernels' own at any world.
+        # CUDA graphs capture a sharded step with its collectives inside (drafter.engine.graphs)
         sharded = getattr(head, "shard", SINGLE).world > 1
         if head is not None and self.backend.name == "triton":  # imported here: these need triton
             from drafter.engine.graphs import GraphRunner
             from drafter.models.fusion import fuse_head
+            from drafter.models.shard_fusion import fuse_sharded_head
 
             # one q/k/v GEMM, rotary + KV write and norms in fused kernels; skinny GEMMs where faster
-            if spec.method != "deepseek_mtp" and not sharded:
-                fuse_head(head, config.skinny_gemm)
+            if spec.method != "deepseek_mtp":
+                (fuse_sharded_head if sharded else fuse_head)(head, config.skinny_gemm)
             if config.use_cuda_graphs and self.device.type == "cuda":
                 # the draft loop as CUDA graphs: the Triton path never reads device values on the host
                 self.graphs = GraphRunner(self)
@@ -162,20 +162,24 @@ class DraftEngine:
 
     def predraft(self, inp: ProposeInputs,
                  drafts: torch.Tensor,  # [batch, k] int: the drafts the target verifies for this call
-                 step: int) -> "PreDrafts":
+                 step: int, outcomes: int | None = None) -> "PreDrafts":
         """The next step's drafts for each request's likeliest verification outcomes
-        (drafter.engine.predraft), keyed by `step`.  Call it right after draft(inp) ran: the
-        context's KV is read from the pool; only scratch blocks are written."""
+        (drafter.engine.predraft), keyed by `step`; `outcomes` of them per request (default and
+        most: predraft_outcomes).  Call it right after draft(inp) ran: the context's KV is read
+        from the pool; only scratch blocks are written."""
         from drafter.engine.predraft import predraft
 
         if not self.config.predraft_outcomes:
             raise InvalidInput("predraft_outcomes", "pre-drafting is off (predraft_outcomes = 0)")
+        if outcomes is not None and not 1 <= outcomes <= self.config.predraft_outcomes:
+            raise InvalidInput("outcomes", f"{outcomes}: must be 1 .. predraft_outcomes "
+                               f"({self.config.predraft_outcomes})")
         if inp.temperatures is not None and bool((inp.temperatures > 0).any()):
             raise InvalidInput("temperatures", "pre-drafts are greedy drafts; probabilistic drafts are not supported")
         if drafts.dim() != 2 or drafts.shape[0] != inp.batch_size or drafts.shape[1] != self.config.num_speculative_tokens:
             raise InvalidInput("drafts", f"expected [{inp.batch_size}, {self.config.num_speculative_tokens}], "
                                f"got {tuple(drafts.shape)}")
-        return predraft(self, inp, drafts, step)
+        return predraft(self, inp, drafts, step, outcomes)
 
     def bind(
         self,

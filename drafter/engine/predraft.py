@@ -73,9 +73,10 @@ def pool_groups(config: EngineConfig) -> tuple[KVGroupSpec, ...]:
 @torch.inference_mode()
 def predraft(engine, inp: ProposeInputs,
              drafts: torch.Tensor,  # [batch, k] int: the drafts the target will verify for this call
-             step: int) -> PreDrafts:
-    """The next step's drafts for each request's likeliest outcomes (module docstring).  The
-    call's own draft must have run first: the context's KV below p is read from the pool."""
+             step: int, outcomes: int | None = None) -> PreDrafts:
+    """The next step's drafts for each request's `outcomes` likeliest outcomes (module docstring;
+    default and most: config.predraft_outcomes, which sized the scratch).  The call's own draft
+    must have run first: the context's KV below p is read from the pool."""
     cfg, head = engine.config, engine.head
     rows = _drafted_rows(inp, engine.device)
     drafts = drafts.to(engine.device, torch.long)
@@ -84,7 +85,8 @@ def predraft(engine, inp: ProposeInputs,
     trunk_tables = _fork(engine, tables, layouts, rows.positions, [s.trunk for s in layouts],
                          lambda s, r: s.base + r * s.per_row)  # r: [rows] batch rows
     logits, carries = _trunk(engine, rows, drafts, trunk_tables)
-    accepted, tokens, log_probs = rank_outcomes(logits, drafts, head, cfg.predraft_outcomes)
+    budget = min(outcomes or cfg.predraft_outcomes, cfg.predraft_outcomes)
+    accepted, tokens, log_probs = rank_outcomes(logits, drafts, head, budget)
     batch, n_out = accepted.shape
     owner = torch.arange(batch, device=engine.device).repeat_interleave(n_out)  # [batch * outcomes]
     a = accepted.reshape(-1).clamp(min=0)

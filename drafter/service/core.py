@@ -143,6 +143,7 @@ class ServiceCore:
         self.runner.predrafts.on_record = self.metrics.record_predraft
         self.runner.predrafts.on_acceptance = self.metrics.record_predraft_acceptance
         self.runner.predrafts.on_skip = self.metrics.predraft_skipped.inc
+        self.runner.predrafts.on_budget = self.metrics.record_predraft_budget
         self.runner.predrafts.busy = self._work_waiting
         self.batcher = Batcher(self.runner, self.executor, self.batch_window_s)
         self.batcher.start()

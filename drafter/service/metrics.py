@@ -139,6 +139,12 @@ class Metrics:
         self.predraft_accepted = Counter("drafter_predraft_accepted_tokens_total",
                                          "Drafts accepted after pre-drafting, by source and position",
                                          ["source", "position"], registry=r)
+        # the adaptive budget (drafter.service.predraft.Budget): outcomes per request of the last call
+        # that asked (0 = none made), and sets the target got after it had picked, as the next calls show
+        self.predraft_budget = Gauge("drafter_predraft_budget", "Outcomes pre-drafted per request for the last "
+                                     "call that asked (the adaptive budget; 0 = none)", registry=r)
+        self.predraft_late = Counter("drafter_predraft_late_total", "Calls showing a pushed set reached the target "
+                                     "after it had picked (the budget then halves)", registry=r)
         self._lock = threading.Lock()
         self._verified: dict[int, int] = {}
         self._accepted: dict[int, int] = {}
@@ -159,6 +165,11 @@ class Metrics:
             self.predraft_hits.labels(str(a)).inc(hits.get(a, 0))
         self.predrafts.inc(outcomes)
         self.predraft_calls.inc()
+
+    def record_predraft_budget(self, outcomes: int, late: bool) -> None:
+        self.predraft_budget.set(outcomes)
+        if late:
+            self.predraft_late.inc()
 
     def record_predraft_acceptance(self, source: str, verified: dict[int, int], accepted: dict[int, int]) -> None:
         """source: "predraft" | "exact"; per draft position, drafts the target verified and accepted."""

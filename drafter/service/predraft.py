@@ -6,18 +6,54 @@ The pre-drafts are conditioned on the drafts the target will verify: on a hit, t
 the previous pre-draft instead of this call's exact drafts, and this side finds the same hit from
 the same pushed set (outcomes_of_call + lookup), so both ends agree without another message.
 Pre-drafting never fails a call: its errors are logged and nothing is pushed.
+
+The budget adapts per session (`Budget`; --predraft-outcomes is its most).  A pushed set the
+target had in time shows in the next call but one: a row this side counted a hit was verified with
+the pre-draft's tokens.  A row counted a hit whose verified drafts were the exact ones instead
+means the set reached the target after it had picked (late): the budget halves, and a session at
+0 gets no pre-drafts (exact drafts, nothing pushed) except one probe of 1 outcome every
+`probe_every` calls.  Sets in time grow it by one per call up to the most.  While a request waits
+for the engine no pre-draft is made at all (exact drafting is never delayed by it) and the
+session's budget halves too.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from drafter.service.sessions import offset_inputs
 from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call
 
 log = logging.getLogger("drafter.service.predraft")
+
+
+@dataclass
+class Budget:
+    """One session's outcomes per request for its next pre-draft (module docstring)."""
+
+    most: int  # --predraft-outcomes
+    probe_every: int = 8
+    outcomes: int = 0
+    idle: int = 0  # calls at 0 since the last probe
+
+    def __post_init__(self):
+        self.outcomes = self.most
+
+    def late(self) -> None:
+        self.outcomes //= 2
+
+    def in_time(self) -> None:
+        self.outcomes = min(self.most, self.outcomes + 1)
+
+    def take(self) -> int:
+        """The budget for this call's pre-draft; 0 = none (a probe of 1 every probe_every calls)."""
+        if self.outcomes == 0:
+            self.idle += 1
+            if self.idle >= self.probe_every:
+                self.idle, self.outcomes = 0, 1
+        return self.outcomes
 
 
 class PreDraftService:
@@ -37,6 +73,11 @@ class PreDraftService:
         # yields: it never delays exact drafting for a session.  on_skip(): metrics of a set not made
         self.busy: Callable[[], bool] = lambda: False
         self.on_skip = lambda: None
+        self.budgets: dict[str, Budget] = {}  # session id -> its adaptive budget
+        # session id -> {(first block, drafted-from position): the pre-draft this side counted the target as verifying}
+        self.believed: dict[str, dict[tuple[int, int], tuple[int, ...]]] = {}
+        # on_budget(outcomes, late): the budget of a set made (or 0 when none), and whether a late set was seen
+        self.on_budget = lambda outcomes, late: None
 
     def after_batch(self, items, results) -> None:
         """Engine thread, once every reply of the batch is out."""
@@ -48,26 +89,42 @@ class PreDraftService:
                 continue
             if it.call.inputs.target_hidden_states is None:  # CUDA IPC: the states are not at hand here
                 continue
+            budget = self.budgets.setdefault(it.session.id, Budget(self.engine.config.predraft_outcomes))
             if self.busy():  # exact drafting waits for the engine: no pre-drafts this time
-                self.forget(it.session.id)  # the next call's drafts are exact ones
+                budget.late()
+                self.forget(it.session.id, keep_budget=True)  # the next call's drafts are exact ones
                 self.on_skip()
                 continue
             try:
-                push(self._predraft(it, result))
+                pre = self._predraft(it, result, budget)
+                if pre is not None:
+                    push(pre)
             except Exception:  # noqa: BLE001 - the call was answered; pre-drafts are an extra
                 log.exception("pre-drafting failed; nothing pushed")
 
-    def _predraft(self, it, result) -> PreDrafts:
+    def _predraft(self, it, result, budget: Budget) -> PreDrafts | None:
         call, session = it.call, it.session
         outcomes = outcomes_of_call(call.inputs, call.accepted_counts)
+        late = self._late_rows(session.id, outcomes)
+        if late:
+            budget.late()
+        elif late is not None:
+            budget.in_time()
         hits = [lookup(self.latest.get(session.id), o) for o in outcomes]
-        used, flags = merge(result.draft_token_ids, hits)
         self._acceptance(session.id, outcomes)
-        pre = self.engine.predraft(offset_inputs(session, call.inputs), used, call.request_id)
+        n = budget.take()
+        self.on_budget(n, bool(late))
+        if n == 0:  # the target gets its sets too late: none (the next call's drafts are exact)
+            self.forget(session.id, keep_budget=True)
+            return None
+        used, flags = merge(result.draft_token_ids, hits)
+        pre = self.engine.predraft(offset_inputs(session, call.inputs), used, call.request_id,
+                                   outcomes=n)
         pre = replace(pre, block_ids=pre.block_ids - session.bases[0], log_probs=None)
         self.latest[session.id] = pre
-        self.sources[session.id] = {(int(b), int(p)): hit for b, p, hit in
-                                    zip(pre.block_ids.tolist(), pre.positions.tolist(), flags)}
+        keys = [(int(b), int(p)) for b, p in zip(pre.block_ids.tolist(), pre.positions.tolist())]
+        self.sources[session.id] = dict(zip(keys, flags))
+        self.believed[session.id] = {key: tuple(used[r].tolist()) for r, key in enumerate(keys) if flags[r]}
         rows, got = {}, {}
         for o, hit in zip(outcomes, flags):
             if o is not None:
@@ -75,6 +132,21 @@ class PreDraftService:
                 got[o.accepted] = got.get(o.accepted, 0) + int(hit)
         self.on_record(rows, got, int((pre.accepted >= 0).sum()))
         return pre
+
+    def _late_rows(self, session_id: str, outcomes) -> int | None:
+        """Rows this side counted as verifying a pre-draft that the target verified other drafts
+        for (it had not got the set in time); None when no row was counted a hit.  Those rows
+        count as exact from now on."""
+        believed = self.believed.get(session_id)
+        if not believed:
+            return None
+        late = 0
+        for o in outcomes:
+            want = None if o is None else believed.get((o.block_id, o.position))
+            if want is not None and tuple(want[:len(o.verified)]) != o.verified:
+                late += 1
+                self.sources.get(session_id, {})[(o.block_id, o.position)] = False
+        return late
 
     def _acceptance(self, session_id: str, outcomes) -> None:
         """Per draft position, drafts verified and accepted in this call's outcomes, split by whether
@@ -93,6 +165,11 @@ class PreDraftService:
             if verified:
                 self.on_acceptance(source, verified, accepted)
 
-    def forget(self, session_id: str) -> None:
+    def forget(self, session_id: str, keep_budget: bool = False) -> None:
+        """Drop the session's pre-drafts (the next call's drafts are exact ones); keep_budget: a
+        skip, not the session's end."""
         self.latest.pop(session_id, None)
+        self.believed.pop(session_id, None)
         self.sources.pop(session_id, None)
+        if not keep_budget:
+            self.budgets.pop(session_id, None)

@@ -102,12 +102,24 @@ class ReadsLate(PushedPreDrafting):
         pass
 
 
+def _counter(server, name: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 def test_pushes_arriving_after_the_pick_are_dropped(pair, server, requests_and_base):
+    """...and the drafter, seeing the target verify its exact drafts where it had counted a hit,
+    halves its budget down to none (a probe every few calls): it stops pre-drafting for nothing."""
     reqs, base = requests_and_base
+    pushes0, late0 = _counter(server, "drafter_predraft_pushes_total"), _counter(server, "drafter_predraft_late_total")
     engine, pushed, out = _run(pair, server, reqs, cls=ReadsLate)
     stats = pushed.picker.stats
-    print(f"\n[predraft zmq, late pushes] late {stats.late}, used {sum(stats.hits.values())} of {pushed.steps} steps")
+    pushes = _counter(server, "drafter_predraft_pushes_total") - pushes0
+    late = _counter(server, "drafter_predraft_late_total") - late0
+    print(f"\n[predraft zmq, late pushes] late {stats.late}, used {sum(stats.hits.values())} of {pushed.steps} steps; "
+          f"the drafter pushed {pushes:.0f} sets and saw {late:.0f} late")
     assert out == base
     # every push but the last call's (read at detach, with no pick after it) came after its pick
-    assert stats.late >= pushed.steps - 2 and stats.offered <= 1
+    assert stats.late >= pushes - 1 and stats.offered <= 1
     assert not stats.hits and pushed.unawaited == 0  # and none was ever used
+    assert late >= 1 and pushes < pushed.steps - 2  # the budget went down: fewer sets than calls

@@ -263,7 +263,7 @@ def test_service_predrafts_yield_when_requests_wait():
     class Engine:
         config = SimpleNamespace(predraft_outcomes=2)
 
-        def predraft(self, inputs, drafts, step):
+        def predraft(self, inputs, drafts, step, outcomes=None):
             made.append(step)
             return _pre(step)
 
@@ -281,3 +281,66 @@ def test_service_predrafts_yield_when_requests_wait():
     service.busy = lambda: False
     service.after_batch([item], [result])
     assert made == [9] and len(pushed) == 1 and pushed[0].step == 9
+
+
+def test_budget_halves_when_late_probes_at_zero_and_grows_in_time():
+    from drafter.service.predraft import Budget
+
+    b = Budget(4, probe_every=3)
+    assert b.take() == 4
+    b.late()
+    b.late()
+    assert b.take() == 1
+    b.late()
+    assert [b.take() for _ in range(3)] == [0, 0, 1]  # a probe of one outcome every probe_every calls
+    b.in_time()
+    b.in_time()
+    b.in_time()
+    b.in_time()
+    assert b.take() == 4  # never above the most
+
+
+def _service_chain(late: bool):
+    """Three calls of one session through PreDraftService with a fake engine: call 2's outcome is
+    a hit this side counts (the target verifies the pre-draft next); call 3 shows what the target
+    verified: the pre-draft (in time) or call 2's exact drafts (the set came late)."""
+    from types import SimpleNamespace
+
+    from drafter.service.predraft import PreDraftService
+
+    made, budgets = [], []
+
+    class Engine:
+        config = SimpleNamespace(predraft_outcomes=2)
+
+        def predraft(self, inputs, drafts, step, outcomes=None):
+            made.append(outcomes)
+            p = int(inputs.target_positions[-1 - int(inputs.num_rejected_tokens[0])])
+            n = outcomes or 2
+            return PreDrafts(step, torch.tensor([5]), torch.tensor([p]), drafts.clone(),
+                             accepted=torch.tensor([[3, 1]])[:, :n], next_tokens=torch.tensor([[11, 12]])[:, :n],
+                             drafts=torch.tensor([[[21, 22, 23], [31, 32, 33]]])[:, :n])
+
+    service = PreDraftService(Engine())
+    service.on_budget = lambda n, was_late: budgets.append((n, was_late))
+    sources = []
+    service.on_acceptance = lambda source, verified, accepted: sources.append(source)
+    session = SimpleNamespace(id="s", bases=(0,), block_sizes=(16,))
+    exact = torch.tensor([[1, 2, 3]])
+    calls = [_next_call(3, 11, verified=(7, 8, 9), position=20),   # drafted from 24 after it
+             _next_call(3, 11, verified=(1, 2, 3), position=24),   # (3, 11) predicted: a hit, 28 next
+             _next_call(3, 11, verified=(1, 2, 3) if late else (21, 22, 23), position=28)]
+    for n, (inputs, accepted) in enumerate(calls):
+        item = SimpleNamespace(session=session, push=lambda pre: None, call=SimpleNamespace(
+            want_predrafts=True, inputs=inputs, accepted_counts=accepted, request_id=n + 1))
+        service.after_batch([item], [SimpleNamespace(draft_token_ids=exact)])
+    return made, budgets, sources
+
+
+def test_service_budget_halves_when_the_target_verified_exact_drafts_after_a_hit():
+    made, budgets, sources = _service_chain(late=False)
+    assert made == [2, 2, 2] and budgets == [(2, False)] * 3
+    assert sources == ["exact", "predraft"]  # call 3 verified call 2's pre-draft
+    made, budgets, sources = _service_chain(late=True)
+    assert made == [2, 2, 1] and budgets[-1] == (1, True)
+    assert sources == ["exact", "exact"]  # the late row counts as the exact drafts it was
