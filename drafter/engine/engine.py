@@ -74,19 +74,19 @@ class DraftEngine:
             config.speculative_token_tree)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
-        # a tensor-parallel head (world > 1) keeps the Llama modules' own torch code, collectives
-        # between them: fuse_head's GEMM epilogues add the residual and take the norm's sums of squares
-        # of a row-parallel GEMM's output, which on a shard is a partial sum (only the all-reduce makes
-        # it whole).  deepseek_mtp's MLA / MoE layers run drafter.kernels' own at any world.  CUDA
-        # graphs capture the sharded step with its collectives inside (drafter.engine.graphs)
+        # a tensor-parallel head (world > 1) fuses only what is exact on a shard
+        # (drafter.models.shard_fusion: fuse_head's o / down epilogues would add the residual to a
+        # rank's partial sum); deepseek_mtp's MLA / MoE layers run drafter.kernels' own at any world.
+        # CUDA graphs capture a sharded step with its collectives inside (drafter.engine.graphs)
         sharded = getattr(head, "shard", SINGLE).world > 1
         if head is not None and self.backend.name == "triton":  # imported here: these need triton
             from drafter.engine.graphs import GraphRunner
             from drafter.models.fusion import fuse_head
+            from drafter.models.shard_fusion import fuse_sharded_head
 
             # one q/k/v GEMM, rotary + KV write and norms in fused kernels; skinny GEMMs where faster
-            if spec.method != "deepseek_mtp" and not sharded:
-                fuse_head(head, config.skinny_gemm)
+            if spec.method != "deepseek_mtp":
+                (fuse_sharded_head if sharded else fuse_head)(head, config.skinny_gemm)
             if config.use_cuda_graphs and self.device.type == "cuda":
                 # the draft loop as CUDA graphs: the Triton path never reads device values on the host
                 self.graphs = GraphRunner(self)

@@ -1,6 +1,8 @@
 """The graph path of a tensor-parallel head on CPU: gloo ranks (fresh processes) whose engines run the
 GraphRunner's data flow emulated (capture keeps each step's function, replay calls it again, the
-Triton input / output kernels under the interpreter) with the sharded collectives inside draft what
+Triton input / output kernels under the interpreter) over the per-shard fused layers
+(drafter.models.shard_fusion: fused q/k/v + rotary + KV write, SiLU epilogue, norm kernels) with the
+sharded collectives inside draft what
 the single-process eager engine drafts, for EAGLE-3, Llama-style MTP, DeepSeek-V3 MTP and EAGLE-1;
 and the vocabulary-parallel greedy pick (each rank's top-1 gathered) equals torch.argmax over the
 whole row, ties included.  tests/gpu/test_tp_gpu.py runs the same with real graphs over NCCL."""
@@ -44,11 +46,13 @@ def greedy_drafts(rank: int, world: int, root: str, graphs: bool, device: str = 
     for method in METHODS:
         d = Path(root) / method
         cfg = replace(engine_config(method, device), max_num_seqs=4, max_num_batched_tokens=32, capture_sizes=(4,),
-                      token_capture_sizes=(16, 32), attention_backend="triton" if graphs else "reference")
+                      token_capture_sizes=(16, 32), attention_backend="triton" if graphs else "reference",
+                      skinny_gemm="off" if device == "cpu" else "on")  # torch's GEMMs under the interpreter
         engine = DraftEngine.from_dirs(d / "head", d / "target", cfg, shard=Shard(rank, world))
         if graphs and engine.device.type == "cpu":
             engine.graphs = GraphRunner(engine, emulate=True)
         assert (engine.graphs is not None) == graphs
+        assert getattr(engine.head, "fused", False) == (graphs and method != "deepseek_mtp")  # shard_fusion
         spec = engine.spec
         sizes = BLOCK_SIZES.get(method, (BLOCK_SIZE,))
         scn = Scenario(block_sizes=sizes, num_blocks=(NUM_BLOCKS,) * len(sizes), vocab_size=spec.vocab_size,
