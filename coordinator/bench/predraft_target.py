@@ -265,6 +265,7 @@ class PreDraft(ExactRemote):
         client.on_push = self.picker.offer
         self.last_step = 0
         self.unawaited = 0
+        self.late_wait_s = 5.0
 
     def outcomes(self, rows: Rows, accepted: list[int], stats: dict) -> tuple[list[int], torch.Tensor]:
         """b per row: one the arrived set predicted with probability hit(a), else one it did not."""
@@ -272,6 +273,9 @@ class PreDraft(ExactRemote):
         pre = self.picker.pending.get(self.last_step)
         if pre is None and self.last_step:
             stats["not_arrived"] += 1
+            pre = self._late_set()
+        if pre is not None and not bool((pre.accepted >= 0).any()):
+            stats["empty"] += 1  # the drafter made none this time (its budget is 0)
         sent, tokens = [], rows._tokens(rows.cfg.batch)
         for r, a in enumerate(accepted):
             row = None if pre is None else pre.row_of(int(rows.tables[r, 0]), int(rows.p[r]))
@@ -291,6 +295,17 @@ class PreDraft(ExactRemote):
             sent.append(a)
         return sent, tokens
 
+    def _late_set(self):
+        """The set verification ended without: waited for only to draw b as the real target's b
+        would fall (predicted or not), never picked from (dropped as late).  The wait overlaps the
+        drafter's pre-draft, which the next call would queue behind anyway; the drafter pushes an
+        empty set when it makes none, so this never waits in vain."""
+        self.client.poll_pushes(self.late_wait_s, until=lambda: self.picker.has(self.last_step))
+        pre = self.picker.pending.pop(self.last_step, None)
+        if pre is not None:
+            self.picker.stats.late += 1
+        return pre
+
     def draft(self, step: int, kw: dict, accepted_counts) -> tuple[torch.Tensor, list[bool]]:
         request = self.request(step, kw, accepted_counts, True)
         hits = self.picker.pick(step, request.inputs, request.accepted_counts)
@@ -304,7 +319,7 @@ class PreDraft(ExactRemote):
 
 def run(rows: Rows, drafter, verify: Verify, steps: int, warmup: int) -> dict:
     """The target loop: verify, draw the outcome, build the call, get the next drafts."""
-    stats = {"not_arrived": 0, "remapped": 0}
+    stats = {"not_arrived": 0, "remapped": 0, "empty": 0}
     kw, counts = rows.call(None, rows._tokens(rows.cfg.batch), drafter.hidden(rows))
     drafter.steps += 1  # call ids keep rising over every run of one session
     drafts, pre = drafter.draft(drafter.steps, kw, counts)
@@ -313,7 +328,7 @@ def run(rows: Rows, drafter, verify: Verify, steps: int, warmup: int) -> dict:
     for t in range(warmup + steps):
         if t == warmup:
             t0, tokens0 = time.perf_counter(), rows.tokens
-            stats = {"not_arrived": 0, "remapped": 0}
+            stats = {"not_arrived": 0, "remapped": 0, "empty": 0}
         s0 = time.perf_counter()
         verify.launch()
         accepted = rows.draw_accepted()
@@ -547,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _log_run(r: dict) -> None:
     extra = (f" hit {r['hit_rate']:.2f} unawaited {r['unawaited']} not arrived {r['not_arrived']} "
-             f"remapped {r['remapped']} late sets {r['late_sets']}") if r["mode"] == "predraft" else ""
+             f"empty {r['empty']} remapped {r['remapped']} late sets {r['late_sets']}") if r["mode"] == "predraft" else ""
     print(f"  V={r['verify_ms']:g} b={r['batch']:2d} k={r['k']} {r['mode']:12s} {r['tokens_per_s']:9.0f} tok/s  "
           f"{r['tokens_per_step']:.2f} tok/step  step p50 {r['step_ms_p50']:.2f} ms{extra}", flush=True)
 

@@ -5,13 +5,15 @@ result on the call's connection (drafter.wire.predraft, docs/predraft.md).
 The pre-drafts are conditioned on the drafts the target will verify: on a hit, the target verifies
 the previous pre-draft instead of this call's exact drafts, and this side finds the same hit from
 the same pushed set (outcomes_of_call + lookup), so both ends agree without another message.
-Pre-drafting never fails a call: its errors are logged and nothing is pushed.
+Pre-drafting never fails a call: its errors are logged and nothing is pushed.  A call that asked
+and gets no pre-drafts (budget 0, requests waiting) gets a set without outcomes (`nothing`), so a
+target that waits for each call's set (PushedPreDrafting's push_wait_s) never waits in vain.
 
 The budget adapts per session (`Budget`; --predraft-outcomes is its most).  A pushed set the
 target had in time shows in the next call but one: a row this side counted a hit was verified with
 the pre-draft's tokens.  A row counted a hit whose verified drafts were the exact ones instead
 means the set reached the target after it had picked (late): the budget halves, and a session at
-0 gets no pre-drafts (exact drafts, nothing pushed) except one probe of 1 outcome every
+0 gets no pre-drafts (exact drafts, an empty set pushed) except one probe of 1 outcome every
 `probe_every` calls.  Sets in time grow it by one per call up to the most.  While a request waits
 for the engine no pre-draft is made at all (exact drafting is never delayed by it) and the
 session's budget halves too.
@@ -23,10 +25,23 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import torch
+
 from drafter.service.sessions import offset_inputs
 from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call
 
 log = logging.getLogger("drafter.service.predraft")
+
+
+def nothing(step: int, shape) -> PreDrafts:
+    """A pushed set without outcomes ("none this time") for a call whose drafts were `shape`
+    [batch, k]: block and position -1, which no call's row has, so every lookup misses."""
+    batch, k = int(shape[0]), int(shape[1])
+    none = torch.full((batch,), -1, dtype=torch.long)
+    return PreDrafts(step, none, none.clone(), torch.full((batch, k), -1, dtype=torch.long),
+                     accepted=torch.full((batch, 1), -1, dtype=torch.long),
+                     next_tokens=torch.full((batch, 1), -1, dtype=torch.long),
+                     drafts=torch.full((batch, 1, 1), -1, dtype=torch.long))
 
 
 @dataclass
@@ -90,15 +105,16 @@ class PreDraftService:
             if it.call.inputs.target_hidden_states is None:  # CUDA IPC: the states are not at hand here
                 continue
             budget = self.budgets.setdefault(it.session.id, Budget(self.engine.config.predraft_outcomes))
-            if self.busy():  # exact drafting waits for the engine: no pre-drafts this time
-                budget.late()
-                self.forget(it.session.id, keep_budget=True)  # the next call's drafts are exact ones
-                self.on_skip()
-                continue
             try:
-                pre = self._predraft(it, result, budget)
-                if pre is not None:
-                    push(pre)
+                if self.busy():  # exact drafting waits for the engine: no pre-drafts this time
+                    budget.late()
+                    self.forget(it.session.id, keep_budget=True)  # the next call's drafts are exact ones
+                    self.on_skip()
+                    pre = None
+                else:
+                    pre = self._predraft(it, result, budget)
+                # none made: say so, so that a target waiting for this call's set stops waiting
+                push(pre if pre is not None else nothing(it.call.request_id, result.draft_token_ids.shape))
             except Exception:  # noqa: BLE001 - the call was answered; pre-drafts are an extra
                 log.exception("pre-drafting failed; nothing pushed")
 

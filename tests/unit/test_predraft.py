@@ -277,7 +277,11 @@ def test_service_predrafts_yield_when_requests_wait():
     service.on_skip = lambda: skipped.append(1)
     service.busy = lambda: True
     service.after_batch([item], [result])
-    assert not made and not pushed and skipped == [1]
+    assert not made and skipped == [1]
+    # the set pushed says "none": no outcome for any row, so nothing can be picked from it
+    assert len(pushed) == 1 and pushed[0].step == 9 and not (pushed[0].accepted >= 0).any()
+    assert PreDraftPicker().offer(pushed[0]) and lookup(pushed[0], outcomes_of_call(inputs, accepted)[0]) is None
+    pushed.clear()
     service.busy = lambda: False
     service.after_batch([item], [result])
     assert made == [9] and len(pushed) == 1 and pushed[0].step == 9

@@ -55,7 +55,7 @@ class MemoryClient:
         return out.draft_token_ids
 
     def poll_pushes(self, timeout: float = 0.0, until=None) -> None:
-        if not self.late:
+        if not self.late or timeout > 0:  # late: a set comes only to a target that waits past its pick
             self.flush()
 
     def flush(self) -> None:
@@ -112,12 +112,19 @@ def test_pushed_predrafts_are_picked_and_calls_read_right():
     assert sum(nowait for _, nowait in client.sent) == r["unawaited"]
 
 
-def test_pushes_after_the_pick_are_never_used():
+def test_pushes_after_the_pick_are_never_used_and_the_drafter_stops_making_them():
+    """Every set comes after verification ended: none is used; the target's b still follows the
+    drawn hit rates (it waits for the late set to draw b), so the drafter sees the target verify
+    exact drafts where it had counted hits, and its budget falls to 0 (empty sets pushed)."""
     client = MemoryClient(_engine(4), late=True)
+    budgets = []
+    client.service.on_budget = lambda n, late: budgets.append(n)
     drafter = PreDraft(client)
-    r = run(_rows(), drafter, Verify(torch.device("cpu"), 0.0), steps=12, warmup=0)
+    r = run(_rows(), drafter, Verify(torch.device("cpu"), 0.0), steps=16, warmup=0)
+    print(f"\n[predraft target, late] budgets {budgets}, empty sets {r['empty']}, late {r['late_sets']}")
     assert r["hit_rate"] == 0.0 and r["unawaited"] == 0
-    assert r["not_arrived"] == 12 and r["late_sets"] >= 11
+    assert r["not_arrived"] == 16 and r["late_sets"] >= 15
+    assert budgets[0] == 4 and 0 in budgets and r["empty"] > 0
 
 
 def test_in_process_and_exact_remote_draw_the_same_outcomes():
