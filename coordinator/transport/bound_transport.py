@@ -408,7 +408,9 @@ class BoundTransport:
                 self._connecting = None
                 link.close()
                 log.warning("bound session %s: %s; steps go unbound", session_id, exc.message)
-                if link.plane == wb.NCCL_CHANNEL:  # the channel could not be joined: the host ring from now on
+                if link.plane == wb.NCCL_CHANNEL and self.cfg.plane == wb.NCCL_CHANNEL:  # named: that plane or none
+                    self._refuse(session_id, exc.message)
+                elif link.plane == wb.NCCL_CHANNEL:  # the channel could not be joined: the host ring from now on
                     self._nccl_refused = exc.message
                 return
             if ready:
@@ -444,10 +446,13 @@ class BoundTransport:
             self._send_bind(pending.session_id, pending.epoch, "tcp", session, pending.plane)
         elif pending.plane == wb.CUDA_IPC and error.field in ENVIRONMENT:
             self._no_ipc(pending, session, f"the drafter refused {error.field}: {error.message}")
-        elif pending.plane == wb.NCCL_CHANNEL and self.cfg.plane != wb.NCCL_CHANNEL and error.field in CHANNEL_REFUSED:
-            self._nccl_refused = f"the drafter refused {error.field}: {error.message}"
-            log.warning("session %s: nccl_channel is not possible (%s); binding the host ring", pending.session_id,
-                        self._nccl_refused)
+        elif pending.plane == wb.NCCL_CHANNEL and error.field in CHANNEL_REFUSED:
+            why = f"the drafter refused {error.field}: {error.message}"
+            if self.cfg.plane == wb.NCCL_CHANNEL:  # named: that plane or none
+                self._refuse(pending.session_id, why)
+                return
+            self._nccl_refused = why
+            log.warning("session %s: nccl_channel is not possible (%s); binding the host ring", pending.session_id, why)
             self._send_bind(pending.session_id, pending.epoch, pending.transport, session, wb.HOST_RING)
         elif code not in REBIND:  # a lost session is the unbound call's to report
             self._refuse(pending.session_id, f"{code.name} {error.field}: {error.message}")

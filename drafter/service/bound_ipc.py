@@ -95,7 +95,7 @@ class _Guarded:
     def _bind_engine(self, engine, s, max_batch: int) -> None:
         """The output allocated, the guard captured, the engine bound."""
         width = _width(engine)
-        words = -(-(max_batch * width + 1) // 8) * 8  # whole 64-byte rows
+        words = wb.output_words(max_batch, width)  # whole 64-byte rows; the target's output is as long
         self.output = torch.zeros(words, dtype=torch.int64, device=self.device)  # [drafts..., error, pad]
         self.drafts = self.output[:max_batch * width].view(max_batch, width)
         self.error = self.output[max_batch * width:max_batch * width + 1]

@@ -122,3 +122,46 @@ def test_the_targets_own_gpu_is_refused_naming_device_uuid(monkeypatch):
     with pytest.raises(DrafterError) as err:
         bound_channel.check_plane(Engine(), wb.BindRequest(plane=wb.NCCL_CHANNEL))
     assert err.value.field == "device_uuid"
+
+
+def test_the_remote_proposer_over_the_channel_drafts_equal_in_process_and_a_named_refusal_stays_unbound(tiny_root):
+    """BoundConfig(plane="nccl_channel") (gloo here): bound at attach, each step's tensors copied into
+    the slab, sent down the channel, drafts equal the in-process engine's; a corrupt step is None
+    with INVALID_ARGUMENT counted and the binding kept.  With NCCL itself (which this CPU drafter
+    refuses naming "plane") the named plane is not replaced: the session stays unbound, asked once."""
+    from coordinator.transport.bound_channel import ChannelLink
+    from tests.integration.test_bound_remote import ProposerTarget
+
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        p = ProposerTarget(tiny_root, "eagle3", drafter, seed=4, plane=wb.NCCL_CHANNEL, device="cpu")
+        try:
+            assert p.proposer.start(), "attached"
+            transport = p.transport
+            assert isinstance(transport.link, ChannelLink), "bound over the channel at attach"
+            assert isinstance(drafter.server._bound_plane.sessions[p.proposer.session.session_id],
+                              bound_channel.ChannelSession)
+            assert p.step(PLANS[0]) is not None and p.step(PLANS[1]) is not None
+            assert transport.steps == {"bound": 2, "unbound": 0}
+            bad = p.s_remote.call(PLANS[1]).kwargs
+            bad["slot_mappings"][0][-1] = -5
+            assert p.proposer.propose(**bad, **PADDING) is None
+            assert p.proposer.stats.no_drafts.get("invalid_argument") == 1
+            assert transport.link.alive, "refused there; the binding stays"
+        finally:
+            p.close()
+
+
+def test_a_named_nccl_channel_the_drafter_refuses_leaves_the_session_unbound(tiny_root, monkeypatch):
+    from tests.integration.test_bound_remote import ProposerTarget
+
+    monkeypatch.setattr(bound_channel, "BACKEND", bc.NCCL)  # this CPU drafter refuses NCCL naming "plane"
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        p = ProposerTarget(tiny_root, "eagle3", drafter, seed=4, plane=wb.NCCL_CHANNEL, device="cpu")
+        try:
+            assert p.proposer.start(), "attached"
+            transport = p.transport
+            assert transport.link is None and transport._refused == p.proposer.session.session_id
+            assert p.step(PLANS[0]) is not None
+            assert transport.steps == {"bound": 0, "unbound": 1} and transport._pending is None, "not asked again"
+        finally:
+            p.close()
