@@ -26,6 +26,9 @@ def test_one_run_compares_one_and_two_ranks(tmp_path):
     assert 0 < two["floor_bytes"] < one["floor_bytes"]
     streamed = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert [(r["world"], r["propose_us"]) for r in streamed] == [(1, one["propose_us"]), (2, two["propose_us"])]
+    table = (tmp_path / "bench_tp.md").read_text().splitlines()
+    assert len(table) == 4 and table[3].startswith("| eagle3-tiny | 1 | 40 | 1 | 2 |")
+    assert f"| {two['speedup']:.2f} |" in table[3]
 
 
 def test_floor_bytes_count_what_a_step_reads():

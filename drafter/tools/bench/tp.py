@@ -35,7 +35,8 @@ tokens hit in expectation under uniform routing, E_local * (1 - (1 - top_k / E) 
 the first pass only, MLA's absorbed W_UK / W_UV instead of kv_b_proj, and its KV cache for
 batch * ctx tokens), over the copy bandwidth (GPU only).
 Each row is appended to OUT/rows.jsonl and printed as soon as all ranks measured it (a run cut
-short keeps its rows); OUT/bench_tp.json holds them all at the end.
+short keeps its rows; `--table OUT/rows.jsonl` prints them as markdown); OUT/bench_tp.json and
+bench_tp.md (the same table) hold them all at the end.
 """
 
 from __future__ import annotations
@@ -485,8 +486,22 @@ def run(args) -> dict:
             "deepseek_weights": args.deepseek_weights}
     result = {"meta": meta, "rows": rows}
     (out / "bench_tp.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out / 'bench_tp.json'} ({len(rows)} rows)")
+    (out / "bench_tp.md").write_text(markdown_table(rows))
+    print(f"wrote {out / 'bench_tp.json'}, bench_tp.md ({len(rows)} rows)")
     return result
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per row: the step time, its speedup over N = 1, NCCL time and floor (a README's table)."""
+    def cell(r: dict, key: str, spec: str) -> str:
+        return format(r[key], spec) if key in r else "-"
+    lines = ["| head | k | ctx | batch | N | propose us | speedup | nccl us | floor us | step / floor | graphs | agree |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['head']} | {r['k']} | {r['ctx']} | {r['batch']} | {r['world']} | {r['propose_us']:.0f} | "
+                     f"{cell(r, 'speedup', '.2f')} | {cell(r, 'nccl_us', '.0f')} | {cell(r, 'floor_us', '.0f')} | "
+                     f"{cell(r, 'step_over_floor', '.2f')} | {r['graphs']} | {r['drafts_agree']} |")
+    return "\n".join(lines) + "\n"
 
 
 def run_from_grid(args) -> dict:
@@ -531,7 +546,13 @@ def _ints(text: str) -> list[int]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="drafter bench --tensor-parallel-size", description=__doc__.split("\n")[0])
     add_arguments(p)
-    run(p.parse_args(argv))
+    p.add_argument("--table", metavar="ROWS_JSONL", help="only print the markdown table of a run's rows.jsonl "
+                                                         "(one cut short included)")
+    args = p.parse_args(argv)
+    if args.table:
+        print(markdown_table([json.loads(line) for line in Path(args.table).read_text().splitlines() if line]), end="")
+        return 0
+    run(args)
     return 0
 
 
