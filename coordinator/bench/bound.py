@@ -9,7 +9,8 @@ Llama-3.1-8B shapes, random weights).  Per batch these clients attach a session 
 decode step, drafts on the host:
 
   * nccl_channel: coordinator.transport.bound_channel (the slab's prefix by one NCCL send into
-    the drafter's GPU, the output back by one NCCL send; the drafter on another GPU than --device);
+    the drafter's GPU, the output back by one NCCL send; the drafter on another GPU than --device;
+    the header on a tcp data socket); nccl_channel_ipc: the same, the data socket on ipc;
   * cuda_ipc: coordinator.transport.bound_ipc over CUDA IPC (header-only steps; with the drafter
     on another GPU it reads the target's slab over the peer link);
   * cuda_ipc_host_wait: the same, the target's host waiting on the drafter's event;
@@ -48,9 +49,10 @@ import torch
 from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats, _time, buffers, fill, in_process,
                                        start_server)
 
-CLIENTS = ("nccl_channel", "cuda_ipc", "cuda_ipc_host_wait", "host_ring", "unbound", "unbound_cuda_ipc")
-BOUND = ("nccl_channel", "cuda_ipc", "cuda_ipc_host_wait", "host_ring")
-STAMPED = ("nccl_channel", "cuda_ipc", "cuda_ipc_host_wait")
+CLIENTS = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_host_wait", "host_ring", "unbound",
+           "unbound_cuda_ipc")
+BOUND = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_host_wait", "host_ring")
+STAMPED = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_host_wait")
 
 
 def layout(endpoint: str, args):
@@ -74,9 +76,11 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
     bound; RuntimeError where the drafter bound another plane."""
     from coordinator.transport.bound_ipc import CudaIpcBoundClient
 
-    plane = {"host_ring": "host_ring", "nccl_channel": "nccl_channel"}.get(name, "cuda_ipc")
+    plane = {"host_ring": "host_ring", "nccl_channel": "nccl_channel", "nccl_channel_ipc": "nccl_channel"}.get(
+        name, "cuda_ipc")
     client = CudaIpcBoundClient(endpoint, layout(endpoint, args), buffers(args, batch, columns), max_batch=batch,
                                 device=args.device, timeout_s=30, allow_fallback=False,
+                                transport="ipc" if name == "nccl_channel_ipc" else "tcp",
                                 force_ring=plane == "host_ring", host_wait=name == "cuda_ipc_host_wait",
                                 channel=plane == "nccl_channel")
     try:
@@ -100,7 +104,7 @@ def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> di
         result = {"rtt": _time(lambda: client.step(n, b), args.iters), "drafts": client.step(n, b).tolist()}
         if name in STAMPED:
             result["stages"] = stages(client, n, b, args.iters)
-        if name in ("cuda_ipc", "nccl_channel"):
+        if name in ("cuda_ipc", "nccl_channel", "nccl_channel_ipc"):
             host = []
             stream = torch.cuda.current_stream()
             for i in range(WARMUP + args.iters):
