@@ -265,7 +265,8 @@ class PreDraft(ExactRemote):
         client.on_push = self.picker.offer
         self.last_step = 0
         self.unawaited = 0
-        self.late_wait_s = 5.0
+        self.late_wait_s = 0.5  # long enough for any pre-draft here; 0 once sets stop coming
+        self.missing = 0
 
     def outcomes(self, rows: Rows, accepted: list[int], stats: dict) -> tuple[list[int], torch.Tensor]:
         """b per row: one the arrived set predicted with probability hit(a), else one it did not."""
@@ -274,6 +275,8 @@ class PreDraft(ExactRemote):
         if pre is None and self.last_step:
             stats["not_arrived"] += 1
             pre = self._late_set()
+        elif pre is not None:
+            self.missing, self.late_wait_s = 0, 0.5
         if pre is not None and not bool((pre.accepted >= 0).any()):
             stats["empty"] += 1  # the drafter made none this time (its budget is 0)
         sent, tokens = [], rows._tokens(rows.cfg.batch)
@@ -304,6 +307,11 @@ class PreDraft(ExactRemote):
         pre = self.picker.pending.pop(self.last_step, None)
         if pre is not None:
             self.picker.stats.late += 1
+            self.missing, self.late_wait_s = 0, 0.5
+        else:  # a drafter that pushes nothing at all (an old one, or failing): stop waiting for it
+            self.missing += 1
+            if self.missing >= 3:
+                self.late_wait_s = 0.0
         return pre
 
     def draft(self, step: int, kw: dict, accepted_counts) -> tuple[torch.Tensor, list[bool]]:
@@ -399,21 +407,11 @@ def attach(endpoint: str, batch: int, args):
 
 def in_process_engine(model_dir: str, k: int, args):
     """The server's engine, built the same way, on the target's device, pre-drafting off."""
-    from drafter.service.config import add_arguments, from_args
-    from drafter.service.server import engine_config
-    from drafter.tools.bench.grid import random_kv
-    from drafter.tools.bench.remote import _build
+    from drafter.tools.bench.predraft import served_engine
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
     argv = _server_argv(model_dir, k, args, 0)
     argv[argv.index("--device") + 1] = args.target_device
-    engine = _build(engine_config(from_args(p.parse_args(argv))), model_dir)
-    random_kv(engine)
-    if engine.graphs is not None:  # as the server does before it is ready
-        with torch.inference_mode():
-            engine.graphs.capture()
-    return engine
+    return served_engine(model_dir, argv)
 
 
 def drain(proc: subprocess.Popen, path: Path, label: str) -> threading.Thread:
@@ -505,13 +503,17 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: still stop the servers
     model_dir, run_dir = _model_dir(args.tiny), tempfile.mkdtemp(prefix="predraft-ipc-")
     remote = any(m != "in_process" for m in modes)
-    servers = {k: start_server(model_dir, k, args, run_dir) for k in args.ks} if remote else {}
+    servers: dict = {}
     results = []
     try:
-        for k, (proc, _) in servers.items():
-            wait_ready(proc, timeout_s=400)
-            drain(proc, out / "predraft_servers.log", f"k={k}")
-            print(f"  server k={k} ready", flush=True)
+        # the first server alone (a cold Triton cache compiles once), then the others side by side
+        for group in ([args.ks[0]], args.ks[1:]) if remote else ():
+            started = {k: start_server(model_dir, k, args, run_dir) for k in group}
+            servers.update(started)
+            for k, (proc, _) in started.items():
+                wait_ready(proc, timeout_s=300)
+                drain(proc, out / "predraft_servers.log", f"k={k}")
+                print(f"  server k={k} ready", flush=True)
         verifies = {v: Verify(target, v) for v in verify_ms}
         for k in args.ks:
             engine = in_process_engine(model_dir, k, args) if "in_process" in modes else None

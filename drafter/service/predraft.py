@@ -5,8 +5,8 @@ result on the call's connection (drafter.wire.predraft, docs/predraft.md).
 The pre-drafts are conditioned on the drafts the target will verify: on a hit, the target verifies
 the previous pre-draft instead of this call's exact drafts, and this side finds the same hit from
 the same pushed set (outcomes_of_call + lookup), so both ends agree without another message.
-Pre-drafting never fails a call: its errors are logged and nothing is pushed.  A call that asked
-and gets no pre-drafts (budget 0, requests waiting) gets a set without outcomes (`nothing`), so a
+Pre-drafting never fails a call: its errors are logged.  A call that asked and gets no
+pre-drafts (budget 0, requests waiting, an error) gets a set without outcomes (`nothing`), so a
 target that waits for each call's set (PushedPreDrafting's push_wait_s) never waits in vain.
 
 The budget adapts per session (`Budget`; --predraft-outcomes is its most).  A pushed set the
@@ -116,7 +116,12 @@ class PreDraftService:
                 # none made: say so, so that a target waiting for this call's set stops waiting
                 push(pre if pre is not None else nothing(it.call.request_id, result.draft_token_ids.shape))
             except Exception:  # noqa: BLE001 - the call was answered; pre-drafts are an extra
-                log.exception("pre-drafting failed; nothing pushed")
+                log.exception("pre-drafting failed; an empty set pushed")
+                self.forget(it.session.id, keep_budget=True)
+                try:
+                    push(nothing(it.call.request_id, result.draft_token_ids.shape))
+                except Exception:  # noqa: BLE001
+                    log.exception("pushing the empty set failed")
 
     def _predraft(self, it, result, budget: Budget) -> PreDrafts | None:
         call, session = it.call, it.session

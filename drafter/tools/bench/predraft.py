@@ -94,6 +94,8 @@ def _engine(head, spec, k: int, batch: int, ctx: int, outcomes: int, device: str
 
     per_req = -(-(ctx + k + 1) // BLOCK_SIZE)
     gpu = device.startswith("cuda")
+    if gpu:  # Triton launches on the current device: make --device current (cuda:1 otherwise fails)
+        torch.cuda.set_device(torch.device(device))
     cfg = EngineConfig(
         method=spec.method, num_speculative_tokens=k, max_model_len=ctx + 64, max_num_seqs=batch,
         max_num_batched_tokens=batch * (k + 1), kv_groups=(KVGroupSpec(BLOCK_SIZE, batch * per_req + 1),),
@@ -103,6 +105,23 @@ def _engine(head, spec, k: int, batch: int, ctx: int, outcomes: int, device: str
     engine = DraftEngine(head, spec, cfg)
     random_kv(engine)
     if engine.graphs is not None:
+        with torch.inference_mode():
+            engine.graphs.capture()
+    return engine
+
+
+def served_engine(model_dir: str, server_argv: list[str]):
+    """The engine `drafter serve server_argv` would build (random weights for model_dir's head,
+    random KV, graphs captured), in this process: an in-process drafter equal to a served one."""
+    from drafter.service.config import add_arguments, from_args
+    from drafter.service.server import engine_config
+    from drafter.tools.bench.remote import _build
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    engine = _build(engine_config(from_args(p.parse_args(server_argv))), model_dir)
+    random_kv(engine)
+    if engine.graphs is not None:  # as the server does before it is ready
         with torch.inference_mode():
             engine.graphs.capture()
     return engine
@@ -127,6 +146,8 @@ def measure(spec, batches, ks, outcomes: int, ctx: int, iters: int, device: str,
     from drafter.wire.records import ProposeInputs
 
     dtype = torch.float32 if tiny else torch.bfloat16
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     head = random_head(spec, torch.device(device), dtype)
     rows = []
     for k in ks:
@@ -212,7 +233,7 @@ def main(argv=None) -> int:
     spec = TINY if args.tiny else SPECS["eagle3-8b"]
     batches = [int(x) for x in args.batches.split(",")]
     ks = [int(x) for x in args.ks.split(",")]
-    device_name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+    device_name = torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith("cuda") else "cpu"
     print(f"pre-drafting bench on {device_name}: {'tiny' if args.tiny else 'eagle3-8b'} head, batches {batches}, "
           f"k {ks}, {args.outcomes} outcomes, ctx {args.ctx}", flush=True)
     rows = measure(spec, batches, ks, args.outcomes, args.ctx, args.iters, args.device, args.tiny,
