@@ -43,7 +43,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   rm -f "$OUT/bench.log"  # the same lines as bench_log.txt
 fi
 if [ -z "${SKIP_REMOTE:-}" ]; then
-  timeout "${REMOTE_TIMEOUT:-300}" python3 -m drafter.tools.bench.remote --out "$OUT" ${REMOTE_ARGS:-} > "$OUT/remote_log.txt" 2>&1
+  timeout "${REMOTE_TIMEOUT:-300}" python3 -m coordinator.bench.remote --out "$OUT" ${REMOTE_ARGS:-} > "$OUT/remote_log.txt" 2>&1
   tail -20 "$OUT/remote_log.txt"
 fi
 if [ -n "${PINGPONG:-}" ]; then
