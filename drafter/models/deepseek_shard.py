@@ -2,11 +2,12 @@
 
 Rules (names as the head's modules spell them, layers.{i}.*):
   vocabulary rows    embed_tokens, shared_head.head
+  hidden rows        eh_proj (its outputs gathered after the GEMM: column parallel)
   head rows          self_attn.q_b_proj / q_proj / kv_b_proj (whole heads: qk or nope+v rows each)
   head columns       self_attn.o_proj (v_head_dim columns per head)
   experts            mlp.experts.{e}: only this rank's experts; mlp.shared_experts: rank 0
   dense MLP          gate_proj / up_proj rows, down_proj columns
-  everything else    replicated (norms, eh_proj, q_a / kv_a projections, the router)
+  everything else    replicated (norms, q_a / kv_a projections, the router)
 An FP8 weight's weight_scale_inv is sliced by the same rule in block units, so a cut must fall on
 a block edge (DeepSeek-V3's 128 heads x 192 / 256 / 128 features at TP 2, 4, 8 all do).
 """
@@ -26,7 +27,7 @@ ROW, COL = 0, 1
 def _rule(rest: str, layer, config: DeepseekConfig) -> tuple[int, int] | None:
     """(dim, units per item) to split this tensor by, and the item count's owner; None = replicated."""
     a = layer.attn
-    if rest.startswith(("embed_tokens.", "shared_head.head.")):
+    if rest.startswith(("embed_tokens.", "shared_head.head.", "eh_proj.")):
         return ROW, 1
     if rest.startswith(("self_attn.q_b_proj.", "self_attn.q_proj.")):
         return ROW, a.qk_head_dim
@@ -44,6 +45,8 @@ def _rule(rest: str, layer, config: DeepseekConfig) -> tuple[int, int] | None:
 def _items(rest: str, layer, config: DeepseekConfig) -> int:
     if rest.startswith(("embed_tokens.", "shared_head.head.")):
         return config.vocab_size
+    if rest.startswith("eh_proj."):
+        return config.hidden_size
     if rest.startswith("self_attn."):
         return layer.attn.num_heads
     return layer.intermediate_size

@@ -23,7 +23,7 @@ from drafter.models.fp8 import FP8Linear
 from drafter.models.layers import RMSNorm
 from drafter.models.mla import MLAAttention
 from drafter.models.moe import MoE, ExpertMLP
-from drafter.models.sharding import SINGLE, Shard, VocabEmbedding
+from drafter.models.sharding import SINGLE, Shard, VocabEmbedding, column_parallel
 
 
 def kv_cache_shape(shape: DeepseekLayerShape, num_blocks: int, block_size: int) -> tuple[int, int, int]:
@@ -52,7 +52,9 @@ class DeepseekMTPLayer(nn.Module):
         self.embed_tokens = VocabEmbedding(vocab_size, h, shard)
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)  # released unquantised
+        self.shard = shard
+        # released unquantised; tensor parallel: this rank's output rows, gathered (column parallel)
+        self.eh_proj = nn.Linear(2 * h, shard.span(h, "hidden_size")[1], bias=False)
         self.input_layernorm = RMSNorm(h, eps)
         self.self_attn = MLAAttention(shape.attn, fp8_block, shard)
         self.post_attention_layernorm = RMSNorm(h, eps)
@@ -72,7 +74,7 @@ class DeepseekMTPLayer(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size], before shared_head.norm
         embeds = self.embed_tokens(input_ids)
         embeds = torch.where((positions == 0)[:, None], torch.zeros_like(embeds), embeds)
-        x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+        x = column_parallel(self.eh_proj, torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1), self.shard)
         x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
