@@ -131,6 +131,15 @@ class GraphRunner:
         for b in reversed(self.batch_sizes):
             self.loop_graphs[b] = self._capture(lambda b=b: self._loop(b))
 
+    # ------------------------------------------------------------------ other modules' graphs
+    def capture_extra(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Capture fn (drafter.engine.predraft's one-replay pre-drafts) into this runner's pool on its
+        private stream, after the draft graphs; returns its replay (emulated: fn itself, run once).
+        Only one graph runs at a time, so fn's intermediates may share the pool; its outputs must
+        live outside it (tensors allocated before the capture)."""
+        self.capture()
+        return self._capture(fn)
+
     def _capture(self, fn: Callable[[], None]) -> Callable[[], None]:
         if self.emulate:
             # a "replay" runs the torch ops again: outside inference mode they would record autograd
