@@ -103,3 +103,44 @@ def test_the_step_checks_name_the_first_bad_field_and_look_only_at_the_step_rows
     assert first_bad_field(v, 5, 2, SESSION, DESC) is None
     write(v)
     assert first_bad_field(v, 5, 2, SESSION, DESC) == field
+
+
+def test_a_channel_wait_is_bounded_and_the_handshake_pairs_the_ranks():
+    """drafter.wire.bound_channel: settle() gives up at its deadline (a work that never completes,
+    on the GPU's polling path and on gloo's blocking one) instead of hanging; the handshake carries
+    the target's word to the drafter over a real two-rank gloo group."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from drafter.wire import bound_channel as bc
+
+    class Never:  # a work whose transfer never completes
+        def is_completed(self):
+            return False
+
+    with pytest.raises(TimeoutError):
+        bc.settle(Never(), time.monotonic() + 0.05, "a stuck transfer")
+    store = dist.HashStore()
+    timeout = datetime.timedelta(seconds=30)
+    groups: dict = {}
+    joined = [threading.Thread(target=lambda r=r: groups.__setitem__(r, bc.open_group(bc.GLOO, store, "t", r, timeout)))
+              for r in (bc.TARGET_RANK, bc.DRAFTER_RANK)]
+    for t in joined:
+        t.start()
+    for t in joined:
+        t.join(60)
+    assert set(groups) == {bc.TARGET_RANK, bc.DRAFTER_RANK}
+    sender = threading.Thread(target=bc.handshake, args=(groups[bc.TARGET_RANK], bc.TARGET_RANK, torch.device("cpu"),
+                                                         time.monotonic() + 30))
+    sender.start()
+    bc.handshake(groups[bc.DRAFTER_RANK], bc.DRAFTER_RANK, torch.device("cpu"), time.monotonic() + 30)
+    sender.join(60)
+    word = torch.zeros(1, dtype=torch.int64)  # [1]: nothing is ever sent for this recv
+    with pytest.raises(TimeoutError):
+        bc.settle(groups[bc.DRAFTER_RANK].recv([word], bc.TARGET_RANK, 0), time.monotonic() + 0.2, "a lost step",
+                  on_gpu=False)
+    for g in groups.values():
+        bc.close_group(g)
