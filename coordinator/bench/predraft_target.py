@@ -375,7 +375,7 @@ def _server_argv(model_dir: str, k: int, args, outcomes: int) -> list[str]:
     base = server_args(model_dir, b, k, args.max_len - 64, _kv_blocks(args, b), args.drafter_device)
     return base + ["--capture-sizes", ",".join(map(str, args.batches)),
                    "--token-capture-sizes", ",".join(str(x * (k + 1)) for x in args.batches),
-                   "--predraft-outcomes", str(outcomes)]
+                   "--predraft-outcomes", str(outcomes), "--log-level", "info"]
 
 
 def _kv_blocks(args, batch: int) -> int:

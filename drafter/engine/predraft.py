@@ -23,6 +23,7 @@ pre-drafts are; how often they are right is what decides whether this pays.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -77,15 +78,34 @@ def predraft(engine, inp: ProposeInputs,
     """The next step's drafts for each request's `outcomes` likeliest outcomes (module docstring;
     default and most: config.predraft_outcomes, which sized the scratch).  The call's own draft
     must have run first: the context's KV below p is read from the pool."""
-    cfg, head = engine.config, engine.head
+    cfg = engine.config
     rows = _drafted_rows(inp, engine.device)
     drafts = drafts.to(engine.device, torch.long)
     tables = [t.to(engine.device, torch.long) for t in inp.block_tables]
+    budget = min(outcomes or cfg.predraft_outcomes, cfg.predraft_outcomes)
+    graphs = graphs_of(engine)
+    out = graphs.run(rows, drafts, tables) if graphs is not None else None
+    if out is None:  # no graphs, or a batch or table above what they were captured for
+        live = torch.ones_like(rows.positions, dtype=torch.bool)
+        out = _compute(engine, rows, drafts, tables, live, cfg.predraft_outcomes)
+    # the outcomes are ranked: a smaller budget keeps the likeliest (graphs always compute the most)
+    accepted, tokens, branch, log_probs = (t[:, :budget] for t in out)
+    return PreDrafts(step, inp.block_tables[0][:, 0].to("cpu", torch.long), rows.positions.cpu(), drafts.cpu(),
+                     accepted.cpu(), tokens.cpu(), branch.cpu(), log_probs.float().cpu())
+
+
+def _compute(engine, rows: "_Rows", drafts: torch.Tensor,  # [rows, k] int64
+             tables: list[torch.Tensor],  # per group [rows, width] int64
+             live: torch.Tensor,  # [rows] bool: padded rows write and read nothing
+             budget: int) -> tuple[torch.Tensor, ...]:
+    """The algorithm on device tensors, no host read: (accepted [rows, budget], b [rows, budget],
+    drafts [rows, budget, k'], joint log-probability [rows, budget]); the eager path and the
+    graphs run it alike."""
+    cfg, head = engine.config, engine.head
     layouts = scratch_layouts(cfg)
     trunk_tables = _fork(engine, tables, layouts, rows.positions, [s.trunk for s in layouts],
                          lambda s, r: s.base + r * s.per_row)  # r: [rows] batch rows
-    logits, carries = _trunk(engine, rows, drafts, trunk_tables)
-    budget = min(outcomes or cfg.predraft_outcomes, cfg.predraft_outcomes)
+    logits, carries = _trunk(engine, rows, drafts, trunk_tables, live)
     accepted, tokens, log_probs = rank_outcomes(logits, drafts, head, budget)
     batch, n_out = accepted.shape
     owner = torch.arange(batch, device=engine.device).repeat_interleave(n_out)  # [batch * outcomes]
@@ -95,9 +115,8 @@ def predraft(engine, inp: ProposeInputs,
                           lambda s, r: s.base + (r // n_out) * s.per_row + s.trunk + (r % n_out) * s.branch)
     hidden = carries[owner, a]  # g_{a+1}: the head's own state after d_a
     branch = _chain(engine, tokens.reshape(-1), hidden, start, branch_tables, cfg.predraft_k,
-                    live=accepted.reshape(-1) >= 0)
-    return PreDrafts(step, inp.block_tables[0][:, 0].to("cpu", torch.long), rows.positions.cpu(), drafts.cpu(),
-                     accepted.cpu(), tokens.cpu(), branch.view(batch, n_out, -1).cpu(), log_probs.float().cpu())
+                    live=(accepted.reshape(-1) >= 0) & live[owner])
+    return accepted, tokens, branch.view(batch, n_out, -1), log_probs
 
 
 def rank_outcomes(logits: torch.Tensor,  # [batch, k + 1, head vocab]: the trunk's logits_0 .. logits_k
@@ -201,11 +220,11 @@ def _step(engine, ids: torch.Tensor,  # [rows] int64
 
 
 def _trunk(engine, rows: _Rows, drafts: torch.Tensor,  # [batch, k]
-           tables: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+           tables: list[torch.Tensor], live: torch.Tensor  # [batch] bool
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The head along the call's own drafts: logits_0..logits_k [batch, k + 1, head vocab] and the
     carried states g_1..g_{k+1} [batch, k + 1, H]."""
     head = engine.head
-    live = torch.ones_like(rows.positions, dtype=torch.bool)
     hidden = head.combine_hidden_states(rows.hidden)
     tokens = torch.cat([rows.next_tokens[:, None], drafts], 1)
     logits, carries = [], []
@@ -229,3 +248,84 @@ def _chain(engine, tokens: torch.Tensor,  # [rows] int64: b
         tokens = head.draft_to_target(head.compute_logits(logit_h, s).argmax(-1))
         out.append(tokens)
     return torch.stack(out, 1)
+
+
+# --------------------------------------------------------------------------- the GPU path: graphs
+def graphs_of(engine) -> "PreDraftGraphs | None":
+    """The engine's pre-draft graphs, captured at the first pre-draft (None without draft graphs,
+    or when capture failed: the eager path then serves every call)."""
+    runner = getattr(engine, "graphs", None)
+    if runner is None or not hasattr(runner, "capture_extra"):
+        return None
+    graphs = getattr(engine, "_predraft_graphs", None)
+    if graphs is None:
+        graphs = PreDraftGraphs(engine, runner)
+        log = logging.getLogger("drafter.engine.predraft")
+        try:
+            graphs.capture()
+            log.info("pre-draft graphs captured", extra={"event": "predraft_graphs", "sizes": sorted(graphs.replays)})
+        except Exception:  # noqa: BLE001 - the eager path computes the same pre-drafts
+            log.exception("pre-draft graphs not captured: pre-drafts run eagerly")
+            graphs.sizes = []
+        engine._predraft_graphs = graphs
+    return graphs
+
+
+class PreDraftGraphs:
+    """All outcomes x requests of one call in one replay: per batch capture size, one graph of
+    trunk, ranking and branches (`_compute`) over static buffers; a batch pads to a capture size,
+    its padded rows live=False (they write and read no KV of anyone's: slot -1, seq_len 0; their
+    forks write only their own rows' scratch).  Captured into the draft graphs' pool on their
+    private stream (GraphRunner.capture_extra); emulated on CPU as the runner emulates."""
+
+    def __init__(self, engine, runner):
+        cfg = engine.config
+        self.engine, self.runner = engine, runner
+        self.sizes = [b for b in cfg.capture_sizes if b <= cfg.max_num_seqs]
+        m, dev, n = max(self.sizes, default=0), engine.device, cfg.predraft_outcomes
+        self.positions = torch.zeros(m, dtype=torch.long, device=dev)  # [max batch]
+        self.next_tokens = torch.zeros(m, dtype=torch.long, device=dev)  # [max batch]
+        self.hidden = torch.zeros(m, engine.spec.hidden_input_width, dtype=cfg.torch_dtype, device=dev)  # [max batch, W]
+        self.drafts = torch.zeros(m, cfg.num_speculative_tokens, dtype=torch.long, device=dev)  # [max batch, k]
+        self.live = torch.zeros(m, dtype=torch.bool, device=dev)  # [max batch]
+        self.tables = [torch.zeros(m, w, dtype=torch.long, device=dev) for w in cfg.max_blocks_per_req]
+        self.out = (torch.full((m, n), -1, dtype=torch.long, device=dev),  # accepted [max batch, B]
+                    torch.zeros(m, n, dtype=torch.long, device=dev),  # b [max batch, B]
+                    torch.zeros(m, n, cfg.predraft_k, dtype=torch.long, device=dev),  # drafts [max batch, B, k']
+                    torch.zeros(m, n, dtype=torch.float32, device=dev))  # log-probability [max batch, B]
+        self.replays: dict[int, object] = {}
+        self.count = 0  # calls answered by a replay
+
+    def capture(self) -> None:
+        for b in sorted(self.sizes, reverse=True):
+            self.replays[b] = self.runner.capture_extra(lambda b=b: self._step(b))
+
+    def _step(self, b: int) -> None:
+        rows = _Rows(self.positions[:b], self.next_tokens[:b], self.hidden[:b])
+        got = _compute(self.engine, rows, self.drafts[:b], [t[:b] for t in self.tables], self.live[:b],
+                       self.engine.config.predraft_outcomes)
+        for dst, src in zip(self.out, got):
+            dst[:b].copy_(src)
+
+    def run(self, rows: _Rows, drafts: torch.Tensor,  # [batch, k] int64
+            tables: list[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:  # per group [batch, width]
+        """The four outputs for the real rows (views of the static outputs: read them before the
+        next replay), or None when no graph fits this call."""
+        batch = rows.positions.shape[0]
+        fits = [b for b in self.sizes if b >= batch]
+        if not fits or any(t.shape[1] > s.shape[1] for t, s in zip(tables, self.tables)):
+            return None
+        b = min(fits)
+        with torch.inference_mode():
+            for dst, src in ((self.positions, rows.positions), (self.next_tokens, rows.next_tokens),
+                             (self.hidden, rows.hidden), (self.drafts, drafts)):
+                dst[:batch].copy_(src)
+                dst[batch:b].zero_()
+            self.live[:batch].fill_(True)
+            self.live[batch:b].fill_(False)
+            for dst, src in zip(self.tables, tables):
+                dst[:b].zero_()
+                dst[:batch, : src.shape[1]].copy_(src)
+            self.replays[b]()
+        self.count += 1
+        return tuple(t[:batch] for t in self.out)

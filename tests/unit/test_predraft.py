@@ -348,3 +348,43 @@ def test_service_budget_halves_when_the_target_verified_exact_drafts_after_a_hit
     made, budgets, sources = _service_chain(late=True)
     assert made == [2, 2, 1] and budgets[-1] == (1, True)
     assert sources == ["exact", "exact"]  # the late row counts as the exact drafts it was
+
+
+def _first_requests(kw: dict, n: int) -> dict:
+    """A call's propose keywords cut to its first n requests."""
+    end = int(kw["query_start_loc"][n])
+    out = {k: kw[k][:end] for k in ("target_token_ids", "target_positions", "target_hidden_states")}
+    out.update({k: kw[k][:n] for k in ("next_token_ids", "seq_lens", "token_indices_to_sample", "num_rejected_tokens")
+                if kw.get(k) is not None})
+    out.update(query_start_loc=kw["query_start_loc"][: n + 1], block_tables=[t[:n] for t in kw["block_tables"]],
+               slot_mappings=[t[:end] for t in kw["slot_mappings"]])
+    return out
+
+
+def test_predraft_graphs_equal_the_eager_predraft(pair, greedy_runs):
+    """The GPU path: every outcome of every request in one replay over static buffers, the batch
+    padded to a capture size (padded rows write nothing anyone reads), emulated here as the graph
+    runner emulates (capture keeps the function, replay calls it again): the same pre-drafts as the
+    eager path, for the full budget and a smaller one."""
+    from types import SimpleNamespace
+
+    engine = _engine(pair, capture_sizes=(1, 2, 4))
+    calls = _decode_call(greedy_runs)
+    drafts = _replay(engine, calls)[:3]
+    inp = call_inputs(_first_requests(calls[-1].kwargs, 3))  # 3 rows: pads to 4
+    eager = [engine.predraft(inp, drafts, 7), engine.predraft(inp, drafts, 7, outcomes=2)]
+
+    def capture_extra(fn):
+        replay = torch.inference_mode()(fn)
+        replay()
+        return replay
+    engine.graphs = SimpleNamespace(capture_extra=capture_extra)  # the runner's emulated capture
+    graphed = [engine.predraft(inp, drafts, 7), engine.predraft(inp, drafts, 7, outcomes=2)]
+    graphs = engine._predraft_graphs
+    assert graphs.count == 2 and sorted(graphs.replays) == [1, 2, 4]
+    print(f"\n[predraft graphs] batch {inp.batch_size} padded to {min(b for b in graphs.sizes if b >= inp.batch_size)}")
+    assert inp.batch_size not in graphs.sizes  # the call pads: padded rows are exercised
+    for e, g in zip(eager, graphed):
+        for name in ("block_ids", "positions", "conditioned_on", "accepted", "next_tokens", "drafts"):
+            assert torch.equal(getattr(e, name), getattr(g, name)), name
+        assert torch.allclose(e.log_probs, g.log_probs)
