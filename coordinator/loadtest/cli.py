@@ -4,6 +4,7 @@
     drafter loadtest --transport grpc --endpoint 10.0.0.7:50051 --rate 500 --dp 4
     drafter loadtest --shape llama3-8b-eagle3 --spawn-server --device cuda:0 \\
         --transport zmq,grpc --mode open,closed --rate 100,400 --duration 25 --out bench/results/x
+    drafter loadtest --predraft --tiny eagle3 --spawn-server --verify-ms 200   # pushed pre-drafts vs none
 
 Several transports / modes / rates make several runs (one report each) against one drafter.
 Without --rate, the open loop doubles its rate from a start that fits the drafter's device
@@ -124,6 +125,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=1.0, help="per-call deadline in seconds (open loop: from the "
                                                               "scheduled send time) [1.0]")
 
+    g = p.add_argument_group("pre-drafting (docs/predraft.md)")
+    g.add_argument("--predraft", action="store_true",
+                   help="instead of the runs above: sessions of a simulated target that verifies for --verify-ms "
+                        "per step, without and then with pushed pre-drafts (zmq only); reports hit rate and the "
+                        "draft latency a step waits (coordinator/loadtest/predraft.py)")
+    g.add_argument("--predraft-outcomes", type=int, default=4,
+                   help="spawned drafter's --predraft-outcomes (the budget's most) [4]")
+    g.add_argument("--predraft-batch", type=int, default=4, help="requests per step of each session [4]")
+    g.add_argument("--verify-ms", type=float, default=None,
+                   help="the simulated target's verify time per step [CPU drafter 200; GPU 10]")
+
     g = p.add_argument_group("output")
     g.add_argument("--out", default="", help="directory for the reports [./loadtest-DATE-TIME]")
     g.add_argument("--no-plot", action="store_true", help="no PNG (no matplotlib needed)")
@@ -189,6 +201,9 @@ def _check(ns) -> str | None:
         return "--rate must be positive"
     if not 0.0 <= ns.acceptance <= 1.0:
         return "--acceptance must lie in [0, 1]"
+    if ns.predraft and (ns.transport != ["zmq"] or ns.predraft_outcomes < 1 or ns.predraft_batch < 1):
+        return "--predraft: pushes travel on zmq only (--transport zmq), with --predraft-outcomes and " \
+               "--predraft-batch >= 1"
     try:
         _workload(ns)
     except ValueError as exc:
@@ -251,6 +266,10 @@ def _server(ns, out: Path, tmp: Path):
     settings = dict(num_speculative_tokens=ns.k, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
                     max_num_batched_tokens=ns.max_num_batched_tokens, block_sizes=ns.block_size,
                     kv_blocks=ns.dp * per_session, max_sessions=max(ns.dp, 1) + 1)
+    if ns.predraft:  # every session: a batch of rows as long as the drafter's max_model_len, and scratch
+        per_req = -(-ns.max_model_len // ns.block_size)
+        settings.update(predraft_outcomes=ns.predraft_outcomes, max_num_seqs=max(ns.max_num_seqs, ns.predraft_batch),
+                        kv_blocks=ns.dp * ns.predraft_batch * per_req + 8)
     if _device(ns.device) == "cpu" and not any(a.startswith("--torch-threads") for a in ns.server_arg):
         # OpenMP threads gain a small head nothing and, on a busy few-core host, make every call wait
         # for a thread the OS parked: one thread (--server-arg=--torch-threads=N to change)
@@ -406,6 +425,8 @@ def run(ns) -> int:
                 server, server_desc = _server(ns, out, Path(tmp))
                 server_desc["profile"] = profile
                 _start(ns, server, server_desc)  # `server` is held first: every exit below stops it
+            if ns.predraft:
+                return _predraft(ns, out, server, profile)
             session = _Session(ns, out, server, server_desc, command)
             session.all(_plan(ns, profile))
             if session.interrupted:
@@ -428,6 +449,19 @@ def run(ns) -> int:
             if session is not None:
                 session.write_index()
     return _finish(ns, out, made, session, rc)
+
+
+def _predraft(ns, out: Path, server, profile: str) -> int:
+    """--predraft: without and with pre-drafting (coordinator/loadtest/predraft.py); 1 when a session failed."""
+    from coordinator.loadtest import predraft
+    from coordinator.loadtest.clients import zmq_endpoint
+
+    verify_ms = ns.verify_ms if ns.verify_ms is not None else (200.0 if profile == "cpu" else 10.0)
+    runs = predraft.run(zmq_endpoint(_endpoint(ns, "zmq", server)), out, dp=ns.dp, batch=ns.predraft_batch, verify_ms=verify_ms,
+                        acceptance=ns.acceptance, duration_s=ns.duration, warmup_s=ns.warmup, seed=ns.seed,
+                        timeout_s=max(ns.timeout, 10.0))
+    _say(f"report in {out / 'predraft.json'}")
+    return 1 if any(r["errors"] for r in runs) else 0
 
 
 def _finish(ns, out: Path, made: bool, session, rc: int) -> int:
