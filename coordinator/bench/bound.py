@@ -24,7 +24,11 @@ reply excluded) and the stages of the step from both sides' perf_counter_ns stam
 --targets N (N >= 2) adds the several-targets run: N target processes (this script's `target`
 mode, each on --device, each one bound session over --targets-plane at batch --targets-batch)
 against the one drafter, started together; each one's step time p50 / p99 beside one target
-alone.  With two GPUs every target is on GPU 0 and the drafter on GPU 1.
+alone.  With two GPUs every target is on GPU 0 and the drafter on GPU 1.  Order: the clients in
+--clients order (every batch of one, then the next), then the several-targets run, then cuda_ipc
+where the drafter is on another GPU (last: a failure there must not spoil what came before).
+Every client gives its session back even when it fails (one failing plane must not leave the
+drafter's KV blocks taken for the next).
 
 Reported: p50 / p99 of each, remote p50 / in-process p50 (against the trusted propose and against
 the in-process bound call); bound.json and bound.md in --out, rewritten after every batch (a run
@@ -79,7 +83,7 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
     plane = {"host_ring": "host_ring", "nccl_channel": "nccl_channel", "nccl_channel_ipc": "nccl_channel"}.get(
         name, "cuda_ipc")
     client = CudaIpcBoundClient(endpoint, layout(endpoint, args), buffers(args, batch, columns), max_batch=batch,
-                                device=args.device, timeout_s=30, allow_fallback=False,
+                                device=args.device, timeout_s=args.timeout_s, allow_fallback=False,
                                 transport="ipc" if name == "nccl_channel_ipc" else "tcp",
                                 force_ring=plane == "host_ring", host_wait=name == "cuda_ipc_host_wait",
                                 channel=plane == "nccl_channel")
@@ -92,6 +96,16 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
         client.close()
         raise RuntimeError(f"asked for {plane}, bound {got}: {client.fallback_reason}")
     return client
+
+
+def _release(client) -> None:
+    """The client's session back to the drafter (its KV blocks: one failing plane must not starve the
+    next), then its sockets closed."""
+    try:
+        client.detach()
+    except Exception:  # noqa: BLE001 - a broken binding: its session expires on the drafter's side
+        pass
+    client.close()
 
 
 def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> dict:
@@ -114,10 +128,9 @@ def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> di
                 stream.synchronize()  # the target consumes the drafts before its next step
             result["target_host"] = _stats(host)
             client.check()
-        client.detach()
         return result
     finally:
-        client.close()
+        _release(client)
 
 
 STAGES = (  # (name, from stamp, to stamp): a stamped step's path, target -> drafter -> target
@@ -159,10 +172,9 @@ def unbound_client(endpoint: str, args, batch: int, share_cuda: bool) -> dict:
         result = {"rtt": _time(lambda: client.propose(request_id=next(ids), **call).draft_token_ids, args.iters)}
         if share_cuda:
             result["cuda_ipc_used"] = client.cuda.enabled
-        client.detach()
         return result
     finally:
-        client.close()
+        _release(client)
 
 
 def table(result: dict) -> str:
@@ -267,7 +279,7 @@ def several_targets(endpoint: str, args, columns: int, log) -> dict:
     step time (p50 / p99 of step(), drafts on the host)."""
     spec = {"endpoint": endpoint, "batch": args.targets_batch, "plane": args.targets_plane, "iters": args.iters,
             "device": args.device, "k": args.k, "ctx": args.ctx, "head": args.head,
-            "session_blocks": args.session_blocks, "columns": columns}
+            "session_blocks": args.session_blocks, "columns": columns, "timeout_s": args.timeout_s}
     run = {"n": args.targets, "plane": args.targets_plane, "batch": args.targets_batch}
     for key, count in (("alone_run", 1), ("together", args.targets)):
         procs = [subprocess.Popen([sys.executable, "-m", "coordinator.bench.bound", "target", json.dumps(spec)],
@@ -322,11 +334,17 @@ def target_main(spec_json: str) -> int:
             client.step(n, b)
             times.append((time.perf_counter() - t0) * 1e6)
         print(json.dumps({"rtt": _stats(times)}), flush=True)
-        client.detach()
         return 0
     finally:
-        client.close()
+        _release(client)
 
+
+
+def run_client(endpoint: str, args, columns: int, name: str, result: dict, log, save) -> None:
+    """One client at every batch, the results saved after each."""
+    for b in args.batches:
+        remote_client(endpoint, args, b, columns, name, result["batches"][b], log)
+        save()
 
 
 def remote_client(endpoint: str, args, b: int, columns: int, name: str, row: dict, log) -> None:
@@ -368,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--targets-plane", default="", help="nccl_channel or cuda_ipc or host_ring "
                                                        "[nccl_channel with the drafter on another GPU, else cuda_ipc]")
     p.add_argument("--targets-batch", type=int, default=16)
+    p.add_argument("--timeout-s", type=float, default=30.0, help="each bound client's step deadline and channel join")
     p.add_argument("--tiny", action="store_true", help="a tiny head (a quick check of this script)")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
@@ -414,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     save()
     proc, endpoint = start_server(model_dir, args, log)
     try:
-        if args.targets:  # first: a client that breaks the drafter (cuda_ipc across GPUs) cannot spoil it
+        # cuda_ipc across two GPUs last: a client that breaks the drafter spoils nothing measured before it
+        risky = [c for c in args.clients if c.startswith("cuda_ipc") and args.drafter_device != args.device]
+        for name in [c for c in args.clients if c not in risky]:  # every batch of one plane, then the next
+            run_client(endpoint, args, columns, name, result, log, save)
+        if args.targets:
             try:
                 result["targets"] = several_targets(endpoint, args, columns, log)
             except Exception as exc:  # noqa: BLE001 - what was measured stays
@@ -422,10 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "error": f"{type(exc).__name__}: {exc}"}
                 log(f"several targets: FAILED {type(exc).__name__}: {exc}")
             save()
-        for name in args.clients:  # every batch of one plane, then the next plane (in --clients order)
-            for b in args.batches:
-                remote_client(endpoint, args, b, columns, name, result["batches"][b], log)
-                save()
+        for name in risky:
+            run_client(endpoint, args, columns, name, result, log, save)
         for b in args.batches:
             bound = {k: v.get("drafts") for k, v in result["batches"][b]["remote"].items() if "drafts" in v}
             if len(set(json.dumps(v) for v in bound.values())) > 1:

@@ -116,6 +116,8 @@ class ChannelLink(DeviceLink):
             return
         try:
             bc.settle(self._arrived, self._deadline, "the drafts' transfer", self.device.type == "cuda")
+            if self.device.type == "cuda":
+                self._arrived.wait()  # done: raises where the transfer failed (an aborted communicator)
         except (TimeoutError, RuntimeError) as exc:
             self.close()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", str(exc)) from None
@@ -145,8 +147,8 @@ def join(resp: wb.BindResponse, device: torch.device, timeout_s: float):
             group = bc.open_group(BACKEND, store, resp.channel, bc.TARGET_RANK, td)
             bc.handshake(group, bc.TARGET_RANK, device, time.monotonic() + timeout_s)
             got["group"] = group
-        except (RuntimeError, TimeoutError, ValueError) as exc:
-            got["error"] = exc
+        except Exception as exc:  # noqa: BLE001 - whatever torch raises, the caller gets it, not a dead thread
+            got["error"] = f"{type(exc).__name__}: {exc}"
 
     thread = threading.Thread(target=run, name="nccl-channel-join", daemon=True)
     thread.start()

@@ -287,6 +287,20 @@ class CudaIpcBoundClient:
         deadline = time.monotonic() + self.timeout_s
         self.session = self._call("Attach", msgspec.structs.replace(self.layout, cuda_ipc_capable=True), _ATTACH,
                                   deadline)
+        try:
+            return self._bind_attached(deadline)
+        except BaseException:  # the attached session goes back: a failed bind holds no KV blocks
+            self._detach(time.monotonic() + self.timeout_s)
+            if self.ring is not None and self.ring.session is not None:  # the fallback's own session too
+                try:
+                    self.ring.detach()
+                except DrafterError:
+                    self.ring.unbind()  # it expires on the drafter's side
+            self.unbind()
+            raise
+
+    def _bind_attached(self, deadline: float) -> str:
+        """bind() after the Attach: the plane asked for, or the host ring (allow_fallback)."""
         want = wb.NCCL_CHANNEL if self.channel else wb.CUDA_IPC
         if self.force_ring:
             why = "force_ring"

@@ -268,7 +268,8 @@ class BoundSession:
                                                         self.core.desc.num_speculative_tokens)
         except zmq.ZMQError as exc:
             log.debug("bound data socket ended: %s", exc)
-        except (RuntimeError, TimeoutError) as exc:  # the channel failed (its peer went away, a timeout)
+        except (RuntimeError, TimeoutError, TypeError, ValueError) as exc:  # the channel failed (its peer went
+            # away, a timeout, torch refusing an operation): the binding ends, the drafter serves on
             log.warning("bound channel ended: %s", exc, extra={"event": "bound_channel_failed"})
         finally:
             self._stop.set()
