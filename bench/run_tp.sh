@@ -5,8 +5,9 @@
 #   OUT=/tmp/out bash bench/run_tp.sh                 # one GPU: TP = 1 through the spawned-rank code
 #   OUT=/tmp/out TP=2 bash bench/run_tp.sh            # 2+ GPUs: the NCCL tests, then N = 1 and N = 2 in one
 #                                                     # bench run (speedup per row), graphs at both
-# Knobs: TP (default 1), SKIP_TESTS, SKIP_BENCH, TEST_TIMEOUT, BENCH_TIMEOUT, BENCH_ARGS (replace the grid
-# below), BF16=1 (then DeepSeek with dequantised bf16 weights, k 3, into $OUT/bf16; BF16_TIMEOUT).
+# Knobs: TP (default 1), SKIP_TESTS, SKIP_BENCH, TESTS (pytest node ids; default the whole file), TEST_TIMEOUT,
+# DRAFTER_TP_TEST_TIMEOUT_S (a test's ranks are killed after it, default 150), BENCH_TIMEOUT, BENCH_ARGS (replace
+# the grid below), BF16=1 (then DeepSeek with dequantised bf16 weights, k 3, into $OUT/bf16; BF16_TIMEOUT).
 # Bench rows stream into $OUT/rows.jsonl as they are measured: a timeout keeps what finished.
 # Writes $OUT/gpu.txt, tp_tests.txt, tp_bench_log.txt, rows.jsonl, bench_tp.json (and bf16/ likewise).
 set -uo pipefail
@@ -24,8 +25,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -rA -o faulthandler_timeout=280 \
-    tests/gpu/test_tp_gpu.py > "$OUT/tp_tests.txt" 2>&1
+  # -v -s: each test's name and everything the ranks print reach the file at once (a cut run says
+  # where it was); faulthandler dumps a test's stacks at 3/4 of the time left to it
+  TEST_TIMEOUT=${TEST_TIMEOUT:-420}
+  # shellcheck disable=SC2086
+  timeout "$TEST_TIMEOUT" python3 -m pytest -v -s -p no:cacheprovider -rA -o faulthandler_timeout=$((TEST_TIMEOUT * 3 / 4)) \
+    ${TESTS:-tests/gpu/test_tp_gpu.py} > "$OUT/tp_tests.txt" 2>&1
   echo "== tests rc $?"
   grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/tp_tests.txt" | tail -8
 fi

@@ -1,7 +1,8 @@
 """`drafter bench --tensor-parallel-size 1,2` on CPU (gloo ranks, the tiny EAGLE-3 head): both sizes run in
 one invocation, the N = 2 row carries its speedup over the N = 1 row, the time of its step's collectives
 alone and a smaller per-rank floor; every row is in rows.jsonl as it finished; the floor's byte count
-follows its rule (weights read per forward pass, embedding rows of the tokens, fc once, KV per request)."""
+follows its rule (weights read per forward pass, embedding rows of the tokens, fc once, KV per request);
+a rank that fails ends the run at once (the others killed), not after a peer's timeout."""
 
 from __future__ import annotations
 
@@ -50,3 +51,20 @@ def test_floor_bytes_count_what_a_step_reads():
     k, batch, ctx = 3, 2, 40
     want = size["fc.weight"] + sum(dense + tokens * row + batch * ctx * 256 for tokens in (batch * 4, batch, batch))
     assert tp.propose_bytes(head, Engine, k, batch, ctx) == want
+
+
+def _stuck_rank(plan, pipe) -> None:
+    """Rank 1 fails at once; rank 0 would wait forever (as in a collective whose peer died)."""
+    if plan.rank == 1:
+        pipe.send(("failed", "rank 1: boom"))
+        raise SystemExit(1)
+    import threading
+
+    threading.Event().wait()  # never set: stuck until killed
+
+
+def test_a_failed_rank_fails_the_run_at_once_and_kills_the_rest(monkeypatch):
+    monkeypatch.setattr(tp, "rank_main", _stuck_rank)
+    plan = tp.Plan(0, 2, 0, "cpu", ("eagle3-tiny",), (1,), (1,), (40,), 1, False, False, rank_timeout_s=300.0)
+    with pytest.raises(SystemExit, match="rank 1: boom"):  # rank 1's failure, not rank 0's 300 s timeout
+        tp.spawn_ranks(plan)

@@ -48,7 +48,7 @@ def write_heads(root: Path) -> None:
 
 def engine_config(method: str, device: str = "cpu") -> EngineConfig:
     return EngineConfig(method=method, num_speculative_tokens=K, max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                        max_num_batched_tokens=256, seed=11, device=device,
+                        max_num_batched_tokens=256, seed=11, device=device, skinny_gemm="off",
                         kv_groups=tuple(KVGroupSpec(bs, NUM_BLOCKS) for bs in BLOCK_SIZES.get(method, (BLOCK_SIZE,))))
 
 

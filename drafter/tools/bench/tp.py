@@ -46,6 +46,7 @@ import datetime
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import statistics
 import sys
@@ -175,6 +176,8 @@ class Plan:
     out: str = ""  # rank 0 appends each row to out/rows.jsonl as it is measured
     bandwidth: float | None = None  # copy bytes per second (the floors), measured by the parent
     baseline: tuple = ()  # ((head, k, ctx, batch), propose_us) of the N = 1 run: speedups
+    dump_stacks_after_s: float = 0.0  # > 0: each rank prints its threads' stacks after this long (faulthandler)
+    rank_timeout_s: float = 0.0  # > 0: the ranks not done by then are killed and the run fails
 
 
 def rank_device(base: str, rank: int) -> str:
@@ -370,6 +373,10 @@ def rank_main(plan: Plan, pipe) -> None:
     from drafter.service.tp.worker import join_group, loopback_collectives
 
     loopback_collectives()
+    if plan.dump_stacks_after_s > 0:  # a stuck rank says where (stderr), then its parent's timeout kills it
+        import faulthandler
+
+        faulthandler.dump_traceback_later(plan.dump_stacks_after_s, exit=False)
     device = torch.device(rank_device(plan.device, plan.rank))
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.world))
@@ -410,7 +417,9 @@ def merge(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def spawn_ranks(plan: Plan) -> list[list[dict]]:
-    """Run plan on plan.world spawned ranks; each rank's rows, in rank order."""
+    """Run plan on plan.world spawned ranks; each rank's rows, in rank order.  The first rank to fail
+    (or plan.rank_timeout_s passing) fails the run at once and kills every rank: a rank left behind
+    would wait in a collective for its peer until the process group's timeout."""
     from drafter.service.tp.worker import loopback_collectives, loopback_store
 
     loopback_collectives()
@@ -425,23 +434,43 @@ def spawn_ranks(plan: Plan) -> list[list[dict]]:
         theirs.close()
         procs.append(p)
         pipes.append(mine)
-    results = []
+    done = False
     try:
-        for rank, pipe in enumerate(pipes):
+        results = _collect(plan, pipes, procs)
+        done = True
+    finally:
+        for p in procs:
+            p.join(60 if done else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        listening.close()
+    return results
+
+
+def _collect(plan: Plan, pipes: list, procs: list) -> list[list[dict]]:
+    """Each rank's rows as they arrive, in rank order; SystemExit naming the first failure or timeout."""
+    say = f"drafter bench --tensor-parallel-size {plan.world}"
+    deadline = time.monotonic() + plan.rank_timeout_s if plan.rank_timeout_s > 0 else None
+    waiting = {pipe: rank for rank, pipe in enumerate(pipes)}
+    results: dict[int, list[dict]] = {}
+    while waiting:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = multiprocessing.connection.wait(list(waiting), left)
+        if not ready:
+            raise SystemExit(f"{say}: ranks {sorted(waiting.values())} not done within {plan.rank_timeout_s} s "
+                             "(killed; with --dump-stacks-after their stacks are on stderr)")
+        for pipe in ready:
+            rank = waiting.pop(pipe)
             try:
                 kind, payload = pipe.recv()
             except EOFError:
-                kind, payload = "failed", f"rank {rank} exited with code {procs[rank].join() or procs[rank].exitcode}"
+                procs[rank].join(5)
+                kind, payload = "failed", f"rank {rank} exited with code {procs[rank].exitcode}"
             if kind != "rows":
-                raise SystemExit(f"drafter bench --tensor-parallel-size {plan.world}: {payload}")
-            results.append(payload)
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-        listening.close()
-    return results
+                raise SystemExit(f"{say}: {payload}")
+            results[rank] = payload
+    return [results[r] for r in range(len(pipes))]
 
 
 def _copy_bandwidth(device: str) -> float | None:
@@ -477,7 +506,8 @@ def run(args) -> dict:
                              if r["world"] == 1)
             plan = Plan(0, world, 0, args.device, (head,), tuple(args.batches), tuple(args.ks),
                         tuple(args.contexts), args.iters, not args.no_eager, args.deepseek_weights == "fp8",
-                        str(out), bw, baseline)
+                        str(out), bw, baseline, getattr(args, "dump_stacks_after", 0.0),
+                        getattr(args, "rank_timeout", 0.0))  # drafter bench's flags have neither
             rows += [finish_row(r, bw, dict(baseline)) for r in merge(spawn_ranks(plan))]
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": "drafter bench " + " ".join(sys.argv[1:]), "torch": torch.__version__,
@@ -534,6 +564,10 @@ def add_arguments(p: argparse.ArgumentParser, *, with_size: bool = True) -> None
     p.add_argument("--contexts", type=_ints, default=[1024], help="context lengths [1024]")
     p.add_argument("--iters", type=int, default=20, help="timed repetitions per measurement [20]")
     p.add_argument("--no-eager", action="store_true", help="skip the graphs-off timings")
+    p.add_argument("--rank-timeout", type=float, default=0.0,
+                   help="seconds: ranks of one size not done by then are killed and the run fails [0: none]")
+    p.add_argument("--dump-stacks-after", type=float, default=0.0,
+                   help="seconds: each rank prints its stacks to stderr after this long (faulthandler) [0: never]")
     p.add_argument("--device", default="cuda", help="cuda (rank r on cuda:r) or cpu (gloo ranks) [cuda]")
     p.add_argument("--deepseek-weights", default="fp8", choices=("fp8", "bf16"),
                    help="deepseek heads: FP8 128x128 blocks as released, or dequantised bf16 [fp8]")
