@@ -116,14 +116,30 @@ class DeepseekMTPHead(nn.Module):
 
     def prepare(self, dtype: torch.dtype, kernels: bool = False) -> None:
         """Derive the absorbed attention weights once the checkpoint is loaded (and moved); with
-        kernels, FP8 linears and the routed experts run through drafter.kernels.fp8_gemm."""
+        kernels, FP8 linears and the routed experts run through drafter.kernels.fp8_gemm and every
+        RMSNorm is one launch (fuse_norms)."""
         for layer in self.layers:
             layer.self_attn.absorb(dtype)
             if kernels and isinstance(layer.mlp, MoE):
                 layer.mlp.stack_experts()
+        if kernels:
+            self.fuse_norms()
         for module in self.modules():
             if isinstance(module, FP8Linear):
                 module.kernel = kernels
+
+    def fuse_norms(self) -> None:
+        """Each of a layer's seven RMSNorms (enorm, hnorm, the MLA q / kv latent norms, input, post-
+        attention, shared_head) as one Triton launch instead of seven torch ops: the same math in
+        float32 (drafter.kernels.fused_kernels.rms_norm); a step's fixed launch cost is most of a
+        small batch's time at DeepSeek-V3 shapes."""
+        import types
+
+        from drafter.models.fusion import rms_norm
+
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.forward = types.MethodType(rms_norm, module)
 
     def forward(
         self,
