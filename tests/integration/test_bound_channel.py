@@ -103,6 +103,21 @@ def test_a_drafter_that_cannot_serve_nccl_refuses_by_field_and_the_client_falls_
             t.client.close()
 
 
+def test_a_bind_that_fails_gives_its_session_back(tiny_root, monkeypatch):
+    """Without a fallback the refused plane raises, and the session the client attached for it is
+    detached: a failed bind holds none of the drafter's KV blocks."""
+    monkeypatch.setattr(bound_channel, "BACKEND", bc.NCCL)
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = ChannelTarget(tiny_root, "eagle3", drafter, seed=1)
+        try:
+            with pytest.raises(DrafterError) as err:
+                t.client.bind()
+            assert (err.value.code, err.value.field) == (Code.FAILED_PRECONDITION, "plane"), str(err.value)
+            assert len(drafter.core.sessions.sessions) == 0, "the refused plane's session was detached"
+        finally:
+            t.client.close()
+
+
 def test_the_targets_own_gpu_is_refused_naming_device_uuid(monkeypatch):
     """NCCL refuses two ranks on one GPU: a Bind naming the drafter's own GPU is FAILED_PRECONDITION
     "device_uuid" (checked before anything is allocated)."""
