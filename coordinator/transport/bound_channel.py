@@ -65,7 +65,7 @@ class ChannelLink(DeviceLink):
         if not super().connect(timeout_s):
             return False
         if self.channel is None:
-            self.channel = join(self.resp, self.device, channel_timeout_s)
+            self.channel = join(self.resp, self.device, channel_timeout_s, inputs=self.slab, output=self._output)
         return True
 
     def close(self) -> None:
@@ -132,9 +132,12 @@ class ChannelLink(DeviceLink):
         return super().error_word()
 
 
-def join(resp: wb.BindResponse, device: torch.device, timeout_s: float):
-    """This side (rank 0) of the binding's group on the drafter's TCPStore, the handshake sent; on
-    a helper thread bounded by timeout_s.  DrafterError UNAVAILABLE "store" when it fails or is late."""
+def join(resp: wb.BindResponse, device: torch.device, timeout_s: float, inputs: torch.Tensor | None = None,
+         output: torch.Tensor | None = None):
+    """This side (rank 0) of the binding's group on the drafter's TCPStore, the handshake made (a
+    word each way, then inputs, [ring bytes] uint8, and output, [output words] int64, each way at full
+    size: drafter.wire.bound_channel.handshake); on a helper thread bounded by timeout_s.
+    DrafterError UNAVAILABLE "store" when it fails or is late."""
     got: dict = {}
     td = datetime.timedelta(seconds=timeout_s)
 
@@ -145,7 +148,7 @@ def join(resp: wb.BindResponse, device: torch.device, timeout_s: float):
             host, port = resp.store.rsplit(":", 1)
             store = dist.TCPStore(host.strip("[]"), int(port), 2, False, timeout=td)
             group = bc.open_group(BACKEND, store, resp.channel, bc.TARGET_RANK, td)
-            bc.handshake(group, bc.TARGET_RANK, device, time.monotonic() + timeout_s)
+            bc.handshake(group, bc.TARGET_RANK, device, time.monotonic() + timeout_s, inputs=inputs, output=output)
             got["group"] = group
         except Exception as exc:  # noqa: BLE001 - whatever torch raises, the caller gets it, not a dead thread
             got["error"] = f"{type(exc).__name__}: {exc}"

@@ -6,7 +6,8 @@
         a slab in the ring's layout on the engine's GPU, the step guard over views of it, the engine
         bound to the guard's outputs and the slab's hidden states (drafter.service.bound_ipc._Guarded)
         a TCPStore for the binding (BindResponse.store); the data thread joins the two-rank NCCL
-        group as rank 1 and takes the target's handshake word (drafter.wire.bound_channel)
+        group as rank 1 and exchanges a word each way with the target (drafter.wire.bound_channel.
+        handshake: NCCL connects each direction there, never inside a step)
     each step ([identity, StepHeader] on the session's data socket), on the data thread:
         header read; a header that cannot be read, or an nbytes the slab cannot hold, ends the
             binding (the channel's bytes could not be told apart from the next step's: bind again)
@@ -14,7 +15,8 @@
             side stream: it starts at once, not after other sessions' queued steps)
         under the engine's lock: the sizes checked on the host, the stream waits on the recv (no host
             sync), guard.step (checks and masks every field, the error word into the output),
-            bound.propose (drafts into the output), then one send of the whole output to the target
+            bound.propose (drafts into the output), an event recorded; no NCCL call under the lock
+        off the lock: one send of the whole output to the target, from the side stream after the event
         [identity, StepDone] at once, stamped as on cuda_ipc; a refused step sends no output
 
 The target posts its recv of the output only after a StepDone with code 0, so both ends' operations
@@ -83,16 +85,24 @@ class ChannelSession(_Guarded, BoundSession):
         # slab is free by then: the target sends a step only after it received the last one's output,
         # which this side sends after that step's replay)
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._done = torch.cuda.Event() if self.device.type == "cuda" else None  # a step's replay queued
         self._link_state(req)
 
     # ------------------------------------------------------------------ the channel
+    def stop(self) -> None:
+        """End the binding: its group aborted at once, so a data thread (or the engine's stream)
+        waiting on one of its transfers is released rather than waiting for the group's timeout."""
+        super().stop()
+        bc.close_group(self.channel)
+
     def _open_channel(self):
         """The binding's NCCL group (rank 1), and the target's handshake word (the communicator built)."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         group = bc.open_group(BACKEND, self.store, self.bind_id, bc.DRAFTER_RANK, JOIN_TIMEOUT)
         try:
-            bc.handshake(group, bc.DRAFTER_RANK, self.device, time.monotonic() + JOIN_TIMEOUT.total_seconds())
+            bc.handshake(group, bc.DRAFTER_RANK, self.device, time.monotonic() + JOIN_TIMEOUT.total_seconds(),
+                         inputs=self.slab, output=self.output)
         except BaseException:
             bc.close_group(group)
             raise
@@ -129,6 +139,7 @@ class ChannelSession(_Guarded, BoundSession):
         try:
             self.admit(head)
             started, queued = on_engine(self, self._timed, head, arrived)
+            self._send_output()
         except DrafterError as exc:
             return self._refused(head, exc), b""
         except Exception as exc:  # noqa: BLE001 - a bug of ours: the step still gets its answer
@@ -145,7 +156,8 @@ class ChannelSession(_Guarded, BoundSession):
 
     # ------------------------------------------------------------------ one step (engine lock held)
     def run_channel_step(self, head: wb.StepHeader, arrived) -> None:
-        """Sizes on the host; then queued: wait for the prefix, guard, replay, send the output."""
+        """Sizes on the host; then queued: wait for the prefix (and the last output's send), guard,
+        replay, the replay's event (the output's send follows it, off the lock)."""
         self._check_sizes(head)
         want = wb.step_bytes(self.slots, head.num_tokens)
         if head.nbytes != want:
@@ -156,4 +168,16 @@ class ChannelSession(_Guarded, BoundSession):
             sent, self._sent = self._sent, None  # (GPU: the stream waits; gloo: done, the target had it)
             sent.wait()
         self._guard_and_replay(head)
-        self._sent = self.channel.send([self.output], bc.TARGET_RANK, 0)  # the target's recv follows StepDone
+        if self._done is not None:
+            self._done.record()  # the output's send (off the lock) starts after this step's replay
+
+    def _send_output(self) -> None:
+        """The whole output (drafts, error word) to the target, posted off the engine's lock (an NCCL
+        call never holds it: one binding's channel must not stall other sessions or a Bind), from
+        the side stream after the step's replay; the target's recv follows StepDone."""
+        if self._side is None:  # gloo: the output is complete (the step ran on the host)
+            self._sent = self.channel.send([self.output], bc.TARGET_RANK, 0)
+            return
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(self._done)
+            self._sent = self.channel.send([self.output], bc.TARGET_RANK, 0)

@@ -243,9 +243,11 @@ class BoundSession:
     def stop(self) -> None:
         self._stop.set()
 
-    def join(self) -> None:
+    def join(self, timeout_s: float = 10.0) -> None:
+        """Wait for the data thread, at most timeout_s (a thread stuck in a transfer is a daemon: the
+        server's close goes on without it)."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
 
     def _alive(self) -> bool:
         return not self._stop.is_set() and self.session.alive and not self.plane.server._closing

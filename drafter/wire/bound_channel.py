@@ -1,16 +1,19 @@
 """The two-rank process group of a bound session's channel planes, for both ends.
 
     group = open_group(backend, store, prefix, rank, timeout)   # gloo (CPU tensors) or nccl (GPU tensors)
-    handshake(group, rank, device, deadline)                   # nccl_channel: the communicator built
+    handshake(group, rank, device, deadline)                   # nccl_channel: both directions connected
     settle(work, deadline, what)                               # a send or recv done, or TimeoutError
     close_group(group)                                         # aborted: nothing of it left pending
 
 The drafter hosts the TCPStore (drafter.wire.bound.BindResponse.store) and is rank 1; the target
 is rank 0.  "gloo_channel" is gloo on host tensors; "nccl_channel" is NCCL between two GPUs.  NCCL
 builds a communicator at a group's first operation, and both ranks block in it until both joined,
-so the nccl_channel's two ends exchange one word right after they joined (handshake) rather than
-inside the first step: the target's first send would otherwise wait for a drafter that only posts
-its recv once it has the step's header, which the target sends after that send.
+and NCCL connects each direction between two ranks at its first operation there, blocking inside
+that call until the peer makes the matching one.  So the nccl_channel's two ends exchange one word
+each way right after they joined (handshake) rather than inside the first step, where neither set-up
+can complete: the target's first send would wait for a drafter that posts its recv only once it has
+the header the target sends after that send, and the drafter's first output send would wait for a
+recv the target posts only after the StepDone that follows that send.
 
 Bounded waits: settle() polls a work's completion against a deadline (a work's wait() on NCCL
 only orders the current stream; on gloo it blocks up to the group's timeout).  A NCCL group is
@@ -53,24 +56,39 @@ def open_group(backend: str, store, prefix: str, rank: int, timeout: datetime.ti
     return dist.ProcessGroupNCCL(prefixed, rank, 2, options)
 
 
-def handshake(group, rank: int, device: torch.device, deadline: float) -> None:
-    """One word from the target to the drafter (the NCCL communicator is built by it); raises
-    RuntimeError where it failed or the drafter reads another word, TimeoutError past deadline
-    (time.monotonic)."""
-    word = torch.full((1,), HANDSHAKE_WORD if rank == TARGET_RANK else 0, dtype=torch.int64,
-                      device=device)  # [1]
-    on_gpu = word.device.type == "cuda"
-    if rank == TARGET_RANK:
-        work = group.send([word], DRAFTER_RANK, 0)
-    else:
-        work = group.recv([word], TARGET_RANK, 0)
-    settle(work, deadline, "the channel's handshake", on_gpu)
-    if on_gpu:
-        work.wait()  # raises where it failed; the current stream after the recv; (gloo: waited for once only)
-    if rank == TARGET_RANK:
+def handshake(group, rank: int, device: torch.device, deadline: float, inputs: torch.Tensor | None = None,
+              output: torch.Tensor | None = None) -> None:
+    """One word each way, target to drafter, then drafter to target.  NCCL builds the communicator
+    at the first operation and connects each direction at its first operation between the two
+    ranks, blocking inside that call until the peer makes the matching one; doing both here, while
+    both ends wait for each other anyway, keeps every step's sends and recvs free of that set-up (a
+    drafter whose first output send had to wait for the target's recv, which the target posts only
+    after the StepDone that send precedes, would block for good).  RuntimeError where a transfer
+    failed or carried another word, TimeoutError past deadline (time.monotonic).  inputs ([ring
+    bytes] uint8, the slab) and output ([output words] int64), given on both ends, then go once each
+    way at their full sizes: the steps' own buffers and sizes, so no step's transfer is the first of
+    its kind (their contents are the bind's zeros)."""
+    on_gpu = torch.device(device).type == "cuda"
+    words = {TARGET_RANK: HANDSHAKE_WORD, DRAFTER_RANK: HANDSHAKE_WORD + 1}  # what each rank sends
+    for sender in (TARGET_RANK, DRAFTER_RANK):
+        if rank == sender:
+            word = torch.full((1,), words[sender], dtype=torch.int64, device=device)  # [1]
+            work = group.send([word], 1 - rank, 0)
+        else:
+            word = torch.zeros(1, dtype=torch.int64, device=device)  # [1]
+            work = group.recv([word], sender, 0)
+        settle(work, deadline, "the channel's handshake", on_gpu)
+        if on_gpu:
+            work.wait()  # raises where it failed; orders the read below (a gloo work is waited for once only)
+        if rank != sender and int(word.cpu()[0]) != words[sender]:
+            raise RuntimeError(f"the channel's handshake carried {int(word.cpu()[0]):#x}")
+    if inputs is None or output is None:
         return
-    if int(word.cpu()[0]) != HANDSHAKE_WORD:
-        raise RuntimeError(f"the channel's handshake carried {int(word.cpu()[0]):#x}")
+    for sender, buffer in ((TARGET_RANK, inputs), (DRAFTER_RANK, output)):
+        work = group.send([buffer], 1 - rank, 0) if rank == sender else group.recv([buffer], sender, 0)
+        settle(work, deadline, "the channel's handshake", on_gpu)
+        if on_gpu:
+            work.wait()
 
 
 def settle(work, deadline: float, what: str, on_gpu: bool = True) -> None:
