@@ -340,11 +340,16 @@ def target_main(spec_json: str) -> int:
 
 
 
-def run_client(endpoint: str, args, columns: int, name: str, result: dict, log, save) -> None:
-    """One client at every batch, the results saved after each."""
+def run_client(endpoint: str, args, columns: int, name: str, result: dict, log, save, server=None) -> None:
+    """One client at every batch, the results saved after each; after a timeout the served drafter
+    (server: its process) is asked to print every thread's stack to its stderr (SIGUSR1), which
+    the bench's output keeps."""
     for b in args.batches:
         remote_client(endpoint, args, b, columns, name, result["batches"][b], log)
         save()
+        failed = result["batches"][b]["remote"].get(name, {}).get("error", "")
+        if server is not None and "DEADLINE_EXCEEDED" in failed and server.poll() is None:
+            server.send_signal(signal.SIGUSR1)
 
 
 def remote_client(endpoint: str, args, b: int, columns: int, name: str, row: dict, log) -> None:
@@ -396,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         c for c in CLIENTS if c != "nccl_channel"))).split(",") if c]
     args.targets_plane = args.targets_plane or ("nccl_channel" if apart else "cuda_ipc")
     if args.targets == 1 or args.targets < 0 or args.targets_plane not in BOUND \
-            or not 0 < args.targets_batch <= max(args.batches):
+            or (args.targets and not 0 < args.targets_batch <= max(args.batches)):
         raise SystemExit("--targets: 0 or N >= 2; --targets-plane: one of " + ",".join(BOUND)
                          + "; --targets-batch: at most the largest of --batches (the drafter's max_num_seqs)")
     unknown = set(args.clients) - set(CLIENTS)
@@ -436,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         # cuda_ipc across two GPUs last: a client that breaks the drafter spoils nothing measured before it
         risky = [c for c in args.clients if c.startswith("cuda_ipc") and args.drafter_device != args.device]
         for name in [c for c in args.clients if c not in risky]:  # every batch of one plane, then the next
-            run_client(endpoint, args, columns, name, result, log, save)
+            run_client(endpoint, args, columns, name, result, log, save, proc)
         if args.targets:
             try:
                 result["targets"] = several_targets(endpoint, args, columns, log)
@@ -446,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"several targets: FAILED {type(exc).__name__}: {exc}")
             save()
         for name in risky:
-            run_client(endpoint, args, columns, name, result, log, save)
+            run_client(endpoint, args, columns, name, result, log, save, proc)
         for b in args.batches:
             bound = {k: v.get("drafts") for k, v in result["batches"][b]["remote"].items() if "drafts" in v}
             if len(set(json.dumps(v) for v in bound.values())) > 1:

@@ -94,6 +94,10 @@ def serve_main(argv: list[str]) -> int:
     cfg = from_args(p.parse_args(argv))
     srv.load_engine = lambda cfg, engine_cfg, hold=None: _build(engine_cfg, cfg.model)
     setup_logging(cfg.log_format, cfg.log_level)
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a bench that saw a hang asks for every stack
     code = asyncio.run(srv.serve(cfg))
     out = os.environ.get("DRAFTER_PROBES_OUT")
     if out:  # the stage probes of every call, for the bench's breakdown
