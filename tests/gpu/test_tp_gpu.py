@@ -72,7 +72,7 @@ def test_bench_runs_two_nccl_ranks(tmp_path):
 def _rank(rank: int, world: int, port: int, root: str, out: str, graphs: bool, on_gpu: bool = True) -> None:
     """One NCCL rank: greedy drafts through CUDA graphs (tests.unit.test_tp_graphs.greedy_drafts), or
     eager drafts with logits (tests.unit.test_tp_engine.drafts_of), pickled to out/."""
-    from drafter.service.tp.worker import join_group, loopback_collectives
+    from drafter.service.tp.worker import join_group, leave_group, loopback_collectives
     from tests.unit.test_tp_engine import drafts_of
     from tests.unit.test_tp_graphs import greedy_drafts
 
@@ -87,7 +87,7 @@ def _rank(rank: int, world: int, port: int, root: str, out: str, graphs: bool, o
         else:
             drafts = drafts_of(rank, world, root, device=device)
         Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(drafts))
-        torch.distributed.destroy_process_group()
+        leave_group(torch.device(device))  # on a GPU: exits here (see leave_group)
     except BaseException:
         Path(out, f"{rank}.err").write_text(traceback.format_exc())
         raise

@@ -125,7 +125,22 @@ def main(plan: RankPlan, pipe) -> None:
     except BaseException:  # noqa: BLE001 - out of step with the others: this rank must not go on
         traceback.print_exc()
         sys.exit(4)
-    torch.distributed.destroy_process_group()
+    leave_group(engine.device)
+
+
+def leave_group(device: torch.device, code: int = 0) -> None:
+    """End a rank after its last collective, with exit code `code` on a GPU.  On the host (gloo):
+    destroy the process group and return.  On a GPU the process exits here, at once (os._exit),
+    without destroy_process_group: with CUDA graphs alive that captured NCCL collectives it never
+    returned (2 H100s, torch 2.11: every rank stuck in it, after all its work was done); the OS
+    frees an exited process's communicator, GPU memory and sockets.  Whatever the rank owes anyone
+    (pipe messages, files) must be sent or written before: nothing after this runs."""
+    if device.type != "cuda":
+        torch.distributed.destroy_process_group()
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _report(pipe, message) -> None:

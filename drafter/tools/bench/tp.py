@@ -370,7 +370,7 @@ def finish_row(r: dict, bandwidth: float | None, baseline: dict) -> dict:
 
 def rank_main(plan: Plan, pipe) -> None:
     """One rank: join the group, run every head's rows in lockstep with the others, send them back."""
-    from drafter.service.tp.worker import join_group, loopback_collectives
+    from drafter.service.tp.worker import join_group, leave_group, loopback_collectives
 
     loopback_collectives()
     if plan.dump_stacks_after_s > 0:  # a stuck rank says where (stderr), then its parent's timeout kills it
@@ -389,12 +389,12 @@ def rank_main(plan: Plan, pipe) -> None:
         for name in plan.heads:
             rows += _rows_for_head(name, plan, Shard(plan.rank, plan.world), device, dtype, timer)
         pipe.send(("rows", rows))
-        torch.distributed.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - said by the parent, which fails the run
         import traceback
 
         pipe.send(("failed", f"rank {plan.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise SystemExit(1) from None
+    leave_group(device)  # on a GPU: exits here (destroying a group whose collectives graphs hold hangs)
 
 
 def merge(per_rank: list[list[dict]]) -> list[dict]:
