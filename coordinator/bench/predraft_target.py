@@ -54,7 +54,7 @@ from drafter.wire.predraft import merge
 from drafter.wire.records import ProposeInputs, ProposeRequest
 
 BLOCK_SIZE = 16
-MODES = ("in_process", "exact_remote", "predraft")
+MODES = ("in_process", "exact_remote", "predraft")  # the default runs; also "predraft_nowait"
 
 
 # --------------------------------------------------------------------------- assumptions
@@ -155,6 +155,7 @@ class Rows:
         self.x = self._tokens(cfg.batch)
         self.drafts = self._tokens(cfg.batch * cfg.k).view(cfg.batch, cfg.k)
         self.pre = torch.zeros(cfg.batch, dtype=torch.bool)  # rows whose drafts are a pre-draft
+        self.ndraft = torch.full((cfg.batch,), cfg.k, dtype=torch.long)  # drafts each row verifies: k, or 0
         self.scale = assume.predraft_scale(cfg.k)
         self.tokens = 0
 
@@ -170,7 +171,7 @@ class Rows:
         for r in range(self.cfg.batch):
             scale = self.scale if bool(self.pre[r]) else 1.0
             a = 0
-            while a < self.cfg.k and self.uniform() < min(1.0, self.assume.alpha(a + 1) * scale):
+            while a < int(self.ndraft[r]) and self.uniform() < min(1.0, self.assume.alpha(a + 1) * scale):
                 a += 1
             out.append(a)
         return out
@@ -181,23 +182,30 @@ class Rows:
         accepted None: the first call (all k + 1 tokens are context).  Returns (keywords, the
         accepted counts to report or None) and moves every row on to its new drafted-from row."""
         b, k = self.cfg.batch, self.cfg.k
+        n = self.ndraft if accepted is not None else torch.full((b,), k, dtype=torch.long)  # [b] drafts verified
         a = torch.tensor(accepted if accepted is not None else [k] * b, dtype=torch.long)
-        q = k + 1
-        positions = (self.p[:, None] + 1 + torch.arange(q)[None, :])  # [b, k + 1]
-        ids = torch.cat([self.x[:, None], self.drafts], 1)  # [b, k + 1]
-        slots = self.tables.long().gather(1, positions // BLOCK_SIZE) * BLOCK_SIZE + positions % BLOCK_SIZE
-        kw = dict(target_token_ids=ids.reshape(-1), target_positions=positions.reshape(-1),
-                  target_hidden_states=hidden, next_token_ids=next_tokens.clone(),
-                  query_start_loc=torch.arange(0, b * q + 1, q, dtype=torch.int32),
-                  seq_lens=(positions[:, -1] + 1).to(torch.int32), block_tables=[self.tables],
-                  slot_mappings=[slots.reshape(-1)], num_rejected_tokens=(k - a).to(torch.int32))
+        q = n + 1  # [b] query tokens per row: x_{p+1} and the drafts it verified
+        full = self.p[:, None] + 1 + torch.arange(k + 1)[None, :]  # [b, k + 1]
+        keep = torch.arange(k + 1)[None, :] < q[:, None]  # [b, k + 1]
+        positions = full[keep]  # [tokens], row after row
+        ids = torch.cat([self.x[:, None], self.drafts.clamp(min=0)], 1)[keep]  # [tokens]
+        owner = torch.arange(b).repeat_interleave(q)  # [tokens]
+        slots = self.tables.long()[owner, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        qsl = torch.zeros(b + 1, dtype=torch.int32)
+        qsl[1:] = q.cumsum(0)
+        kw = dict(target_token_ids=ids, target_positions=positions,
+                  target_hidden_states=hidden[: positions.shape[0]], next_token_ids=next_tokens.clone(),
+                  query_start_loc=qsl, seq_lens=(self.p + 1 + q).to(torch.int32), block_tables=[self.tables],
+                  slot_mappings=[slots], num_rejected_tokens=(n - a).to(torch.int32))
         self.p = self.p + 1 + a
         self.x = next_tokens.clone()
         return kw, (a if accepted is not None else None)
 
-    def set_drafts(self, drafts: torch.Tensor, pre: list[bool]) -> None:  # [batch, k] int64
+    def set_drafts(self, drafts: torch.Tensor, pre: list[bool]) -> None:  # [batch, k] int64, -1: none
+        """The drafts each row verifies next; a row of -1 verifies none (sent without drafts)."""
         self.drafts = drafts.to("cpu", torch.long)[:, : self.cfg.k]
         self.pre = torch.tensor(pre, dtype=torch.bool)
+        self.ndraft = torch.where(self.drafts[:, 0] < 0, 0, self.cfg.k)
 
 
 # --------------------------------------------------------------------------- three ways to draft
@@ -282,8 +290,10 @@ class PreDraft(ExactRemote):
         sent, tokens = [], rows._tokens(rows.cfg.batch)
         for r, a in enumerate(accepted):
             row = None if pre is None else pre.row_of(int(rows.tables[r, 0]), int(rows.p[r]))
-            ok = row is not None and pre.conditioned_on[row].tolist() == rows.drafts[r].tolist()
-            valid = [] if not ok else [i for i in range(pre.num_outcomes) if int(pre.accepted[row, i]) >= 0]
+            bare = int(rows.ndraft[r]) == 0  # verified no drafts: only a = 0 outcomes can match
+            ok = row is not None and (bare or pre.conditioned_on[row].tolist() == rows.drafts[r].tolist())
+            valid = [] if not ok else [i for i in range(pre.num_outcomes) if int(pre.accepted[row, i]) >= 0
+                                       and (not bare or int(pre.accepted[row, i]) == 0)]
             if valid and rows.uniform() < rows.assume.hit(a, rows.cfg.k):
                 same = [i for i in valid if int(pre.accepted[row, i]) == a]
                 i = same[0] if same else valid[0]
@@ -323,6 +333,30 @@ class PreDraft(ExactRemote):
             return torch.stack(hits), [True] * len(hits)
         exact = self.client.request_drafts(request).draft_token_ids
         return merge(exact, hits)
+
+
+class PreDraftNoWait(PreDraft):
+    """PreDraft, but a step whose rows mostly hit (at least `min_hits` of them) goes out without
+    waiting either: the rows that missed verify no drafts this step (one token each) instead of
+    making every row wait for the exact drafts.  Lossless all the same: any drafts, none included."""
+
+    name = "predraft_nowait"
+    min_hits = 0.5
+
+    def draft(self, step: int, kw: dict, accepted_counts) -> tuple[torch.Tensor, list[bool]]:
+        request = self.request(step, kw, accepted_counts, True)
+        hits = self.picker.pick(step, request.inputs, request.accepted_counts)
+        self.last_step = step
+        got = [h is not None for h in hits]
+        if hits and sum(got) >= max(1, self.min_hits * len(hits)) and self.client.send_nowait(request):
+            self.unawaited += 1
+            width = max((int(h.shape[0]) for h in hits if h is not None), default=1)
+            drafts = torch.full((len(hits), width), -1, dtype=torch.long)
+            for r, h in enumerate(hits):
+                if h is not None:
+                    drafts[r, : h.shape[0]] = h
+            return drafts, got
+        return merge(self.client.request_drafts(request).draft_token_ids, hits)
 
 
 def run(rows: Rows, drafter, verify: Verify, steps: int, warmup: int) -> dict:
@@ -426,11 +460,28 @@ def drain(proc: subprocess.Popen, path: Path, label: str) -> threading.Thread:
     return t
 
 
+def prime(endpoint: str, k: int, args, target, assume: Assumptions, verify: Verify) -> None:
+    """A throwaway pre-drafting session: the server's first pre-drafts (and its graph capture)."""
+    b = max(args.batches)
+    rows = Rows(SimConfig(b, k, args.ctx, args.max_len, 1000 if args.tiny else 128256,
+                          3 * (128 if args.tiny else 4096), seed=1), target, torch.bfloat16, assume)
+    drafter = PreDraft(attach(endpoint, b, args))
+    try:
+        t0 = time.perf_counter()
+        run(rows, drafter, verify, steps=6, warmup=0)
+        print(f"  server k={k} primed in {time.perf_counter() - t0:.1f} s", flush=True)
+    except Exception:  # noqa: BLE001 - the timed runs will say what fails
+        traceback.print_exc()
+    finally:
+        drafter.close()
+
+
 # --------------------------------------------------------------------------- the table
 def table(results: list[dict], verify_ms, batches) -> list[str]:
     lines = ["| V ms | batch | in-process best (k) | exact remote best (k) | pre-draft k=3 (hit) | "
-             "pre-draft best (k, hit) | pre k=3 / in-proc best | pre best / in-proc best | pre k=3 / in-proc k=3 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "pre-draft best (k, hit) | pre k=3 / in-proc best | pre best / in-proc best | pre k=3 / in-proc k=3 | "
+             "no-wait best (k, hit) | no-wait best / in-proc best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in verify_ms:
         for b in batches:
             mine = [r for r in results if r["verify_ms"] == v and r["batch"] == b]
@@ -445,6 +496,7 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
                 return next((r for r in mine if r["mode"] == mode and r["k"] == k), None)
             ip, ex, pb, p3, ip3 = best("in_process"), best("exact_remote"), best("predraft"), at("predraft", 3), \
                 at("in_process", 3)
+            nw = best("predraft_nowait")
 
             def cell(r, hit=False):
                 if r is None:
@@ -454,7 +506,7 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
             def ratio(x, y):
                 return f"{x['tokens_per_s'] / y['tokens_per_s']:.3f}" if x and y else "-"
             lines.append(f"| {v:g} | {b} | {cell(ip)} | {cell(ex)} | {cell(p3, True)} | {cell(pb, True)} | "
-                         f"{ratio(p3, ip)} | {ratio(pb, ip)} | {ratio(p3, ip3)} |")
+                         f"{ratio(p3, ip)} | {ratio(pb, ip)} | {ratio(p3, ip3)} | {cell(nw, True)} | {ratio(nw, ip)} |")
     return lines
 
 
@@ -487,6 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predraft-factor", type=float, default=d.predraft_factor)
     args = p.parse_args(argv)
     args.batches, args.ks, modes = _ints(args.batches), _ints(args.ks), [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - {"in_process", *REMOTE}
+    if unknown:
+        p.error(f"--modes: unknown {sorted(unknown)}; choose from in_process, {', '.join(REMOTE)}")
     verify_ms = _floats(args.verify_ms)
     assume = Assumptions(_floats(args.acceptance), _floats(args.hit_by_a), args.hit_all, args.predraft_factor)
     runs = len(verify_ms) * (args.warmup + args.steps + 2)
@@ -515,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
                 drain(proc, out / "predraft_servers.log", f"k={k}")
                 print(f"  server k={k} ready", flush=True)
         verifies = {v: Verify(target, v) for v in verify_ms}
+        if any(m.startswith("predraft") for m in modes):
+            for k in servers:  # a server captures its pre-draft graphs at its first pre-draft: not in a timed run
+                prime(servers[k][1], k, args, target, assume, verifies[verify_ms[0]])
         for k in args.ks:
             engine = in_process_engine(model_dir, k, args) if "in_process" in modes else None
             for b in args.batches:
@@ -525,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
                                 torch.bfloat16, assume)
                     try:
                         drafter = InProcess(engine) if mode == "in_process" else \
-                            (ExactRemote if mode == "exact_remote" else PreDraft)(attach(servers[k][1], b, args))
+                            REMOTE[mode](attach(servers[k][1], b, args))
                     except Exception as exc:  # noqa: BLE001 - one configuration failing leaves the others
                         print(f"  b={b} k={k} {mode}: FAILED to start: {exc!r}", flush=True)
                         continue
@@ -562,9 +620,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+REMOTE = {"exact_remote": ExactRemote, "predraft": PreDraft, "predraft_nowait": PreDraftNoWait}
+
+
 def _log_run(r: dict) -> None:
     extra = (f" hit {r['hit_rate']:.2f} unawaited {r['unawaited']} not arrived {r['not_arrived']} "
-             f"empty {r['empty']} remapped {r['remapped']} late sets {r['late_sets']}") if r["mode"] == "predraft" else ""
+             f"empty {r['empty']} remapped {r['remapped']} late sets {r['late_sets']}") if r["mode"].startswith("predraft") else ""
     print(f"  V={r['verify_ms']:g} b={r['batch']:2d} k={r['k']} {r['mode']:12s} {r['tokens_per_s']:9.0f} tok/s  "
           f"{r['tokens_per_step']:.2f} tok/step  step p50 {r['step_ms_p50']:.2f} ms{extra}", flush=True)
 

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from coordinator.bench.predraft_target import Assumptions, ExactRemote, InProcess, PreDraft, Rows, SimConfig, Verify, run
+from coordinator.bench.predraft_target import (Assumptions, ExactRemote, InProcess, PreDraft, PreDraftNoWait, Rows,
+                                               SimConfig, Verify, run)
 from drafter.engine.config import EngineConfig, KVGroupSpec
 from drafter.engine.engine import DraftEngine
 from drafter.service.predraft import PreDraftService
@@ -49,7 +50,7 @@ class MemoryClient:
     def _serve(self, request) -> torch.Tensor:
         inp = request.inputs
         out = self.engine.propose(**{n: getattr(inp, n) for n in inp.__dataclass_fields__ if
-                                     getattr(inp, n) is not None}, validate=False)
+                                     getattr(inp, n) is not None})  # validated, as a server does
         item = SimpleNamespace(call=request, session=self.session, push=self.queue.append)
         self.service.after_batch([item], [out])
         return out.draft_token_ids
@@ -133,3 +134,23 @@ def test_in_process_and_exact_remote_draw_the_same_outcomes():
     a = run(_rows(), InProcess(engine), Verify(torch.device("cpu"), 0.0), steps=10, warmup=2)
     b = run(_rows(), ExactRemote(MemoryClient(_engine(0))), Verify(torch.device("cpu"), 0.0), steps=10, warmup=2)
     assert a["tokens_per_step"] == b["tokens_per_step"] and a["tokens_per_step"] > 1.0
+
+
+def test_no_wait_mode_sends_missed_rows_without_drafts():
+    """PreDraftNoWait: a step whose rows mostly hit goes out without waiting, its missed rows
+    verifying no drafts; the next call carries those rows as one query token (the drafter reads
+    a = 0, nothing verified) and the rows may hit again from an a = 0 outcome."""
+    client = MemoryClient(_engine(4))
+    drafter = PreDraftNoWait(client)
+    r = run(_rows(seed=5), drafter, Verify(torch.device("cpu"), 0.0), steps=30, warmup=0)
+    bare = 0
+    for request, _ in client.sent[1:]:
+        inp = request.inputs
+        q = (inp.query_start_loc[1:] - inp.query_start_loc[:-1]).tolist()
+        assert set(q) <= {1, K + 1}
+        bare += q.count(1)
+        outcomes = outcomes_of_call(inp, request.accepted_counts)
+        assert all(o is not None for o in outcomes)
+        assert all(o.accepted == 0 and o.verified == () for o, n in zip(outcomes, q) if n == 1)
+    print(f"\n[predraft target, no wait] hit {r['hit_rate']:.2f}, unawaited {r['unawaited']}, rows without drafts {bare}")
+    assert r["unawaited"] > 0 and bare > 0 and r["hit_rate"] > 0.3
