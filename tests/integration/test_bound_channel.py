@@ -180,3 +180,49 @@ def test_a_named_nccl_channel_the_drafter_refuses_leaves_the_session_unbound(tin
             assert transport.steps == {"bound": 0, "unbound": 1} and transport._pending is None, "not asked again"
         finally:
             p.close()
+
+
+def test_no_channel_transfer_is_posted_under_the_engines_lock(tiny_root, monkeypatch):
+    """A transfer call may block (NCCL connects a direction inside its first call there, and a peer
+    that went away never completes one): the drafter posts every send and recv of a step outside
+    on_engine (the engine's lock), so a stuck channel stalls its own binding only, never another
+    session's step or a Bind.  The session's group is wrapped to record where each call came from."""
+    import threading
+
+    inside = threading.local()
+    real = bound_channel.on_engine
+
+    def on_engine(session, fn, *args):
+        inside.held = True
+        try:
+            return real(session, fn, *args)
+        finally:
+            inside.held = False
+
+    class Recording:
+        def __init__(self, group):
+            self.group, self.calls = group, []
+
+        def send(self, *args):
+            self.calls.append(("send", getattr(inside, "held", False)))
+            return self.group.send(*args)
+
+        def recv(self, *args):
+            self.calls.append(("recv", getattr(inside, "held", False)))
+            return self.group.recv(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.group, name)
+
+    monkeypatch.setattr(bound_channel, "on_engine", on_engine)
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = ChannelTarget(tiny_root, "eagle3", drafter, seed=1)
+        try:
+            t.step(PLANS[0])  # bound, the handshake done
+            session = drafter.server._bound_plane.sessions[t.client.session.session_id]
+            recording = session.channel = Recording(session.channel)
+            t.step(PLANS[1])
+            assert [op for op, _ in recording.calls] == ["recv", "send"], recording.calls
+            assert not any(held for _, held in recording.calls), f"a transfer under the engine's lock: {recording.calls}"
+        finally:
+            t.client.close()
