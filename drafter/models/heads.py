@@ -155,8 +155,9 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """One DeepSeek-V3 style MTP module: enorm/hnorm/eh_proj in front of a decoder layer,
-    with its own shared_head (norm + lm_head).  Attention is Llama GQA, not MLA."""
+    """One MTP module of the engine's own dense layout (architectures ["DrafterLlamaMTP"]):
+    enorm/hnorm/eh_proj in front of a pre-norm Llama GQA decoder layer, with its own shared_head
+    (norm + lm_head).  DeepSeek-V3's names, not its math (MLA + MoE: deepseek_mtp)."""
 
     def __init__(self, shape: LayerShape, vocab_size: int, shard: Shard = SINGLE):
         super().__init__(shape, shard=shard)
@@ -169,8 +170,13 @@ class MTPLayer(DecoderLayer):
 
 
 class MTPHead(DraftHead):
-    """Draft step i runs MTP layer i (mod the number of layers), as DeepSeek-V3 and Step3.5 do;
-    each layer keeps its own KV cache, written only by the steps that run it."""
+    """The engine's own dense MTP head; for a token t at position p and previous hidden h:
+        x = eh_proj([enorm(embed(t), zero at p == 0) ; hnorm(h)]);  y = decoder_layer(x)
+        logits = shared_head.head(shared_head.norm(y));  the next step is fed y (pre-norm)
+    vLLM 0.32's DeepSeekMTPModel feeds shared_head.norm(y) instead, and no vLLM MTP model pairs
+    this data flow with a Llama layer, so parse_head serves only configs declaring this layout.
+    Draft step i runs MTP layer i (mod the number of layers); each layer keeps its own KV cache,
+    written only by the steps that run it."""
 
     def __init__(self, spec: ModelSpec, shard: Shard = SINGLE):
         super().__init__(spec, shard)

@@ -362,6 +362,27 @@ def check_aux(spec: ModelSpec, source: str) -> None:
                               f"for {spec.num_fc_inputs} (num_aux_hidden_states / eagle_config)")
 
 
+# `mtp`: the project's own dense MTP head (docs/head-configs.md, "MTP"): Llama GQA layers under
+# DeepSeek-V3's names, next step fed the pre-norm layer output.  No vLLM 0.32 MTP model computes
+# exactly this, so only checkpoints that declare this architecture are served by it.
+MTP_ARCHITECTURE = "DrafterLlamaMTP"
+# architectures vLLM 0.32 drafts with method "mtp", and which method of this engine serves each
+_VLLM_MTP_SERVED_BY = {"DeepseekV3ForCausalLM": "deepseek_mtp", "DeepSeekMTPModel": "deepseek_mtp"}
+
+
+def _refuse_foreign_mtp(keys: _Keys) -> None:
+    """Refuse an `mtp` config whose `architectures` is not MTP_ARCHITECTURE: its checkpoint belongs
+    to a vLLM MTP model whose data flow (carried state, norms, layer kind) differs from this head's."""
+    arch = keys.cfg.get("architectures")
+    if arch == [MTP_ARCHITECTURE]:
+        return
+    served = sorted({_VLLM_MTP_SERVED_BY[a] for a in arch or () if a in _VLLM_MTP_SERVED_BY})
+    other = f"use method {' / '.join(served)} for it" if served else "no method of this engine serves it"
+    raise keys.refuse("architectures", arch, f"method mtp serves only this engine's own dense MTP layout "
+                      f"(architectures [{MTP_ARCHITECTURE!r}], which matches no vLLM 0.32 MTP model); "
+                      f"a checkpoint of another architecture would draft differently from vLLM: {other}")
+
+
 def parse_head(cfg: dict, method: str, source: str | None = None, max_model_len: int | None = None) -> ModelSpec:
     """Parse a draft head's config.json in either layout; source: the file named in refusals
     (default: where read_config read it); max_model_len: the engine's (EAGLE heads see
@@ -376,6 +397,7 @@ def parse_head(cfg: dict, method: str, source: str | None = None, max_model_len:
     ctx = _LayerContext(max_model_len, method in ("eagle", "eagle3"), method == "eagle3")
     aux = _aux_ids(hk)
     if method == "mtp":
+        _refuse_foreign_mtp(hk.layer)
         num_layers = lcfg.get("num_nextn_predict_layers") or 0
         if num_layers <= 0:
             raise hk.layer.refuse("num_nextn_predict_layers", lcfg.get("num_nextn_predict_layers"),

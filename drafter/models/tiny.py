@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from drafter.models.spec import MTP_ARCHITECTURE
+
 
 @dataclass(frozen=True)
 class TinySizes:
@@ -236,8 +238,9 @@ def write_eagle3(out: Path, s: TinySizes, seed: int) -> None:
 
 
 def write_mtp(out: Path, s: TinySizes, seed: int) -> None:
-    """DeepSeek-V3 naming: MTP layer i is model.layers.{num_hidden_layers + i}, each with its own
-    shared_head (as Step3.5); the embedding is shared from the target."""
+    """The engine's own dense MTP layout (architectures [MTP_ARCHITECTURE]) under DeepSeek-V3's
+    naming: MTP layer i is model.layers.{num_hidden_layers + i}, each with its own shared_head;
+    the embedding is shared from the target."""
     init = RandomInit(seed)
     h = s.hidden_size
     w = {}
@@ -250,7 +253,7 @@ def write_mtp(out: Path, s: TinySizes, seed: int) -> None:
         w[p + "shared_head.norm.weight"] = init.norm(h)
         w[p + "shared_head.head.weight"] = init.linear(s.vocab_size, h, 4.0)
     config = _llama_config(s, s.num_layers)
-    config["architectures"] = ["DeepseekV3ForCausalLM"]
+    config["architectures"] = [MTP_ARCHITECTURE]
     config["num_nextn_predict_layers"] = s.num_mtp_layers
     types = s.head_layer_types if len(s.head_layer_types) == s.num_mtp_layers else ("full_attention",) * s.num_mtp_layers
     if any(t == "sliding_attention" for t in types):

@@ -17,7 +17,7 @@ from drafter.engine.config import EngineConfig, KVGroupSpec
 from drafter.engine.engine import DraftEngine
 from drafter.models.heads import HEADS
 from drafter.models.loader import load_head
-from drafter.models.spec import HeadConfigError, default_aux_layer_ids, parse_head, with_aux
+from drafter.models.spec import MTP_ARCHITECTURE, HeadConfigError, default_aux_layer_ids, parse_head, with_aux
 from drafter.models.tiny import head_sizes, write_tiny
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "head_configs"
@@ -91,9 +91,14 @@ def test_llama31_scaling_reaches_the_frequencies():
     assert long.any() and torch.equal(inv[long], plain[long] / 8.0)
 
 
-def test_qwen3_mtp_style_config_is_refused_by_model_type():
+def test_qwen3_mtp_style_config_is_refused_by_architectures_then_model_type():
+    cfg = _config("qwen3-8b-mtp-style.json")
     with pytest.raises(HeadConfigError) as e:
-        parse_head(_config("qwen3-8b-mtp-style.json"), "mtp", "qwen3-8b-mtp-style.json")
+        parse_head(cfg, "mtp", "qwen3-8b-mtp-style.json")
+    assert e.value.key == "architectures" and e.value.value == ["Qwen3ForCausalLM"]
+    cfg["architectures"] = [MTP_ARCHITECTURE]  # declaring the own MTP layout does not make a Qwen3 layer Llama
+    with pytest.raises(HeadConfigError) as e:
+        parse_head(cfg, "mtp", "qwen3-8b-mtp-style.json")
     assert e.value.key == "model_type" and e.value.value == "qwen3"
     assert "qwen3-8b-mtp-style.json: model_type = 'qwen3'" in str(e.value)
 
