@@ -4,7 +4,8 @@ Layouts understood:
   target  Hugging Face LlamaForCausalLM ("model.layers.N...", "lm_head", tied or not)
   eagle   SafeAILab / vLLM EAGLE-1 ("fc", "layers.0..."; embed and lm_head from the target)
   eagle3  vLLM speculators ("fc", "layers.0", "norm", "lm_head", "d2t") and SafeAILab ("midlayer.")
-  mtp     DeepSeek-V3 ("model.layers.{num_hidden_layers + i}.enorm|hnorm|eh_proj|shared_head...")
+  mtp     the engine's own dense MTP layout under DeepSeek-V3's names ("model.layers.{num_hidden_layers + i}.enorm|...";
+          docs/head-configs.md, "MTP"); DeepSeek-V3 itself loads as deepseek_mtp
 """
 
 from __future__ import annotations
