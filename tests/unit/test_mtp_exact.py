@@ -84,7 +84,9 @@ def _reference_step(w: dict, embed: torch.Tensor, cfg: dict, layer: int, tokens:
     return logits, y  # the next step reads y before shared_head.norm
 
 
-def _engine_step(head, tokens, positions, hidden, step):
+def _engine_step(head, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, step: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens, positions: [T]; hidden: [T, H]
+    """(logits [T, V], carried state [T, H]) of the loaded head's draft step, causal dense attention."""
     t = tokens.shape[0]
     backend = DenseBackend(torch.ones(t, t, dtype=torch.bool).tril(), torch.ones(t, dtype=torch.bool))
     groups = [None] * head.spec.num_kv_groups
