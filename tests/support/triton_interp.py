@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 
 _state = {"pending": False, "patched": None}  # the running launch: its own patch still to come / its modules
+_real: dict = {}  # "patch_lang": the interpreter's own patching function, once installed
 
 
 def _language_modules(fn, tl) -> frozenset[int]:
@@ -40,6 +41,7 @@ def skip_repatching() -> bool:
         return True
     launch = executor.__call__
     seen: dict = {}
+    _real["patch_lang"] = patch_lang
 
     def patch_once(fn):
         langs = seen.get(fn)
@@ -47,10 +49,10 @@ def skip_repatching() -> bool:
             langs = seen[fn] = _language_modules(fn, tl)
         if _state["pending"]:  # the launch's own patch: done, and remembered
             _state["pending"], _state["patched"] = False, langs
-            return patch_lang(fn)
+            return _real["patch_lang"](fn)
         if _state["patched"] is not None and langs <= _state["patched"]:
             return empty_scope()  # a helper inside the launch: its modules are patched already
-        scope = patch_lang(fn)  # a helper's patch is never restored: patched for the rest of the launch
+        scope = _real["patch_lang"](fn)  # a helper's patch is never restored: patched for the rest of the launch
         if _state["patched"] is not None:
             _state["patched"] = _state["patched"] | langs
         return scope
