@@ -8,7 +8,9 @@
 
 Several transports / modes / rates make several runs (one report each) against one drafter.
 Without --rate, the open loop doubles its rate from a start that fits the drafter's device
-(CPU 8 calls/s, GPU 100) until a rate loses more than 1% of its calls, and says where the knee is.
+(CPU 8 calls/s, GPU 100) until a rate loses more than 1% of its calls, and says where the knee is;
+when the start itself loses more (a slower or busier machine), it halves the rate instead, down to
+1 call/s, until one is served.
 Workload defaults fit the device too (CPU: 8 request slots, short prompts); the flags' help gives
 both.  Exit status: 0; 2 bad arguments; 1 the run could not start or was cut short; 3 some
 transport got no answer at all (the line before says why); 130 interrupted.
@@ -33,6 +35,7 @@ from coordinator.loadtest.workload import Dist, SessionShape, WorkloadConfig, bl
 
 DEFAULT_PORTS = {"zmq": 5555, "grpc": 50051, "grpc-unary": 50051}
 NOTHING_ANSWERED = 3  # exit status: some transport got no successful call in any run
+MIN_SWEEP_RATE = 1.0  # calls/s: the default ladder descends from its start down to this, no further
 
 # Defaults that fit the drafter's device: a CPU drafter serves a tiny head in tens of ms a call.
 PROFILES = {
@@ -378,12 +381,28 @@ class _Session:
         from coordinator.loadtest.verdict import served
 
         for transport, runs, sweep in plan:
-            for sched, name in runs:
+            for i, (sched, name) in enumerate(runs):
                 summ = self.one(transport, sched, name)
                 if self.interrupted:
                     return
                 if sweep and not served(summ):
+                    if i == 0:  # the ladder's start is already above what this drafter serves now
+                        self._descend(transport, sched)
                     break  # the knee is found: higher rates would only fail more
+
+    def _descend(self, transport: str, first: OpenLoop) -> None:
+        """The default ladder's lowest rate was not served (a slower or busier machine than the
+        profile assumes): halve the rate, down to MIN_SWEEP_RATE, until one is served, so the
+        report finds the knee below the start instead of ending with no answer."""
+        from coordinator.loadtest.verdict import served
+
+        rate = first.rate / 2
+        while rate >= MIN_SWEEP_RATE:
+            _say(f"{transport}: {rate * 2:g} calls/s lost more than 1% of its calls; trying {rate:g}")
+            summ = self.one(transport, replace(first, rate=rate), f"{transport}-open-{rate:g}")
+            if self.interrupted or served(summ):
+                return
+            rate /= 2
 
     def knees(self) -> list:
         from coordinator.loadtest.verdict import find_knee

@@ -53,3 +53,45 @@ def test_the_knee_is_between_the_last_served_rate_and_the_next():
     assert low.served_rate is None and "knee below 100 calls/s" in low.describe()
     assert find_knee("zmq", []) is None
     assert served(_summ(100, 1)) and not served(_summ(100, 2)) and not served(_summ(0, 0))
+
+
+class _Capacity:
+    """A stand-in for one run of the load test: rates up to `serves` calls/s are served, above it
+    every call fails (what a drafter slower than the CPU profile assumes looks like)."""
+
+    def __init__(self, serves: float):
+        self.serves, self.rates = serves, []
+
+    def __call__(self, session, transport, sched, name):
+        self.rates.append(sched.rate)
+        summ = _summ(20, 0 if sched.rate <= self.serves else 20, min(sched.rate, self.serves))
+        session.open_runs.setdefault(transport, []).append((sched.rate, summ))
+        session.answered[transport] = session.answered.get(transport, False) or summ["ok"] > 0
+        return summ
+
+
+def _sweep(serves: float, given_rates=None):
+    import argparse
+
+    from coordinator.loadtest import cli
+
+    ns = argparse.Namespace(transport=["zmq"], mode=["open"], rate=given_rates, arrival="poisson", max_inflight=8,
+                            concurrency=1)
+    session = cli._Session(ns, out=None, server=None, server_desc={}, command=[])
+    capacity = _Capacity(serves)
+    session.one = lambda transport, sched, name: capacity(session, transport, sched, name)
+    session.all(cli._plan(ns, "cpu"))
+    return capacity.rates, session
+
+
+def test_the_default_ladder_descends_below_its_start_until_a_rate_is_served():
+    rates, session = _sweep(serves=2.5)  # the CPU ladder starts at 8 calls/s
+    assert rates == [8.0, 4.0, 2.0]
+    knee = session.knees()[0]
+    assert (knee.served_rate, knee.failed_rate) == (2.0, 4.0) and all(session.answered.values())
+    climbs, _ = _sweep(serves=20.0)  # a start that is served climbs as before, and never descends
+    assert climbs == [8.0, 16.0, 32.0]
+    floor, session = _sweep(serves=0.1)  # nothing is served: down to 1 call/s, no further
+    assert floor == [8.0, 4.0, 2.0, 1.0] and not any(session.answered.values())
+    given, _ = _sweep(serves=2.5, given_rates=[8.0, 16.0])  # rates the user named are run as named, no descent
+    assert given == [8.0, 16.0]
