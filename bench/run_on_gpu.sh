@@ -20,15 +20,7 @@
 # cold machine: the default grid's 54 shapes alone take ~6 minutes, so pass a narrower grid (issue 24's:
 # --heads eagle3-8b --ks 3 --batches 1,2,4,8,16,32,64, as bench/run_issue24.sh does) or --no-peer.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
-OUT=${OUT:-/tmp/drafter-out}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/device_env.sh"   # OUT, the carried wheels, PYTHONPATH
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; date -u +%FT%TZ
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"

@@ -7,15 +7,7 @@
 # drafter/_proto/drafter/v1 (see run_on_gpu.sh).  Knobs: BENCH_TIMEOUT (default 460 s).
 # Writes $OUT/gpu.txt, predraft_target_log.txt, predraft_target.json, predraft_target.md, predraft_servers.log.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
-OUT=${OUT:-/tmp/drafter-out}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/device_env.sh"   # OUT, the carried wheels, PYTHONPATH
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; nvidia-smi topo -m; date -u +%FT%TZ
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"

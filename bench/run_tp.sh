@@ -11,16 +11,8 @@
 # Bench rows stream into $OUT/rows.jsonl as they are measured: a timeout keeps what finished.
 # Writes $OUT/gpu.txt, tp_tests.txt, tp_bench_log.txt, rows.jsonl, bench_tp.json (and bf16/ likewise).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/triton-cache
-OUT=${OUT:-/tmp/drafter-out}
+source "$(dirname "$0")/device_env.sh"   # OUT, the carried wheels, PYTHONPATH
 TP=${TP:-1}
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then   # pyzmq, msgspec, ... the device host lacks (see run_on_gpu.sh)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; date -u +%FT%TZ
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
 cat "$OUT/gpu.txt"
