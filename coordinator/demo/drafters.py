@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.child_process import die_with_parent
 from coordinator.routing import Endpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +69,7 @@ class DrafterProcess:
         env["PYTHONUNBUFFERED"] = "1"
         stderr = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self._events = queue.Queue()
-        self.proc = subprocess.Popen(self._args(), stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=REPO)
+        self.proc = subprocess.Popen(die_with_parent(self._args()), stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=REPO)
         if self.log_path:
             stderr.close()
         self.starts += 1

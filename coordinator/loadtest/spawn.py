@@ -18,19 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-
-# On Linux the child first asks for SIGTERM when this process dies, then becomes `drafter serve`
-# (execv keeps that wish), so that a load generator killed outright (SIGKILL) leaves no drafter
-# behind either.  Done in the child's own Python rather than a preexec_fn, which can deadlock a
-# child forked from a threaded process.
-_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "  # PR_SET_PDEATHSIG
-                    "os.execv(sys.argv[1], sys.argv[1:])")
-
-
-def _launcher(args: list[str]) -> list[str]:
-    if sys.platform.startswith("linux"):
-        return [sys.executable, "-c", _DIE_WITH_PARENT, *args]
-    return list(args)
+from coordinator.child_process import die_with_parent
 
 
 class SpawnedServer:
@@ -58,7 +46,7 @@ class SpawnedServer:
         """Start it and wait for its ready line; on any failure (Ctrl-C included) it is stopped again."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(_launcher(self.args), stdout=subprocess.PIPE, stderr=log, env=self.env)
+            self.proc = subprocess.Popen(die_with_parent(self.args), stdout=subprocess.PIPE, stderr=log, env=self.env)
         threading.Thread(target=self._read, daemon=True, name="server-stdout").start()
         try:
             self.ready = self._wait_ready(timeout_s)

@@ -15,6 +15,8 @@ import sys
 import threading
 from pathlib import Path
 
+from coordinator.child_process import die_with_parent
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -43,7 +45,7 @@ class DrafterServer:
 
     def start(self, timeout: float = 120.0, until: str = "ready") -> "DrafterServer":
         stderr = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=stderr, env=self.env, cwd=self.cwd)
+        self.proc = subprocess.Popen(die_with_parent(self.args), stdout=subprocess.PIPE, stderr=stderr, env=self.env, cwd=self.cwd)
         threading.Thread(target=self._read, daemon=True).start()
         self.ready = self.wait_for(until, timeout)
         return self
