@@ -40,7 +40,7 @@ import zmq
 
 from coordinator.transport.bound_client import _host, connect_socket, control_call, raise_if_refused, reachable
 from drafter.wire import bound as wb
-from drafter.wire import cuda_ref, cuda_slab, schema
+from drafter.wire import cuda_ref, cuda_slab, doorbell, schema
 from drafter.wire.errors import Code, DrafterError
 from drafter.wire.tensors import DTYPES
 
@@ -82,6 +82,8 @@ class DeviceLink:
                                             store=reachable(resp.store, _host(via)) if resp.store else "")
         self.width = resp.drafts_width
         self.sock = connect_socket(ctx, self.resp.endpoint, data=True)
+        self.bell = None  # the binding's doorbell (drafter.wire.doorbell) once open_doorbell() made it
+        self.bell_reason = ""  # why a doorbell the drafter offered is not used
         self.alive = True
         self._steps = itertools.count(1)
         self._drafts_views: dict[int, torch.Tensor] = {}  # batch -> [batch, width] view of the output
@@ -97,8 +99,24 @@ class DeviceLink:
         """Wait (at most timeout_s) until the data socket is connected; False if it did not in time."""
         return bool(self.sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT))
 
+    def open_doorbell(self, timeout_s: float) -> bool:
+        """Connect the doorbell the Bind's reply named (at most timeout_s): the steps go there,
+        one kernel wake-up each way instead of ZMQ's I/O threads.  False (bell_reason says why)
+        where none was offered or it cannot be reached: the steps keep the data socket."""
+        if not self.resp.doorbell:
+            self.bell_reason = "the drafter offered no doorbell"
+            return False
+        try:
+            self.bell = doorbell.connect(self.resp.doorbell, self.resp.bind_id, max(timeout_s, 0.001))
+        except (OSError, ValueError) as exc:
+            self.bell_reason = f"the doorbell {self.resp.doorbell[:64]} cannot be used: {exc}"
+            return False
+        return True
+
     def close(self) -> None:
         self.alive = False
+        if self.bell is not None:
+            self.bell.close()
         if not self.sock.closed:
             self.sock.close(linger=0)
 
@@ -114,17 +132,32 @@ class DeviceLink:
                              bind_id=self.resp.bind_id, accepted_counts=accepted_counts or [])
         self._before_send(head)
         sent = time.perf_counter_ns()
+        self._send(wb.encode(head))
+        done = self._reply(step, timeout_s)
+        self._after_reply(timeout_s)
+        self.stamps = {"sent": sent, **dict(zip(wb.STAMPS, done.stamps)),
+                       **dict(zip(wb.FINE_STAMPS, done.stamps[len(wb.STAMPS):])), "answered": time.perf_counter_ns()}
+        return start
+
+    def _send(self, frame: bytes) -> None:
+        """The header on the doorbell, or the data socket; UNAVAILABLE 'data' where it has no live
+        connection (nothing was sent)."""
+        if self.bell is not None:
+            try:
+                self.bell.send(frame)
+                return
+            except OSError as exc:  # the drafter's end is gone (a restart): nothing was sent
+                self.close()
+                raise DrafterError(Code.UNAVAILABLE, "data", f"the doorbell is closed: {exc}") from None
         try:
-            self.sock.send(wb.encode(head), flags=zmq.NOBLOCK)
+            self.sock.send(frame, flags=zmq.NOBLOCK)
         except zmq.Again:  # no live connection: the drafter (or this binding) went away
             self.close()
             raise DrafterError(Code.UNAVAILABLE, "data", f"no live connection to {self.resp.endpoint}") from None
-        done = self._reply(step, timeout_s)
-        self._after_reply(timeout_s)
-        self.stamps = {"sent": sent, **dict(zip(wb.STAMPS, done.stamps)), "answered": time.perf_counter_ns()}
-        return start
 
     def _reply(self, step: int, timeout_s: float) -> wb.StepDone:
+        if self.bell is not None:
+            return self._bell_reply(step, timeout_s)
         deadline = time.monotonic() + timeout_s
         self._waited_ns = 0
         while True:
@@ -141,6 +174,31 @@ class DeviceLink:
                 continue  # an answer to a step that already timed out
             raise_if_refused(done, self.close)
             return done
+
+    def _bell_reply(self, step: int, timeout_s: float) -> wb.StepDone:
+        """The step's StepDone from the doorbell within timeout_s (else DEADLINE_EXCEEDED); a
+        doorbell the drafter closed is UNAVAILABLE at once.  Either leaves the link closed."""
+        deadline = time.monotonic() + timeout_s
+        t0 = time.perf_counter_ns()
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                frame = doorbell.receive(self.bell, left) if left > 0 else None
+                if frame is None:
+                    self.close()  # the drafter may still read the slab: this binding is in doubt
+                    raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {step}: no reply in {timeout_s:.3f} s")
+                if not frame:
+                    self.close()
+                    raise DrafterError(Code.UNAVAILABLE, "", f"bound step {step}: the drafter closed the doorbell")
+                done = wb.DONE_DECODER.decode(frame)
+                if done.step == step:
+                    raise_if_refused(done, self.close)
+                    return done
+        except (OSError, ValueError) as exc:  # a reset connection, a frame that is not a StepDone
+            self.close()
+            raise DrafterError(Code.UNAVAILABLE, "", f"bound step {step}: the doorbell failed: {exc}") from None
+        finally:
+            self._waited_ns = time.perf_counter_ns() - t0
 
     def step_async(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int, timeout_s: float,
                    accepted_counts: list[int] | None = None) -> torch.Tensor:
@@ -227,7 +285,7 @@ class CudaIpcBoundClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, device="cuda", transport: str = "tcp", timeout_s: float = 5.0,
                  allow_fallback: bool = True, force_ring: bool = False, slabs=None, host_wait: bool = False,
-                 channel: bool = False):
+                 channel: bool = False, doorbell: bool = True):
         """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests);
         force_ring: bind the host ring even where CUDA IPC would do (to compare the planes);
         channel: bind the nccl_channel plane instead of cuda_ipc (the drafter on another GPU of this
@@ -235,11 +293,13 @@ class CudaIpcBoundClient:
         drafter refuses it and allow_fallback;
         host_wait: step() waits for the drafter's event on the host (cudaEventSynchronize) before
         queueing its read, so nothing of this context waits on the GPU while the drafter's kernels
-        run (two contexts time-slice one GPU), instead of making the stream wait on it."""
+        run (two contexts time-slice one GPU), instead of making the stream wait on it;
+        doorbell: cuda_ipc steps by the binding's same-host doorbell (drafter.wire.doorbell) where the
+        drafter offers one and it can be reached, else (and with False) by the data socket."""
         self.endpoint, self.layout, self.buffers = endpoint, layout, list(buffers)
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
         self.allow_fallback, self.force_ring, self.host_wait = allow_fallback, force_ring, host_wait
-        self.channel = channel
+        self.channel, self.doorbell = channel, doorbell
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -328,10 +388,16 @@ class CudaIpcBoundClient:
         if self._inputs_event is None:
             self._inputs_event, self._inputs_handle = self.slabs.new_event(self.device)
         slab = self.slabs.share(self.slab, self._inputs_handle)
-        resp = self._call(wb.BIND_METHOD, wb.BindRequest(
-            session_id=self.session.session_id, epoch=self.session.epoch, plane=wb.CUDA_IPC,
-            transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, slab=slab),
-            wb.BIND_RESPONSE_DECODER, deadline)
+        req = wb.BindRequest(session_id=self.session.session_id, epoch=self.session.epoch, plane=wb.CUDA_IPC,
+                             transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, slab=slab,
+                             doorbell=self.doorbell)
+        try:
+            resp = self._call(wb.BIND_METHOD, req, wb.BIND_RESPONSE_DECODER, deadline)
+        except DrafterError as err:
+            if not (self.doorbell and knows_no_doorbell(err)):
+                raise
+            resp = self._call(wb.BIND_METHOD, msgspec.structs.replace(req, doorbell=False), wb.BIND_RESPONSE_DECODER,
+                              deadline)  # a drafter from before the doorbell: the data socket
         self.width = resp.drafts_width
         link = IpcLink(self.ctx, self.slabs, self.device, resp, self.max_batch, self.groups, self._inputs_event,
                        via=self.endpoint)
@@ -339,6 +405,8 @@ class CudaIpcBoundClient:
             link.close()
             self.unbind()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
+        if self.doorbell:
+            link.open_doorbell(deadline - time.monotonic())
         self.link = link
         self.plane = wb.CUDA_IPC
 
@@ -479,6 +547,12 @@ class CudaIpcBoundClient:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return self.ring.step(num_tokens, batch, batch_padded, tokens_padded)
+
+
+def knows_no_doorbell(err: DrafterError) -> bool:
+    """Whether a Bind refusal is a drafter's that does not know BindRequest.doorbell (its decoder
+    refuses the unknown field): bind again without it."""
+    return err.code == Code.INVALID_ARGUMENT and err.field == "body" and "doorbell" in err.message
 
 
 def channel_backend() -> str:

@@ -14,7 +14,13 @@
         guard.step: checks and masks every field on the GPU, the error word into the output
         bound.propose: the replay, drafts into the output
         the "drafts ready" event recorded; [identity, StepDone] at once (no host read), stamped
-        with the drafter's perf_counter_ns at wb.STAMPS' points (the bench's breakdown)
+        with the drafter's perf_counter_ns at wb.STAMPS' and wb.FINE_STAMPS' points (the bench's
+        breakdown)
+    where the Bind asked for it (BindRequest.doorbell), the same step arrives instead on the
+    binding's doorbell (drafter.wire.doorbell: a UNIX-domain SEQPACKET connection the target makes
+    after the Bind, its hello the bind id), served by a second thread of the binding: the target's
+    send wakes that thread directly, where a ZMQ frame passes two I/O threads first.  The data
+    socket stays open beside it (a target that could not reach the doorbell steps there).
 
 The target reads the drafts and the error word together after its stream waited on the event,
 and turns a set word into INVALID_ARGUMENT naming the first bad field (coordinator.transport.
@@ -35,18 +41,24 @@ and is answered INVALID_ARGUMENT naming the first bad field).
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 import torch
 import zmq
 
 from drafter.engine.step_guard import GuardLimits, StepGuard
-from drafter.service.bound_sessions import BoundSession, _view, _width
+from drafter.service.bound_sessions import POLL_MS, BoundSession, _view, _width
 from drafter.wire import bound as wb
-from drafter.wire import cuda_slab
+from drafter.wire import cuda_slab, doorbell
 from drafter.wire.errors import Code, DrafterError, InvalidInput, invalid
 
+log = logging.getLogger("drafter.service.bound")
+
 BACKEND = None  # None: cuda_slab.TorchSlabs (the tests put a LocalSlabs here)
+HELLO_TIMEOUT_S = 2.0  # a doorbell connection that sends no hello in this time is closed
+_MESSAGE = 2000  # characters of an INTERNAL step error's message (a doorbell frame stays small)
 SLAB = "slab"
 GUARDED_RING = None  # None: the host ring is guarded on the GPU where the engine is on one; the tests force it
 
@@ -128,8 +140,12 @@ class _Guarded:
 
     def _guard_and_replay(self, head: wb.StepHeader) -> None:
         """Queued on the stream: the guard, then the bound graphs (drafts into the output)."""
-        s = self.session
         self.guard.step(head.num_tokens, head.batch)
+        self._replay(head)
+
+    def _replay(self, head: wb.StepHeader) -> None:
+        """Queued on the stream after the guard: the bound graphs (drafts into the output)."""
+        s = self.session
         s.calls += 1
         s.last_used = time.monotonic()
         try:
@@ -196,7 +212,10 @@ class IpcBoundSession(_Guarded, BoundSession):
         self.done_event, self.done_handle = self.backend.new_event(self.device)
         self._bind_engine(engine, s, req.max_batch)
         self.output_ref = self.backend.share(self.output.view(torch.uint8), self.done_handle)
+        self._wait_inputs = self._record_done = None  # _events(), at the first step
+        self._fine: tuple[int, ...] = ()
         self._link_state(req)
+        self._open_doorbell(req)
 
     # ------------------------------------------------------------------ data socket
     def _receive_and_run(self, sock: zmq.Socket, ring) -> tuple[wb.StepDone, bytes]:
@@ -207,32 +226,97 @@ class IpcBoundSession(_Guarded, BoundSession):
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv()
             extra += 1
+        done, accepted = self._answer(header_frame, extra, received)
+        self._accepted = accepted
+        return done, b""
+
+    def _answer(self, header_frame: bytes, extra: int, received: int) -> tuple[wb.StepDone, list[int]]:
+        """One step's StepDone from its header frame (extra: frames that came after it), and the
+        rows' accepted counts to record after the reply ([] for none or a refused step)."""
         try:
             head = wb.STEP_DECODER.decode(header_frame)
         except Exception as exc:  # noqa: BLE001 - msgspec's errors name the path
-            return wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header", message=str(exc)), b""
+            return wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header", message=str(exc)), []
         if extra:
-            return self._refused(head, invalid("frames", "a cuda_ipc step is [StepHeader] alone")), b""
+            return self._refused(head, invalid("frames", "a cuda_ipc step is [StepHeader] alone")), []
         try:
             self.admit(head)
-            started, queued = self._run(head)
+            started, queued, fine = self._run(head)
         except DrafterError as exc:
-            return self._refused(head, exc), b""
+            return self._refused(head, exc), []
         except Exception as exc:  # noqa: BLE001 - a bug of ours: the step still gets its answer
-            import logging
+            log.exception("cuda_ipc bound step failed")
+            return wb.StepDone(step=head.step, code=int(Code.INTERNAL), message=repr(exc)[:_MESSAGE]), []
+        stamps = [received, started, queued, time.perf_counter_ns(), *fine]
+        return wb.StepDone(step=head.step, stamps=stamps), list(head.accepted_counts)
 
-            logging.getLogger("drafter.service.bound").exception("cuda_ipc bound step failed")
-            return wb.StepDone(step=head.step, code=int(Code.INTERNAL), message=repr(exc)), b""
-        return wb.StepDone(step=head.step, stamps=[received, started, queued, time.perf_counter_ns()]), b""
-
-    def _run(self, head: wb.StepHeader) -> tuple[int, int]:
-        """The step (on_engine); perf_counter_ns when it began and when its GPU work was queued."""
+    def _run(self, head: wb.StepHeader) -> tuple[int, int, tuple[int, ...]]:
+        """The step (on_engine); perf_counter_ns when it began, when its GPU work was queued, and
+        wb.FINE_STAMPS' points between."""
         return on_engine(self, self._timed, head)
 
-    def _timed(self, head: wb.StepHeader) -> tuple[int, int]:
+    def _timed(self, head: wb.StepHeader) -> tuple[int, int, tuple[int, ...]]:
         started = time.perf_counter_ns()
         self.step(head, 0)
-        return started, time.perf_counter_ns()
+        return started, time.perf_counter_ns(), self._fine
+
+    # ------------------------------------------------------------------ the doorbell (drafter.wire.doorbell)
+    def open(self, ctx: zmq.Context, endpoint: str) -> None:
+        """The data socket and its thread; and where the Bind asked for one, the doorbell's thread."""
+        super().open(ctx, endpoint)
+        if self._listener is not None:
+            self._bell_thread = threading.Thread(target=self._serve_doorbell, name=f"bell-{self.bind_id[:8]}",
+                                                 daemon=True)
+            self._bell_thread.start()
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        super().join(timeout_s)
+        if self._bell_thread is not None:
+            self._bell_thread.join(timeout_s)
+
+    def _open_doorbell(self, req: wb.BindRequest) -> None:
+        """A listening doorbell where the Bind asked for one and the platform has it (else none:
+        the target steps on the data socket)."""
+        self._listener, self.doorbell_address, self._bell_thread = None, "", None
+        if not req.doorbell or not doorbell.available():
+            return
+        try:
+            self._listener, self.doorbell_address = doorbell.listen()
+        except OSError as exc:
+            log.info("no doorbell for the binding: %s", exc, extra={"event": "bind_doorbell_unavailable"})
+
+    def _serve_doorbell(self) -> None:
+        """The doorbell's thread: the target's connection (its hello checked), then each step's
+        header in and StepDone out, until the binding ends or the target hangs up."""
+        listener, conn = self._listener, None
+        poll_s = POLL_MS / 1e3
+        try:
+            conn = doorbell.accept(listener, self.bind_id, self._alive, poll_s, HELLO_TIMEOUT_S)
+            listener.close()
+            if conn is None:
+                return
+            conn.settimeout(poll_s)
+            while self._alive():
+                try:
+                    frame = doorbell.receive(conn, None)
+                except doorbell.FrameTooLong as exc:
+                    conn.send(wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header",
+                                                    message=str(exc))))
+                    continue
+                if frame is None:
+                    continue
+                if not frame:
+                    return  # the target closed its end: it steps on the data socket, or binds again
+                done, accepted = self._answer(frame, 0, time.perf_counter_ns())
+                conn.send(wb.encode(done))
+                if accepted and not done.code:  # after the reply: off the step's path
+                    self.core.metrics.record_acceptance(torch.tensor(accepted), self.core.desc.num_speculative_tokens)
+        except OSError as exc:
+            log.debug("bound doorbell ended: %s", exc)
+        finally:
+            listener.close()
+            if conn is not None:
+                conn.close()
 
     # ------------------------------------------------------------------ one step (engine lock held)
     def step(self, head: wb.StepHeader, nbytes: int) -> bytes:
@@ -240,7 +324,28 @@ class IpcBoundSession(_Guarded, BoundSession):
         self._check_sizes(head)
         if head.nbytes:
             raise invalid("nbytes", "a cuda_ipc step ships no bytes")
-        self.backend.wait(self.inputs_event, self.device)
-        self._guard_and_replay(head)
-        self.backend.record(self.done_event, self.device)
+        if self._wait_inputs is None:  # the first step, on the thread that runs them
+            self._events()
+        self._wait_inputs()
+        waited = time.perf_counter_ns()
+        self.guard.step(head.num_tokens, head.batch)
+        guarded = time.perf_counter_ns()
+        self._replay(head)
+        replayed = time.perf_counter_ns()
+        self._record_done()
+        self._fine = (waited, guarded, replayed)
         return b""
+
+    def _events(self) -> None:
+        """The inputs event's wait and the done event's record on this thread's stream, looked up
+        once (torch.cuda.current_stream: ~6-10 us a call on a GPU host, bench/results/
+        2026-11-25-h100-host-ops); through the backend where it is not TorchSlabs (the tests')."""
+        if isinstance(self.backend, cuda_slab.TorchSlabs):
+            stream = torch.cuda.current_stream(self.device)
+            inputs, done = self.inputs_event, self.done_event
+            self._wait_inputs = lambda: inputs.wait(stream)
+            self._record_done = lambda: done.record(stream)
+        else:
+            backend, device = self.backend, self.device
+            self._wait_inputs = lambda: backend.wait(self.inputs_event, device)
+            self._record_done = lambda: backend.record(self.done_event, device)

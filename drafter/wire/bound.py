@@ -33,6 +33,11 @@ stream waits on the target's event, the drafter checks and masks the step on the
 (drafter.engine.step_guard: the error word is a bitmask over guard_fields), replays, records its
 event and replies StepDone at once; the target's stream waits on that event and reads the drafts
 and the error word back together.
+A cuda_ipc Bind may ask for a doorbell (BindRequest.doorbell): the drafter then answers with the
+address of a same-host UNIX-domain connection (BindResponse.doorbell, drafter.wire.doorbell) that
+carries the same StepHeader and StepDone records as the data socket, one kernel wake-up a way.
+Both records omit fields at their defaults, so a peer that does not know the field never sees it
+(a drafter that does not know it refuses a Bind that asks: the target binds again without).
 Every step names its binding (StepHeader.bind_id, the random id the Bind's reply gave): the
 drafter refuses a step for another binding (FAILED_PRECONDITION "bind_id": bind again), so a
 binding never runs a step meant for an earlier one.  A step may carry the rows' accepted counts of
@@ -74,7 +79,7 @@ class BufferSpec(msgspec.Struct, forbid_unknown_fields=True):
     shape: list[int]
 
 
-class BindRequest(msgspec.Struct, forbid_unknown_fields=True):
+class BindRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     session_id: str = ""
     epoch: int = 0
     plane: str = HOST_RING
@@ -84,9 +89,10 @@ class BindRequest(msgspec.Struct, forbid_unknown_fields=True):
     slab: CudaIpcTensor | None = None  # cuda_ipc: the target's slab ([ring_bytes / 64, 16] float32) and its
     # "inputs ready" event (step_event_handle)
     device_uuid: str = ""  # nccl_channel: the target's GPU (NCCL refuses two ranks on one GPU)
+    doorbell: bool = False  # cuda_ipc: steps by a same-host doorbell (BindResponse.doorbell) where one can be made
 
 
-class BindResponse(msgspec.Struct, forbid_unknown_fields=True):
+class BindResponse(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     bind_id: str = ""
     endpoint: str = ""  # the session's data socket
     ring_bytes: int = 0
@@ -96,6 +102,8 @@ class BindResponse(msgspec.Struct, forbid_unknown_fields=True):
     output: CudaIpcTensor | None = None  # cuda_ipc: the drafter's output ([max_batch * width + 1] int64 at the
     # start of [rows, 16] float32): the drafts row-major, then the step's error word
     drafts_event: bytes = b""  # cuda_ipc: the drafter's "drafts ready" interprocess event
+    doorbell: str = ""  # where BindRequest.doorbell asked and the drafter has one: its address
+    # (drafter.wire.doorbell), which takes the binding's steps as the data socket does
 
 
 class StepHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -189,6 +197,10 @@ _ENC = msgspec.msgpack.Encoder()
 STEP_DECODER = msgspec.msgpack.Decoder(StepHeader)
 DONE_DECODER = msgspec.msgpack.Decoder(StepDone)
 STAMPS = ("received", "started", "queued", "replied")  # header read; step began (lock held); GPU work queued; reply encoded
+# after STAMPS in StepDone.stamps where the plane takes them (cuda_ipc): between "started" and
+# "queued", the stream's wait for the target's event queued, the guard's replay queued, the
+# bound graphs' replay queued (the done event's record follows)
+FINE_STAMPS = ("waited", "guarded", "replayed")
 BIND_DECODER = msgspec.msgpack.Decoder(BindRequest)
 BIND_RESPONSE_DECODER = msgspec.msgpack.Decoder(BindResponse)
 
