@@ -15,6 +15,7 @@ import torch
 from drafter.attention import AttentionMetadata, ReferenceBackend
 from drafter.engine.config import KVGroupSpec
 from drafter.engine.kv_cache import PagedKVCache
+from drafter.models.llama import LlamaForCausalLM
 from drafter.models.loader import load_target
 
 # which hidden states each drafter method consumes
@@ -37,15 +38,18 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    def __init__(self, cfg: RunnerConfig):
+    def __init__(self, cfg: RunnerConfig, *, model: LlamaForCausalLM | None = None, backend=None):
+        """model: a target built in memory (its device holds the KV cache too; cfg.target_dir is then
+        not read), e.g. random weights at a real model's shapes on a GPU (coordinator.bench.e2e_step);
+        None loads cfg.target_dir on the CPU.  backend: the paged attention (None: ReferenceBackend)."""
         self.cfg = cfg
         dtype = getattr(torch, cfg.dtype)
-        self.model = load_target(cfg.target_dir, dtype=dtype)
+        self.model = model if model is not None else load_target(cfg.target_dir, dtype=dtype)
         self.spec = self.model.spec
+        self.device = self.model.embed_tokens.weight.device
         groups = tuple(KVGroupSpec(cfg.block_size, cfg.num_blocks) for _ in range(self.spec.num_kv_groups))
-        self.kv = PagedKVCache(self.spec.layer_shapes, self.spec.kv_group_of_layer, groups, torch.device("cpu"),
-                               dtype)
-        self.backend = ReferenceBackend()
+        self.kv = PagedKVCache(self.spec.layer_shapes, self.spec.kv_group_of_layer, groups, self.device, dtype)
+        self.backend = backend or ReferenceBackend()
 
     @property
     def vocab_size(self) -> int:
@@ -65,6 +69,10 @@ class ModelRunner:
         block_table: torch.Tensor,  # [batch, blocks_per_req] int32
         slot_mapping: torch.Tensor,  # [num_tokens] int64
     ) -> ForwardOutput:
+        if self.device.type != "cpu":  # the engine builds a step's inputs on the host
+            input_ids, positions, query_start_loc, seq_lens, block_table, slot_mapping = (
+                t.to(self.device, non_blocking=True)
+                for t in (input_ids, positions, query_start_loc, seq_lens, block_table, slot_mapping))
         meta = AttentionMetadata(query_start_loc, seq_lens, block_table, slot_mapping, self.cfg.block_size)
         metas = [meta] * self.spec.num_kv_groups  # one block-id space for every group of the target
         out = self.model(input_ids, positions, self.kv.layers, metas, self.backend, self.cfg.aux_layer_ids)

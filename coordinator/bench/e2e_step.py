@@ -1,0 +1,603 @@
+"""One target decoding step end to end: the reference target at Llama-3.1-8B shapes, three ways.
+
+    python -m coordinator.bench.e2e_step --out DIR [--batch 16 --ctx 1000 --k 3 --iters 200 --warmup 30
+        --device cuda:0 --drafter-device cuda:0 --ways plain,free_drafts,inprocess,inprocess_trusted,remote,unbound]
+    python -m coordinator.bench.e2e_step --tiny --device cpu --out DIR     # the same code on CPU, tiny shapes
+
+The reference target engine (coordinator.target.engine.TargetEngine) runs a Llama with
+Llama-3.1-8B's shapes (32 layers, hidden 4096, 32 / 8 heads, intermediate 14336, vocab 128256,
+llama3 rope) and random bf16 weights built in memory on --device (no checkpoint), its paged KV
+on the same GPU under the Triton attention backend; the drafter is an EAGLE-3 head of the 8B
+shapes with random weights (drafter.tools.bench.remote.HEAD_CONFIG, as the bound and remote
+benches build it).  --batch requests with prompts of --ctx random tokens are prefilled, the
+drafter catches up on their context (calls of at most 2 prompts' rows), and after --warmup more
+steps --iters decoding steps are timed, each one `engine.step()` between two
+torch.cuda.synchronize(): the target forward over the step's query rows, greedy verification,
+the drafter call built, the next drafts obtained and handed out.  The ways:
+
+  plain              k = 0: a plain decode step, one query row per request (no drafter);
+  free_drafts        k = 3 with drafts that cost nothing (zeros from a stand-in proposer): the
+                     target's step with verification of k + 1 rows and the call built, no drafter;
+  inprocess          k = 3, the drafter in this process on the target's GPU as the vLLM plugin's
+                     `inprocess` transport runs it: coordinator.inprocess.InProcessTransport
+                     (a DraftEngine per session, CUDA graphs) under the RemoteProposer, each call
+                     validated on the host (engine.draft's default);
+  inprocess_trusted  the same DraftEngine called as a trusted caller would, propose(validate=False);
+  remote             k = 3, `drafter serve` in a subprocess on --drafter-device (default: the
+                     target's GPU), the client the vLLM plugin uses (RemoteProposer over
+                     ServiceTransport, BoundConfig plane --plane: cuda_ipc on a GPU, so each step
+                     is the call's tensors copied into the shared slab and a header);
+  unbound            the same server, BoundConfig(mode="off"): every step the unbound ZMQ Propose.
+
+The engine builds each drafter call on the host (CPU tensors, hidden states in float32: it is a
+reference engine, not vLLM); every drafting way gets the call on the target's GPU, the hidden
+states in the session's dtype (one host-to-device copy per tensor, OnDevice below), the same for
+all of them, so the differences between the drafting ways are the drafter's and the transport's.
+Random weights accept almost no drafts: tokens per step are reported, but the figure is time per
+step.  Written to --out: e2e_step.json (every number) and e2e_step.md (the table; device, date and
+command in its header).  --tiny: tiny target and head on the CPU, the remote way over loopback
+(a CPU drafter has no graphs, so it refuses the Bind and the steps go unbound), for the test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from coordinator.dp_agreement import capture_sizes_up_to
+from coordinator.target.engine import TargetConfig, TargetEngine
+from coordinator.target.request import random_requests
+from coordinator.target.runner import ModelRunner, RunnerConfig
+from drafter.models.llama import LlamaForCausalLM
+from drafter.models.spec import ModelSpec, parse_head, parse_target
+from drafter.tools.bench.remote import HEAD_CONFIG, TINY, server_args, wait_ready
+
+WAYS = ("plain", "free_drafts", "inprocess", "inprocess_trusted", "remote", "unbound")
+DRAFTING = ("inprocess", "inprocess_trusted", "remote", "unbound")  # ways that call a drafter
+BLOCK_SIZE = 16
+
+# Llama-3.1-8B's config.json keys (the shapes the target runs with random weights)
+LLAMA_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "intermediate_size": 14336, "vocab_size": 128256, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}}
+TINY_TARGET = {**LLAMA_8B, "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "vocab_size": 1000}
+TINY_HEAD = {**HEAD_CONFIG, **TINY, "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The run's sizes, derived once from the arguments."""
+
+    batch: int
+    ctx: int  # prompt length of every request
+    k: int
+    warmup: int
+    iters: int
+    max_new_tokens: int
+    max_model_len: int
+    max_tokens: int  # the session's max_num_batched_tokens: two prompts' rows (the catch-up) + a decode step
+    num_blocks: int
+    dtype: str
+
+    @classmethod
+    def of(cls, args) -> "Setup":
+        # a step emits >= 1 token per request: room for every step, the catch-up's and the timed ones
+        new = 2 * (args.batch + args.warmup + args.iters) + 8
+        mml = args.ctx + new + args.k + 1
+        per_req = -(-mml // BLOCK_SIZE)
+        return cls(batch=args.batch, ctx=args.ctx, k=args.k, warmup=args.warmup, iters=args.iters,
+                   max_new_tokens=new, max_model_len=mml,
+                   max_tokens=2 * (args.ctx + args.k + 1) + args.batch * (args.k + 1),
+                   num_blocks=args.batch * per_req + 1, dtype=args.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- models
+def random_target(spec: ModelSpec, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LlamaForCausalLM:
+    """The target Llama with random weights allocated straight on the device (normal, std
+    1/sqrt(fan-in); norms 1)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(spec)
+    finally:
+        torch.set_default_dtype(default)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, p.shape[1] ** -0.5, generator=g)
+    return model.eval()
+
+
+def build_runner(args, setup: Setup, head_cfg: dict) -> ModelRunner:
+    """The reference target's runner over the random target, its KV cache on args.device."""
+    device = torch.device(args.device)
+    spec = parse_target(TINY_TARGET if args.tiny else LLAMA_8B, "llama-3.1-8b shapes (random weights)")
+    model = random_target(spec, device, getattr(torch, setup.dtype))
+    backend = None
+    if device.type == "cuda":
+        from drafter.attention.triton_backend import TritonBackend
+
+        backend = TritonBackend()
+    cfg = RunnerConfig("", BLOCK_SIZE, setup.num_blocks, tuple(head_cfg["eagle_aux_hidden_state_layer_ids"]),
+                       setup.dtype)
+    return ModelRunner(cfg, model=model, backend=backend)
+
+
+@contextlib.contextmanager
+def random_heads(dtype: torch.dtype):
+    """InProcessTransport builds its head with random weights from the head's config.json (as the
+    served drafter's `drafter.tools.bench.remote serve` does), not from a checkpoint."""
+    import coordinator.inprocess as inproc
+    from drafter.models.spec import read_config
+    from drafter.tools.bench.grid import random_head
+
+    def load(head_dir, method, target_dir, device="cpu"):
+        return random_head(parse_head(read_config(head_dir), method), torch.device(device), dtype)
+
+    saved = inproc.load_head
+    inproc.load_head = load
+    try:
+        yield
+    finally:
+        inproc.load_head = saved
+
+
+# ---------------------------------------------------------------------------------------------- proposers
+def _to(value, device: torch.device, hidden_dtype: torch.dtype | None = None):
+    if isinstance(value, list):
+        return [_to(v, device) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.to(device, hidden_dtype or value.dtype)
+    return value
+
+
+class OnDevice:
+    """The proposer the target engine calls: the engine's host-built call moved to the target's
+    device (hidden states in the session's dtype), as a GPU-resident target would hold it, then
+    handed to `inner` (a RemoteProposer or TrustedProposer)."""
+
+    def __init__(self, inner, device: torch.device, hidden_dtype: torch.dtype):
+        self.inner, self.device, self.hidden_dtype = inner, device, hidden_dtype
+
+    @property
+    def generation(self):
+        return self.inner.generation
+
+    @property
+    def last_batch_padded(self):
+        return getattr(self.inner, "last_batch_padded", None)
+
+    def propose(self, *, accepted_counts=None, **call):
+        moved = {name: _to(v, self.device, self.hidden_dtype if name == "target_hidden_states" else None)
+                 for name, v in call.items()}
+        # accepted_counts stay on the host: the bound header carries them as a list
+        return self.inner.propose(accepted_counts=accepted_counts, **moved)
+
+
+class FreeDrafts:
+    """Not a drafter: drafts of token 0 at no cost, so the target verifies k rows per request."""
+
+    generation = 1
+    last_batch_padded = None
+
+    def __init__(self, k: int, device: torch.device):
+        self.k, self.device = k, device
+
+    def propose(self, *, next_token_ids, **_):  # next_token_ids: [batch]
+        return torch.zeros(next_token_ids.shape[0], self.k, dtype=torch.int64, device=self.device)
+
+
+class TrustedProposer:
+    """A DraftEngine called in process as a trusted caller does: propose(validate=False)."""
+
+    generation = 1
+    last_batch_padded = None
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def propose(self, *, accepted_counts=None, **call):
+        return self.engine.propose(**call, validate=False).draft_token_ids
+
+
+# ---------------------------------------------------------------------------------------------- the drafters
+def serve_argv(args, setup: Setup, model_dir: str, run_dir: str) -> list[str]:
+    """`drafter serve` (random weights) sized for the session this bench attaches: the target's
+    capture sizes, a KV pool of twice the session's blocks (a re-attach fits)."""
+    argv = server_args(model_dir, setup.batch, setup.k, setup.ctx, 2 * setup.num_blocks, args.drafter_device)
+    flags = {"--dtype": setup.dtype, "--max-model-len": str(setup.max_model_len),
+             "--max-num-batched-tokens": str(setup.max_tokens),
+             "--capture-sizes": ",".join(map(str, capture_sizes_up_to(setup.batch))),
+             "--token-capture-sizes": ",".join(map(str, capture_sizes_up_to(setup.max_tokens)))}
+    for flag, value in flags.items():
+        argv[argv.index(flag) + 1] = value
+    threads = ["--torch-threads", "1"] if args.tiny else []  # see main: a tiny CPU run on a busy host
+    return argv + threads + ["--zmq-ipc", f"{run_dir}/drafter.sock"]
+
+
+def start_server(args, setup: Setup, model_dir: str) -> subprocess.Popen:
+    """The served drafter's process, started (its readiness is waited for by wait_server)."""
+    run_dir = tempfile.mkdtemp(prefix="drafter-e2e-")
+    cmd = [sys.executable, "-m", "drafter.tools.bench.remote", "serve", *serve_argv(args, setup, model_dir, run_dir)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def remote_proposer(spec, port: int, args, bound: bool):
+    """The vLLM plugin's client (drafter_vllm.sources.make_source): RemoteProposer over ServiceTransport."""
+    from coordinator.clients import ServiceTransport
+    from coordinator.remote_proposer import ProposerConfig, RemoteProposer
+    from coordinator.routing import Endpoint, Router, StaticEndpoints
+    from coordinator.transport.bound_transport import BoundConfig
+
+    gpu = args.device.startswith("cuda")
+    cfg = BoundConfig(mode="auto", plane=args.plane, device=args.device if gpu else "") if bound else \
+        BoundConfig(mode="off")
+    return RemoteProposer(spec, router=Router(StaticEndpoints([Endpoint("zmq", "127.0.0.1", port)])), key=spec.client,
+                          connect=lambda ep: ServiceTransport(ep, timeout_s=args.deadline_s),
+                          config=ProposerConfig(deadline_s=args.deadline_s, bound=cfg))
+
+
+def inprocess_proposer(spec, model_dir: str, args):
+    """The plugin's `inprocess` transport under the RemoteProposer, attached."""
+    from coordinator.inprocess import InProcessTransport
+    from coordinator.remote_proposer import ProposerConfig, RemoteProposer
+    from coordinator.routing import Endpoint, Router, StaticEndpoints
+
+    with random_heads(getattr(torch, spec.dtype)):
+        transport = InProcessTransport(model_dir, "", "eagle3", device=args.device)
+    proposer = RemoteProposer(spec, router=Router(StaticEndpoints([Endpoint("inprocess", "e2e", 0)])),
+                              key=spec.client, connect=lambda ep: transport,
+                              config=ProposerConfig(deadline_s=args.deadline_s))
+    if not proposer.start():
+        raise RuntimeError(f"in-process attach failed: {list(proposer.events)}")
+    return proposer, transport
+
+
+# ---------------------------------------------------------------------------------------------- one way
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def stats(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"p50_us": xs[len(xs) // 2], "p99_us": xs[min(len(xs) - 1, int(0.99 * len(xs)))],
+            "mean_us": sum(xs) / len(xs), "n": len(xs)}
+
+
+def steady(rec, setup: Setup, k: int) -> bool:
+    """Every request decodes with k drafts verified and (k > 0) drafted for in the call."""
+    if rec.scheduled_tokens != setup.batch * (k + 1):
+        return False
+    return k == 0 or (rec.batch == setup.batch and rec.tokens == setup.batch * (k + 1))
+
+
+def run_way(name: str, runner: ModelRunner, proposer, setup: Setup, args) -> dict:
+    """Prefill, catch up, warm up, then time args.iters steps of one target engine."""
+    k = 0 if name == "plain" else setup.k
+    device = runner.device
+    cfg = TargetConfig(target_dir="", method="eagle3", aux_layer_ids=runner.cfg.aux_layer_ids,
+                       num_speculative_tokens=k, max_model_len=setup.max_model_len, max_num_seqs=setup.batch,
+                       max_num_batched_tokens=setup.max_tokens, block_size=BLOCK_SIZE, num_blocks=setup.num_blocks,
+                       dtype=setup.dtype)
+    engine = TargetEngine(cfg, proposer=proposer, runner=runner)
+    vocab = runner.vocab_size
+    for spec in random_requests(setup.batch, vocab_size=vocab, max_new_tokens=setup.max_new_tokens, seed=3,
+                                prompt_lens=(setup.ctx, setup.ctx)):
+        engine.add(spec)
+    t0 = time.perf_counter()
+    engine.step()  # the prefill
+    prefill_s = time.perf_counter() - t0
+    catchup = 0
+    while True:  # the drafter catches up on every prompt (two per call), then every step is a full one
+        rec = engine.step()
+        catchup += 1
+        if steady(rec, setup, k):
+            break
+        if catchup > 4 * setup.batch + 8:
+            raise RuntimeError(f"{name}: no steady step after {catchup} steps (last {rec})")
+    for _ in range(setup.warmup):
+        engine.step()
+    before = {r.rid: len(r.output) for r in engine.running}
+    times, waits, drafts, records = [], [], [], []
+    for _ in range(setup.iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        rec = engine.step()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e6)
+        waits.append(rec.wait_s * 1e6)
+        records.append(rec)
+        drafts.append([list(r.drafts) for r in sorted(engine.running, key=lambda r: r.rid)])
+    emitted = sum(len(r.output) - before[r.rid] for r in engine.running if r.rid in before)
+    full = sum(steady(r, setup, k) for r in records)
+    out = {"step": stats(times), "tokens_per_step": emitted / setup.iters,
+           "tokens_per_request_step": emitted / (setup.iters * setup.batch),
+           "query_rows_per_step": setup.batch * (k + 1), "full_steps": full,
+           "drafted_steps": sum(bool(r.drafts_ok) for r in records), "catchup_steps": catchup,
+           "prefill_s": prefill_s, "drafts": drafts,
+           "outputs": {r.rid: r.output for r in sorted(engine.running, key=lambda r: r.rid)}}
+    if k:
+        out["exchange"] = stats(waits)
+    return out
+
+
+def proposer_report(proposer) -> dict:
+    """What a RemoteProposer says of the run: no-draft steps by reason; for a bound transport the
+    plane and the bound / unbound step counts."""
+    report = {"no_drafts": dict(proposer.stats.no_drafts), "calls": proposer.stats.calls}
+    transport = proposer.transports.get(proposer.endpoint)
+    link = getattr(transport, "link", None)
+    if hasattr(transport, "steps"):
+        report["plane"] = getattr(link, "plane", None) if link is not None and link.alive else None
+        report["steps"] = dict(transport.steps)
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- report
+def derive(ways: dict) -> dict:
+    """The figures the issue asks for, from the step p50s (absent ways give absent figures)."""
+    p50 = {n: w["step"]["p50_us"] for n, w in ways.items() if "step" in w}
+    out = {}
+    if "plain" in p50:
+        for n in ("free_drafts", *DRAFTING):
+            if n in p50:
+                out[f"{n}_minus_plain_us"] = p50[n] - p50["plain"]
+    if "free_drafts" in p50:
+        for n in DRAFTING:
+            if n in p50:
+                out[f"{n}_minus_free_drafts_us"] = p50[n] - p50["free_drafts"]
+    if "inprocess" in p50:
+        for n in ("remote", "unbound"):
+            if n in p50:
+                out[f"{n}_over_inprocess_share"] = (p50[n] - p50["inprocess"]) / p50["inprocess"]
+    if "inprocess_trusted" in p50 and "remote" in p50:
+        out["remote_over_inprocess_trusted_share"] = (p50["remote"] - p50["inprocess_trusted"]) / \
+            p50["inprocess_trusted"]
+    return out
+
+
+def compare_drafts(ways: dict) -> dict:
+    """Step by step, whether each drafting way drafted what the in-process one did (same target,
+    same steps), and whether every way generated the same tokens as the plain decode."""
+    out = {}
+    ref = ways.get("inprocess", {}).get("drafts")
+    for n in ("inprocess_trusted", "remote", "unbound"):
+        other = ways.get(n, {}).get("drafts")
+        if ref is None or other is None:
+            continue
+        same = [a == b for a, b in zip(ref, other)]
+        out[f"inprocess_vs_{n}"] = {"equal": all(same) and len(ref) == len(other), "steps": len(same),
+                                    "equal_steps": sum(same),
+                                    "first_difference": same.index(False) if not all(same) else None}
+    plain = ways.get("plain", {}).get("outputs")
+    for n, w in ways.items():
+        if n == "plain" or plain is None or "outputs" not in w:
+            continue
+        agree = [w["outputs"][rid][:len(toks)] == toks[:len(w["outputs"][rid])] for rid, toks in plain.items()]
+        out[f"outputs_{n}_vs_plain"] = {"requests_agreeing": sum(agree), "requests": len(agree)}
+    return out
+
+
+LABELS = {"plain": "(a) no drafting, k = 0", "free_drafts": "(a') k = 3, free drafts (no drafter)",
+          "inprocess": "(b) in-process drafter", "inprocess_trusted": "(b') in-process, trusted call",
+          "remote": "(c) remote drafter", "unbound": "(d) remote, unbound ZMQ"}
+
+
+def table(result: dict) -> str:
+    meta, ways, d = result["meta"], result["ways"], result["derived"]
+    lines = [f"# One target decoding step end to end ({meta['device']}, {meta['date']})", "",
+             f"Command: `{meta['command']}`", "",
+             f"Reference target (coordinator.target) at {meta['target_shapes']}, random {meta['dtype']} weights, on "
+             f"{meta['target_device']}; EAGLE-3 head ({meta['head_shapes']}, random weights); drafter of (c)/(d) "
+             f"on {meta['drafter_device']}. Batch {meta['batch']}, context {meta['ctx']}, greedy, k = {meta['k']}; "
+             f"{meta['iters']} steps timed after {meta['warmup']} warm-up steps, each engine.step() between two "
+             "device synchronisations. Step and exchange (the engine's propose call: the call moved to the device, "
+             "drafted, drafts back) in us.", "",
+             "| way | step p50 | step p99 | exchange p50 | exchange p99 | tokens / step | notes |",
+             "|---|---|---|---|---|---|---|"]
+    for n in WAYS:
+        if n not in ways:
+            continue
+        w = ways[n]
+        if "error" in w:
+            lines.append(f"| {LABELS[n]} | failed: {w['error'][:100]} | | | | | |")
+            continue
+        ex = w.get("exchange")
+        ex_text = f"{ex['p50_us']:.0f} | {ex['p99_us']:.0f}" if ex else " | "
+        lines.append(f"| {LABELS[n]} | {w['step']['p50_us']:.0f} | {w['step']['p99_us']:.0f} | {ex_text} | "
+                     f"{w['tokens_per_step']:.2f} | {_notes(w)} |")
+    lines += ["", "Derived (step p50s):", ""]
+    names = {"inprocess_minus_plain_us": "draft part in process, (b) - (a)",
+             "remote_minus_plain_us": "draft part remote, (c) - (a)",
+             "inprocess_minus_free_drafts_us": "in-process drafter alone (the call's copy to the device included), "
+                                               "(b) - (a')",
+             "remote_minus_free_drafts_us": "remote drafter alone (the same copy included), (c) - (a')",
+             "remote_over_inprocess_share": "overhead of remote over in-process, share of the step: ((c) - (b)) / (b)",
+             "remote_over_inprocess_trusted_share": "the same against the trusted call: ((c) - (b')) / (b')",
+             "unbound_over_inprocess_share": "unbound remote over in-process: ((d) - (b)) / (b)"}
+    for key, label in names.items():
+        if key in d:
+            value = f"{100 * d[key]:+.1f} %" if key.endswith("share") else f"{d[key]:.0f} us"
+            lines.append(f"* {label}: **{value}**")
+    lines += ["", "Drafts compared step by step with (b):", ""]
+    for key, c in result["compare"].items():
+        if key.startswith("inprocess_vs_"):
+            lines.append(f"* {key}: {c['equal_steps']} of {c['steps']} steps equal")
+        else:
+            lines.append(f"* {key}: {c['requests_agreeing']} of {c['requests']} requests generated the same tokens")
+    lines += ["", "Random weights: the drafts are almost never accepted (tokens / step is about the batch), so "
+              "acceptance says nothing here; the figure is time per step."]
+    return "\n".join(lines) + "\n"
+
+
+def _notes(w: dict) -> str:
+    notes = []
+    if w["full_steps"] != w["step"]["n"]:
+        notes.append(f"{w['full_steps']} of {w['step']['n']} steps full")
+    if "proposer" in w:
+        p = w["proposer"]
+        if "plane" in p:
+            notes.append(f"plane {p['plane'] or 'none (unbound)'}, steps {p['steps']}")
+        if p["no_drafts"]:
+            notes.append(f"no drafts: {p['no_drafts']}")
+    return "; ".join(notes)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse(argv: list[str]):
+    p = argparse.ArgumentParser(prog="python -m coordinator.bench.e2e_step", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="bench/results/latest")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--ctx", type=int, default=1000, help="prompt length of every request")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--device", default="cuda:0", help="the target's GPU (and the in-process drafter's)")
+    p.add_argument("--drafter-device", default="", help="the served drafter's device [--device]")
+    p.add_argument("--plane", default="cuda_ipc", help="the remote way's BoundConfig.plane [cuda_ipc]")
+    p.add_argument("--ways", default=",".join(WAYS), help=f"of {WAYS}")
+    p.add_argument("--deadline-s", type=float, default=30.0, help="the proposers' per-step deadline")
+    p.add_argument("--tiny", action="store_true", help="tiny target and head (the CPU test)")
+    args = p.parse_args(argv)
+    args.ways = [w for w in args.ways.split(",") if w]
+    unknown = set(args.ways) - set(WAYS)
+    if unknown:
+        raise SystemExit(f"--ways: unknown {sorted(unknown)}; choose from {WAYS}")
+    args.drafter_device = args.drafter_device or args.device
+    args.dtype = "float32" if args.tiny else "bfloat16"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    threads = torch.get_num_threads()
+    if args.tiny:  # tiny matrices on a shared CPU: one thread is tens of times faster than several waiting
+        torch.set_num_threads(1)
+    try:
+        return run(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args, argv: list[str]) -> int:
+    setup = Setup.of(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    head_cfg = TINY_HEAD if args.tiny else HEAD_CONFIG
+    model_dir = tempfile.mkdtemp(prefix="e2e-eagle3-config-")
+    Path(model_dir, "config.json").write_text(json.dumps(head_cfg))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton launches on the current device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    target_cfg = TINY_TARGET if args.tiny else LLAMA_8B
+    result = {"meta": {
+        "device": name, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python -m coordinator.bench.e2e_step " + " ".join(argv), "torch": torch.__version__,
+        "target_device": args.device, "drafter_device": args.drafter_device, "batch": setup.batch, "ctx": setup.ctx,
+        "k": setup.k, "warmup": setup.warmup, "iters": setup.iters, "dtype": setup.dtype,
+        "target_shapes": (f"{target_cfg['num_hidden_layers']} layers, hidden {target_cfg['hidden_size']}, "
+                          f"{target_cfg['num_attention_heads']}/{target_cfg['num_key_value_heads']} heads, "
+                          f"intermediate {target_cfg['intermediate_size']}, vocab {target_cfg['vocab_size']}"),
+        "head_shapes": f"hidden {head_cfg['hidden_size']}, draft vocab {head_cfg['draft_vocab_size']}",
+        "max_num_batched_tokens": setup.max_tokens, "max_model_len": setup.max_model_len},
+        "ways": {}, "derived": {}, "compare": {}}
+
+    def save():
+        result["derived"] = derive(result["ways"])
+        result["compare"] = compare_drafts(result["ways"])
+        slim = {**result, "ways": {n: {k: v for k, v in w.items() if k not in ("drafts", "outputs")}
+                                   for n, w in result["ways"].items()}}
+        (out / "e2e_step.json").write_text(json.dumps(slim, indent=1))
+        (out / "e2e_step.md").write_text(table(result))
+
+    served = [w for w in args.ways if w in ("remote", "unbound")]
+    server = start_server(args, setup, model_dir) if served else None  # it loads while the target is built
+    try:
+        runner = build_runner(args, setup, head_cfg)
+        hidden_dtype = getattr(torch, setup.dtype)
+        spec = TargetEngine(TargetConfig("", aux_layer_ids=runner.cfg.aux_layer_ids, num_speculative_tokens=setup.k,
+                                         max_model_len=setup.max_model_len, max_num_seqs=setup.batch,
+                                         max_num_batched_tokens=setup.max_tokens, block_size=BLOCK_SIZE,
+                                         num_blocks=setup.num_blocks, dtype=setup.dtype),
+                            runner=runner).session_spec("e2e-step")
+        port = None
+        if server is not None:
+            ready = wait_ready(server)
+            port = int(ready["zmq_port"])
+        inproc = None
+        for way in args.ways:
+            proposer = None
+            try:
+                if way == "plain":
+                    proposer = None
+                elif way == "free_drafts":
+                    proposer = FreeDrafts(setup.k, device)
+                elif way in ("inprocess", "inprocess_trusted"):
+                    if inproc is None:
+                        inproc = inprocess_proposer(spec, model_dir, args)
+                    rp, transport = inproc
+                    inner = rp if way == "inprocess" else TrustedProposer(next(iter(transport.sessions.values())))
+                    proposer = OnDevice(inner, device, hidden_dtype)
+                else:
+                    proposer = OnDevice(remote_proposer(spec, port, args, bound=way == "remote"), device,
+                                        hidden_dtype)
+                    if not proposer.inner.start():
+                        raise RuntimeError(f"attach failed: {list(proposer.inner.events)[-3:]}")
+                r = run_way(way, runner, proposer, setup, args)
+                inner = getattr(proposer, "inner", None)
+                if hasattr(inner, "stats"):
+                    r["proposer"] = proposer_report(inner)
+                result["ways"][way] = r
+                print(f"{way}: step p50 {r['step']['p50_us']:.0f} us p99 {r['step']['p99_us']:.0f} us, "
+                      f"{r['tokens_per_step']:.2f} tokens/step {r.get('proposer', '')}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - one way failing keeps the others' figures
+                result["ways"][way] = {"error": f"{type(exc).__name__}: {exc}"}
+                print(f"{way}: FAILED {type(exc).__name__}: {exc}", flush=True)
+            finally:
+                if way in served and proposer is not None:
+                    proposer.inner.close(timeout=5.0)
+            save()
+        if inproc is not None:
+            inproc[0].close()
+    finally:
+        if server is not None:
+            stop_server(server)
+        save()
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
