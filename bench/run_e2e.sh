@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Issue 18's end-to-end step figure in one device call (python -m coordinator.bench.e2e_step): the
+# reference target at Llama-3.1-8B shapes (random weights) on cuda:0, batch 16, ctx 1000, k = 3, one
+# decoding step timed without drafting, with free drafts, with the in-process drafter (validated and
+# trusted calls), with `drafter serve` on the same GPU over bound cuda_ipc and over unbound ZMQ.
+#   OUT=/tmp/out bash bench/run_e2e.sh [e2e_step arguments, e.g. --drafter-device cuda:1 --iters 300]
+# Writes $OUT/gpu.txt, e2e_step.json, e2e_step.md, e2e_stdout.txt.  Knob: E2E_TIMEOUT (seconds, 420).
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"   # OUT, the carried wheels, PYTHONPATH
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; date -u +%FT%TZ
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
+cat "$OUT/gpu.txt"
+timeout "${E2E_TIMEOUT:-420}" python3 -m coordinator.bench.e2e_step --out "$OUT" --device cuda:0 "$@" \
+  > "$OUT/e2e_stdout.txt" 2>&1
+echo "e2e_step exit $?"
+tail -45 "$OUT/e2e_stdout.txt"
+ls -la "$OUT"
