@@ -15,10 +15,21 @@ hidden states kept on its device.  Three ways to get drafts for it:
   in-process     a DraftEngine on the target's device, called after verification (validate=False)
   exact remote   `drafter serve` on --drafter-device, the call over ZMQ (hidden states copied to
                  the host and sent as bytes), the target waiting for the reply
+  exact bound    the same server through the product's bound client (cuda_ipc: the call copied
+                 into a slab on the target's GPU, a header-only step; what a RemoteProposer runs
+                 once bound), the target waiting; bound steps carry no pre-drafts
   pre-draft      the same server with --predraft-outcomes B: it pushes the next step's drafts for
                  the likeliest outcomes while the target verifies; the target picks locally
                  (coordinator.predraft.PreDraftPicker) and, when every row hits, sends the call
                  without waiting; otherwise it waits for the exact drafts as above
+  (predraft_nowait: the same, but a step whose rows mostly hit goes without waiting, its missed
+                 rows verifying no drafts)
+
+Where each step's time goes: the target stamps each timed step (verify end, outcome drawn, call
+built, sent, drafts in hand) and the served drafter (`python -m drafter.tools.bench.predraft
+serve`) writes every call's stage marks (read, engine, reply sent, pre-draft, push) as JSON lines;
+both use perf_counter_ns (CLOCK_MONOTONIC, one host), so each run's row carries per-stage p50s
+(STAGES) and the .md a table of them.
 
 Which b the target samples cannot come from random weights, so it is drawn: with probability
 --hit-by-a / --hit-all (the hit rates measured on the trained pair, by a) the row's outcome is one
@@ -54,6 +65,7 @@ from drafter.wire.predraft import merge
 from drafter.wire.records import ProposeInputs, ProposeRequest
 
 BLOCK_SIZE = 16
+STEP_BASE = 1_000_000  # each session's call ids start at a multiple of it
 MODES = ("in_process", "exact_remote", "predraft")  # the default runs; also "predraft_nowait"
 
 
@@ -218,6 +230,7 @@ class InProcess:
         self.engine = engine
         self.steps = 0
         self.device = engine.device
+        self.sent_ns, self.waited = 0, True  # the last call: when it left for the drafter, whether the target waited
 
     def hidden(self, rows: Rows) -> torch.Tensor:
         return rows.hidden
@@ -226,6 +239,7 @@ class InProcess:
         return accepted, rows._tokens(rows.cfg.batch)
 
     def draft(self, step: int, kw: dict, accepted_counts) -> tuple[torch.Tensor, list[bool]]:
+        self.sent_ns = time.perf_counter_ns()
         dev = {n: ([t.to(self.device, non_blocking=True) for t in v] if isinstance(v, list)
                    else v.to(self.device, non_blocking=True)) for n, v in kw.items()}
         drafts = self.engine.propose(**dev, validate=False).draft_token_ids.cpu()
@@ -243,6 +257,7 @@ class ExactRemote:
     def __init__(self, client):
         self.client = client
         self.steps = 0
+        self.sent_ns, self.waited = 0, True
 
     def hidden(self, rows: Rows) -> torch.Tensor:
         return rows.hidden.cpu()  # the target's device -> the host, as a bytes transport needs
@@ -255,7 +270,9 @@ class ExactRemote:
                               accepted_counts, request_id=step, want_predrafts=want)
 
     def draft(self, step: int, kw: dict, accepted_counts) -> tuple[torch.Tensor, list[bool]]:
-        drafts = self.client.request_drafts(self.request(step, kw, accepted_counts, False)).draft_token_ids
+        request = self.request(step, kw, accepted_counts, False)
+        self.sent_ns = time.perf_counter_ns()
+        drafts = self.client.request_drafts(request).draft_token_ids
         return drafts, [False] * drafts.shape[0]
 
     def close(self) -> None:
@@ -328,9 +345,11 @@ class PreDraft(ExactRemote):
         request = self.request(step, kw, accepted_counts, True)
         hits = self.picker.pick(step, request.inputs, request.accepted_counts)
         self.last_step = step
+        self.sent_ns, self.waited = time.perf_counter_ns(), False
         if hits and all(h is not None for h in hits) and self.client.send_nowait(request):
             self.unawaited += 1
             return torch.stack(hits), [True] * len(hits)
+        self.waited = True
         exact = self.client.request_drafts(request).draft_token_ids
         return merge(exact, hits)
 
@@ -348,6 +367,7 @@ class PreDraftNoWait(PreDraft):
         hits = self.picker.pick(step, request.inputs, request.accepted_counts)
         self.last_step = step
         got = [h is not None for h in hits]
+        self.sent_ns, self.waited = time.perf_counter_ns(), False
         if hits and sum(got) >= max(1, self.min_hits * len(hits)) and self.client.send_nowait(request):
             self.unawaited += 1
             width = max((int(h.shape[0]) for h in hits if h is not None), default=1)
@@ -356,41 +376,206 @@ class PreDraftNoWait(PreDraft):
                 if h is not None:
                     drafts[r, : h.shape[0]] = h
             return drafts, got
+        self.waited = True
         return merge(self.client.request_drafts(request).draft_token_ids, hits)
 
 
+class ExactBound:
+    """What a user's RemoteProposer runs once its session is bound (BoundConfig plane "auto"): the
+    product's bound client (coordinator.transport.bound_ipc.CudaIpcBoundClient) over cuda_ipc
+    between two GPUs of one host (the host ring on a CPU), the call's tensors copied into the
+    session's slab on the target's device by the product's fill, a header-only step, the target
+    waiting for the drafts.  Bound steps ask for no pre-drafts (they are pushed after unbound
+    replies only), so this is exact remote drafting at the bound path's cost."""
+
+    name = "exact_bound"
+
+    def __init__(self, client):
+        self.client = client
+        self.steps = 0
+        self.sent_ns, self.waited = 0, True
+        self.last_stamps: dict = {}  # the last step's stamps of the bound client (both sides' perf_counter_ns)
+
+    def hidden(self, rows: Rows) -> torch.Tensor:
+        return rows.hidden  # stays on the target's device: fill copies it into the slab there
+
+    def outcomes(self, rows: Rows, accepted: list[int], stats: dict) -> tuple[list[int], torch.Tensor]:
+        return accepted, rows._tokens(rows.cfg.batch)
+
+    def draft(self, step: int, kw: dict, accepted_counts) -> tuple[torch.Tensor, list[bool]]:
+        from coordinator.transport.bound_transport import fill
+
+        self.sent_ns = time.perf_counter_ns()
+        n, b = fill(self.client.views, ProposeInputs(**{f: kw.get(f) for f in ProposeInputs.__dataclass_fields__}))
+        drafts = self.client.step(n, b)
+        self.last_stamps = dict(self.client.stamps)
+        return drafts, [False] * b
+
+    def close(self) -> None:
+        try:
+            self.client.detach()
+        finally:
+            self.client.close()
+
+
+def bound_client(endpoint: str, batch: int, k: int, args):
+    """A bound session of the product's client for the bench's calls (plane: cuda_ipc where the
+    drafter can read the target's GPU, else the host ring)."""
+    from types import SimpleNamespace
+
+    from coordinator.transport.bound_ipc import CudaIpcBoundClient
+    from coordinator.transport.bound_transport import session_buffers
+
+    layout = attach_request(endpoint, batch, args)
+    spec = SimpleNamespace(num_speculative_tokens=k, hidden_width=layout.hidden_size * max(1, layout.num_aux_layers),
+                           dtype="bfloat16", kv_groups=layout.kv_groups, max_model_len=layout.max_model_len)
+    buffers = session_buffers(spec, SimpleNamespace(max_num_seqs=batch, max_num_batched_tokens=batch * (k + 1)),
+                              0, 0, 0)
+    client = CudaIpcBoundClient(endpoint, layout, buffers, max_batch=batch, device=args.target_device, timeout_s=20,
+                                transport="ipc" if endpoint.startswith("ipc://") else "tcp")
+    try:
+        plane = client.bind()
+    except BaseException:
+        client.close()
+        raise
+    print(f"  bound b={batch} k={k}: plane {plane} {client.fallback_reason}".rstrip(), flush=True)
+    return client
+
+
 def run(rows: Rows, drafter, verify: Verify, steps: int, warmup: int) -> dict:
-    """The target loop: verify, draw the outcome, build the call, get the next drafts."""
+    """The target loop: verify, draw the outcome, build the call, get the next drafts.  Each timed
+    step's host stamps (perf_counter_ns: launch, verify_end, built, sent, drafts, waited) go to
+    out["marks"] for the stage breakdown (stage_table)."""
     stats = {"not_arrived": 0, "remapped": 0, "empty": 0}
     kw, counts = rows.call(None, rows._tokens(rows.cfg.batch), drafter.hidden(rows))
     drafter.steps += 1  # call ids keep rising over every run of one session
     drafts, pre = drafter.draft(drafter.steps, kw, counts)
     rows.set_drafts(drafts, pre)
-    step_ms, t0, tokens0 = [], 0.0, 0
+    step_ms, t0, tokens0, marks = [], 0.0, 0, []
+    picker = getattr(drafter, "picker", None)
     for t in range(warmup + steps):
         if t == warmup:
             t0, tokens0 = time.perf_counter(), rows.tokens
             stats = {"not_arrived": 0, "remapped": 0, "empty": 0}
+            if picker is not None:  # hit rates and late sets of the timed steps only
+                picker.stats = PickerStats()
+                drafter.unawaited = 0
         s0 = time.perf_counter()
+        launch = time.perf_counter_ns()
         verify.launch()
         accepted = rows.draw_accepted()
         verify.wait()
+        verify_end = time.perf_counter_ns()
         rows.tokens += sum(a + 1 for a in accepted)
         sent, next_tokens = drafter.outcomes(rows, accepted, stats)
+        drawn = time.perf_counter_ns()
         kw, counts = rows.call(sent, next_tokens, drafter.hidden(rows))
+        built = time.perf_counter_ns()
         drafter.steps += 1
         drafts, pre = drafter.draft(drafter.steps, kw, counts)
         rows.set_drafts(drafts, pre)
         step_ms.append((time.perf_counter() - s0) * 1e3)
+        if t >= warmup:
+            marks.append({"step": drafter.steps, "launch": launch, "verify_end": verify_end, "drawn": drawn,
+                          "built": built, "sent": drafter.sent_ns, "drafts": time.perf_counter_ns(),
+                          "waited": drafter.waited, "bound": getattr(drafter, "last_stamps", None)})
     wall = time.perf_counter() - t0
     out = {"tokens_per_s": (rows.tokens - tokens0) / wall, "steps": steps,
            "tokens_per_step": (rows.tokens - tokens0) / steps / rows.cfg.batch,
-           "step_ms_p50": statistics.median(step_ms[warmup:]), "step_ms_mean": 1e3 * wall / steps, **stats}
-    picker = getattr(drafter, "picker", None)
+           "step_ms_p50": statistics.median(step_ms[warmup:]), "step_ms_mean": 1e3 * wall / steps, **stats,
+           "marks": marks}
     if picker is not None:
         out.update(hit_rate=picker.stats.hit_rate, hits_by_a=picker.stats.hit_rate_by_a(),
                    sets=picker.stats.offered, late_sets=picker.stats.late, unawaited=drafter.unawaited)
     return out
+
+
+# --------------------------------------------------------------------------- where the step's time goes
+# (name, value in ns from the target's step stamps m, the drafter's marks d of the same call, the
+# target's stamps n of the next step; None where it does not apply).  One host clock on both sides.
+STAGES = (
+    ("A verify end -> outcome drawn", lambda m, d, n: m["drawn"] - m["verify_end"]),
+    ("B outcome -> call built (hidden states to the host for ZMQ)", lambda m, d, n: m["built"] - m["drawn"]),
+    ("C built -> sent (pick, request)", lambda m, d, n: m["sent"] - m["built"]),
+    ("D sent -> drafter read it", lambda m, d, n: d["start"] - m["sent"] if "start" in d else None),
+    ("E drafter: read -> engine thread (decode, validate, queue)",
+     lambda m, d, n: d["handoff_in"] - d["start"] if "handoff_in" in d else None),
+    ("F drafter: engine (prepare, draft, drafts to host)",
+     lambda m, d, n: d["engine"] - d["handoff_in"] if "engine" in d else None),
+    ("G drafter: engine -> reply sent", lambda m, d, n: d["send"] - d["engine"] if "send" in d else None),
+    ("H reply sent -> drafts at the target (waited steps)",
+     lambda m, d, n: m["drafts"] - d["send"] if "send" in d and m["waited"] else None),
+    ("I drafter: reply -> pre-draft engine start",
+     lambda m, d, n: d["predraft_engine_start"] - d["send"] if "predraft_engine_start" in d else None),
+    ("J drafter: pre-draft engine (graph replay, outcomes to host)",
+     lambda m, d, n: d["predraft_engine"] - d["predraft_engine_start"] if "predraft_engine" in d else None),
+    ("K drafter: pre-draft -> push sent", lambda m, d, n: d["push"] - d["predraft_engine"] if "push" in d
+     and "predraft_engine" in d else None),
+    ("L push slack: next verify end - push sent (< 0: late)",
+     lambda m, d, n: n["verify_end"] - d["push"] if "push" in d and n is not None else None),
+    ("L2 bound: fill the slab -> header sent",
+     lambda m, d, n: (m["bound"] or {})["sent"] - m["sent"] if "sent" in (m.get("bound") or {}) else None),
+    ("M bound: header sent -> drafter read it", lambda m, d, n: _span(m, "received", "sent")),
+    ("N bound: drafter read -> step started", lambda m, d, n: _span(m, "started", "received")),
+    ("O bound: started -> GPU work queued", lambda m, d, n: _span(m, "queued", "started")),
+    ("P bound: queued -> reply", lambda m, d, n: _span(m, "replied", "queued")),
+    ("Q bound: reply -> drafts on the target's host", lambda m, d, n: _span(m, "read", "replied")),
+    ("Z critical path past the verify: verify end -> drafts in hand", lambda m, d, n: m["drafts"] - m["verify_end"]),
+)
+
+
+def _span(m: dict, end: str, start: str) -> int | None:
+    b = m.get("bound") or {}
+    return b[end] - b[start] if end in b and start in b else None
+
+
+def server_marks(path: str, first: int, last: int) -> dict[int, dict[str, int]]:
+    """The drafter's stage marks (drafter.tools.bench.predraft record_stages) of calls first..last,
+    by request id: {stage: perf_counter_ns}, each stage's first mark."""
+    out: dict[int, dict[str, int]] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:  # the line being written
+            continue
+        if first <= rec["request_id"] <= last:
+            out[rec["request_id"]] = {name: ns for name, ns in reversed(rec["marks"])}
+    return out
+
+
+def stage_summary(marks: list[dict], drafter_marks: dict[int, dict[str, int]]) -> dict:
+    """Per stage (STAGES) the p50 and count in microseconds over the run's timed steps."""
+    per: dict[str, list[float]] = {name: [] for name, _ in STAGES}
+    for i, m in enumerate(marks):
+        nxt = marks[i + 1] if i + 1 < len(marks) else None
+        d = drafter_marks.get(m["step"], {})
+        for name, fn in STAGES:
+            try:
+                v = fn(m, d, nxt)
+            except KeyError:
+                v = None
+            if v is not None:
+                per[name].append(v / 1e3)
+    return {name: {"p50_us": round(statistics.median(xs), 1), "n": len(xs)} for name, xs in per.items() if xs}
+
+
+def stage_lines(results: list[dict]) -> list[str]:
+    """One row per run: each stage's p50 microseconds (a letter per column; the legend below)."""
+    names = [name for name, _ in STAGES if any(name in r.get("stages", {}) for r in results)]
+    if not names:
+        return []
+    lines = ["| V ms | batch | k | mode | " + " | ".join(n.split()[0] for n in names) + " |",
+             "|---|---|---|---|" + "---|" * len(names)]
+    for r in results:
+        st = r.get("stages", {})
+        lines.append(f"| {r['verify_ms']:g} | {r['batch']} | {r['k']} | {r['mode']} | "
+                     + " | ".join(f"{st[n]['p50_us']:.0f}" if n in st else "" for n in names) + " |")
+    return lines + ["", "Columns (p50 microseconds over the timed steps; one host clock on both sides):", ""] + \
+        [f"* {n}" for n in names]
 
 
 # --------------------------------------------------------------------------- the drafters
@@ -418,25 +603,41 @@ def _kv_blocks(args, batch: int) -> int:
 
 def start_server(model_dir: str, k: int, args, run_dir: str) -> tuple[subprocess.Popen, str]:
     sock = f"{run_dir}/k{k}.sock"
-    cmd = [sys.executable, "-m", "drafter.tools.bench.remote", "serve", *_server_argv(model_dir, k, args, args.outcomes),
+    cmd = [sys.executable, "-m", "drafter.tools.bench.predraft", "serve", *_server_argv(model_dir, k, args, args.outcomes),
            "--zmq-ipc", sock]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ)), f"ipc://{sock}"
+    env = {**os.environ, "DRAFTER_STAGES_OUT": stages_path(run_dir, k)}  # every call's stage marks (JSON lines)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env), f"ipc://{sock}"
+
+
+def stages_path(run_dir: str, k: int) -> str:
+    return f"{run_dir}/k{k}-stages.jsonl"
 
 
 def attach(endpoint: str, batch: int, args):
     from coordinator.transport import ZmqDrafterClient
-    from drafter.wire import schema
 
     client = ZmqDrafterClient(endpoint, timeout_s=60)
+    client.attach(attach_request(endpoint, batch, args, client))
+    return client
+
+
+def attach_request(endpoint: str, batch: int, args, client=None):
+    """The session the bench asks for: the server's layout, `batch` rows of max_len positions."""
+    from coordinator.transport import ZmqDrafterClient
+    from drafter.wire import schema
+
+    own = client is None
+    client = client or ZmqDrafterClient(endpoint, timeout_s=60)
     info = client.info()
-    client.attach(schema.AttachRequest(
+    if own:
+        client.close()
+    return schema.AttachRequest(
         protocol_version=info.protocol_version, method=info.method, num_speculative_tokens=info.num_speculative_tokens,
         speculative_token_tree=info.speculative_token_tree, hidden_dtype="bfloat16", hidden_size=info.hidden_size,
         num_aux_layers=info.num_aux_layers, max_model_len=info.limits.max_model_len, max_num_seqs=batch,
         max_num_batched_tokens=info.limits.max_num_batched_tokens,
         kv_groups=[schema.KVGroup(block_size=BLOCK_SIZE, num_blocks=batch * -(-args.max_len // BLOCK_SIZE))],
-        client_name=f"predraft-bench-b{batch}"))
-    return client
+        client_name=f"predraft-bench-b{batch}")
 
 
 def in_process_engine(model_dir: str, k: int, args):
@@ -478,10 +679,10 @@ def prime(endpoint: str, k: int, args, target, assume: Assumptions, verify: Veri
 
 # --------------------------------------------------------------------------- the table
 def table(results: list[dict], verify_ms, batches) -> list[str]:
-    lines = ["| V ms | batch | in-process best (k) | exact remote best (k) | pre-draft k=3 (hit) | "
+    lines = ["| V ms | batch | in-process best (k) | exact remote best (k) | exact bound best (k) | pre-draft k=3 (hit) | "
              "pre-draft best (k, hit) | pre k=3 / in-proc best | pre best / in-proc best | pre k=3 / in-proc k=3 | "
              "no-wait best (k, hit) | no-wait best / in-proc best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in verify_ms:
         for b in batches:
             mine = [r for r in results if r["verify_ms"] == v and r["batch"] == b]
@@ -496,7 +697,7 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
                 return next((r for r in mine if r["mode"] == mode and r["k"] == k), None)
             ip, ex, pb, p3, ip3 = best("in_process"), best("exact_remote"), best("predraft"), at("predraft", 3), \
                 at("in_process", 3)
-            nw = best("predraft_nowait")
+            nw, eb = best("predraft_nowait"), best("exact_bound")
 
             def cell(r, hit=False):
                 if r is None:
@@ -505,7 +706,7 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
 
             def ratio(x, y):
                 return f"{x['tokens_per_s'] / y['tokens_per_s']:.3f}" if x and y else "-"
-            lines.append(f"| {v:g} | {b} | {cell(ip)} | {cell(ex)} | {cell(p3, True)} | {cell(pb, True)} | "
+            lines.append(f"| {v:g} | {b} | {cell(ip)} | {cell(ex)} | {cell(eb)} | {cell(p3, True)} | {cell(pb, True)} | "
                          f"{ratio(p3, ip)} | {ratio(pb, ip)} | {ratio(p3, ip3)} | {cell(nw, True)} | {ratio(nw, ip)} |")
     return lines
 
@@ -560,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     remote = any(m != "in_process" for m in modes)
     servers: dict = {}
     results = []
+    sessions = 0
     try:
         # the first server alone (a cold Triton cache compiles once), then the others side by side
         for group in ([args.ks[0]], args.ks[1:]) if remote else ():
@@ -582,8 +784,14 @@ def main(argv: list[str] | None = None) -> int:
                                           3 * (128 if args.tiny else 4096), seed=b * 100 + k), target,
                                 torch.bfloat16, assume)
                     try:
-                        drafter = InProcess(engine) if mode == "in_process" else \
-                            REMOTE[mode](attach(servers[k][1], b, args))
+                        if mode == "in_process":
+                            drafter = InProcess(engine)
+                        elif mode == "exact_bound":
+                            drafter = ExactBound(bound_client(servers[k][1], b, k, args))
+                        else:
+                            drafter = REMOTE[mode](attach(servers[k][1], b, args))
+                        sessions += 1
+                        drafter.steps = sessions * STEP_BASE  # call ids unique per server: its stage marks join
                     except Exception as exc:  # noqa: BLE001 - one configuration failing leaves the others
                         print(f"  b={b} k={k} {mode}: FAILED to start: {exc!r}", flush=True)
                         continue
@@ -592,8 +800,11 @@ def main(argv: list[str] | None = None) -> int:
                             if isinstance(drafter, PreDraft):
                                 drafter.picker.stats = PickerStats()  # per-V hit statistics
                                 drafter.unawaited = 0
+                            first = drafter.steps + 1
                             r = run(rows, drafter, verifies[v], args.steps, args.warmup)
                             r.update(mode=mode, verify_ms=v, batch=b, k=k, outcomes=args.outcomes)
+                            d = server_marks(stages_path(run_dir, k), first, drafter.steps) if k in servers else {}
+                            r["stages"] = stage_summary(r.pop("marks"), d)
                             results.append(r)
                             _log_run(r)
                             write(out, args, assume, name, modes, verify_ms, results, quiet=True)
@@ -620,7 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-REMOTE = {"exact_remote": ExactRemote, "predraft": PreDraft, "predraft_nowait": PreDraftNoWait}
+REMOTE = {"exact_remote": ExactRemote, "exact_bound": ExactBound, "predraft": PreDraft,
+          "predraft_nowait": PreDraftNoWait}
 
 
 def _log_run(r: dict) -> None:
@@ -642,9 +854,11 @@ def write(out: Path, args, assume: Assumptions, name: str, modes, verify_ms, res
             f"drafts' tokens per step); an arrived pre-draft set predicts the outcome with probability "
             f"{assume.hit_by_a} when a < k (last repeats) and {assume.hit_all} when all k are accepted; "
             f"{args.outcomes} outcomes pre-drafted per row (k' = k); drafter: random-weight EAGLE-3 head of "
-            f"Llama-3.1-8B shapes ({'tiny' if args.tiny else 'bf16'}), Triton + CUDA graphs for drafts, "
-            f"pre-drafts eager, on {args.drafter_device} (remote, ZMQ over ipc://, hidden states copied to the host "
-            f"each step) or {args.target_device} (in-process, inputs on the device); context {args.ctx} growing by "
+            f"Llama-3.1-8B shapes ({'tiny' if args.tiny else 'bf16'}), Triton + CUDA graphs for drafts and for "
+            f"pre-drafts (one replay per call, captured per batch size), on {args.drafter_device} (exact remote and "
+            f"pre-draft: unbound ZMQ over ipc://, hidden states copied to the host each step; exact bound: the "
+            f"product's bound client, cuda_ipc slab on {args.target_device}) or {args.target_device} (in-process, "
+            f"inputs on the device); context {args.ctx} growing by "
             f"the accepted tokens; {args.steps} timed steps after {args.warmup} per configuration.")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "device": name,
             "torch": torch.__version__, "command": " ".join(sys.argv), "assumptions": text,
@@ -652,12 +866,15 @@ def write(out: Path, args, assume: Assumptions, name: str, modes, verify_ms, res
     (out / "predraft_target.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     body = [f"# Pre-drafting against a simulated target ({name}, {meta['date']})", "",
             "Target tokens/s (measured):", "", *lines, "", text, "", "Every run:", "",
-            "| V ms | batch | k | mode | tok/s | tok/step/row | step p50 ms | hit | unawaited | not arrived |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| V ms | batch | k | mode | tok/s | tok/step/row | step p50 ms | hit | unawaited | not arrived | late sets |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         body.append(f"| {r['verify_ms']:g} | {r['batch']} | {r['k']} | {r['mode']} | {r['tokens_per_s']:.0f} | "
                     f"{r['tokens_per_step']:.2f} | {r['step_ms_p50']:.2f} | {r.get('hit_rate', 0):.2f} | "
-                    f"{r.get('unawaited', '-')} | {r.get('not_arrived', '-')} |")
+                    f"{r.get('unawaited', '-')} | {r.get('not_arrived', '-')} | {r.get('late_sets', '-')} |")
+    stages = stage_lines(results)
+    if stages:
+        body += ["", "Where each step's time goes (p50 us per stage):", "", *stages]
     (out / "predraft_target.md").write_text("\n".join(body) + "\n")
     if not quiet:
         print("\n".join(body), flush=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -141,6 +142,26 @@ def _time(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(out)
 
 
+def _replay_cost(engine, batch: int, iters: int) -> dict:
+    """Whether the pre-drafts ran as graph replays (calls answered by one), and one replay's GPU
+    microseconds alone (CUDA events around `iters` replays of the batch's graph; None without one)."""
+    graphs = getattr(engine, "_predraft_graphs", None)
+    out = {"predraft_replays": getattr(graphs, "count", 0), "predraft_replay_gpu_us": None}
+    fits = [s for s in getattr(graphs, "replays", {}) if s >= batch]
+    if not fits or not torch.cuda.is_available() or engine.device.type != "cuda":
+        return out
+    replay = graphs.replays[min(fits)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay()
+    start.record()
+    for _ in range(iters):
+        replay()
+    end.record()
+    end.synchronize()
+    out["predraft_replay_gpu_us"] = round(start.elapsed_time(end) * 1e3 / iters, 1)
+    return out
+
+
 def measure(spec, batches, ks, outcomes: int, ctx: int, iters: int, device: str, tiny: bool, log) -> list[dict]:
     """draft_us and predraft_us per (batch, k)."""
     from drafter.wire.records import ProposeInputs
@@ -166,8 +187,11 @@ def measure(spec, batches, ks, outcomes: int, ctx: int, iters: int, device: str,
             # pre-draft can be timed again and again
             drafts = draft().to(device)
             p_us = _time(lambda: engine.predraft(inputs, drafts, step=0), iters)
-            row = {"batch": b, "k": k, "outcomes": outcomes, "ctx": ctx, "draft_us": d_us, "predraft_us": p_us}
-            log(f"  b={b:3d} k={k}  draft {d_us:9.1f} us  predraft ({outcomes} outcomes) {row['predraft_us']:9.1f} us")
+            row = {"batch": b, "k": k, "outcomes": outcomes, "ctx": ctx, "draft_us": d_us, "predraft_us": p_us,
+                   **_replay_cost(engine, b, iters)}
+            log(f"  b={b:3d} k={k}  draft {d_us:9.1f} us  predraft ({outcomes} outcomes) {row['predraft_us']:9.1f} us"
+                f"  (calls by graph replay {row['predraft_replays']}, one replay's GPU time "
+                f"{row['predraft_replay_gpu_us']} us)")
             rows.append(row)
             del engine
             if torch.cuda.is_available():
@@ -207,7 +231,88 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x)
 
 
+# --------------------------------------------------------------------------- the served drafter, staged
+STAGES_ENV = "DRAFTER_STAGES_OUT"  # where `serve` appends one JSON line per call
+
+
+def record_stages(path: str) -> None:
+    """In this (server) process: every propose call's stage marks (drafter.wire.probes: read,
+    decoded, validated, engine, reply sent) plus the pre-draft's (predraft_start, predraft_engine_start,
+    predraft_engine, predraft, push) appended to `path` as one JSON line per call, written by the
+    engine thread after the call's push (off the call's critical path, on the next pre-draft's).
+    perf_counter_ns is CLOCK_MONOTONIC: the target's marks on this host line up with these."""
+    import threading
+
+    from drafter.engine.engine import DraftEngine
+    from drafter.service.predraft import PreDraftService
+    from drafter.wire import probes
+
+    probes.enable()
+    out = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the server process
+    local = threading.local()
+    plain_after, plain_one, plain_engine = PreDraftService.after_batch, PreDraftService._predraft, DraftEngine.predraft
+
+    def mark(probe, stage: str) -> None:
+        if probe is not None:
+            probe.mark(stage)
+
+    def engine_predraft(self, *a, **kw):
+        probe = getattr(local, "probe", None)
+        mark(probe, "predraft_engine_start")
+        try:
+            return plain_engine(self, *a, **kw)
+        finally:
+            mark(probe, "predraft_engine")
+
+    def one(self, it, result, budget):
+        local.probe = it.call.probe
+        mark(local.probe, "predraft_start")
+        try:
+            return plain_one(self, it, result, budget)
+        finally:
+            mark(local.probe, "predraft")
+            local.probe = None
+
+    def pushing(push, probe):
+        def send(pre):
+            push(pre)
+            mark(probe, "push")
+        return send
+
+    def after_batch(self, items, results):
+        for it in items:
+            if getattr(it, "push", None) is not None:
+                it.push = pushing(it.push, it.call.probe)
+        try:
+            plain_after(self, items, results)
+        finally:
+            graphs = getattr(self.engine, "_predraft_graphs", None)
+            for it in items:
+                probe = it.call.probe
+                if probe is not None:
+                    out.write(json.dumps({"session": it.session.id, "request_id": it.call.request_id,
+                                          "marks": probe.marks, "budget": getattr(self.budgets.get(it.session.id),
+                                                                                  "outcomes", None),
+                                          "replays": getattr(graphs, "count", None)}) + "\n")
+
+    DraftEngine.predraft, PreDraftService._predraft, PreDraftService.after_batch = engine_predraft, one, after_batch
+
+
+def serve_main(argv: list[str]) -> int:
+    """`drafter serve` with random weights (drafter.tools.bench.remote serve), every call's stages
+    recorded into $DRAFTER_STAGES_OUT when it is set (record_stages)."""
+    from drafter.tools.bench.remote import serve_main as serve
+
+    path = os.environ.get(STAGES_ENV)
+    if path:
+        record_stages(path)
+    return serve(argv)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the pre-draft target bench's servers
+        return serve_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--batches", default="1,4,16")
@@ -250,9 +355,10 @@ def main(argv=None) -> int:
             "device": device_name, "torch": torch.__version__, "command": " ".join(sys.argv),
             "model": model.__dict__, "assumptions": assumptions}
     (out / "predraft.json").write_text(json.dumps({"meta": meta, "rows": rows, "table": results}, indent=1))
-    text = "\n".join([f"# Pre-drafting ({device_name}, {meta['date']})", "", "| batch | k | draft us | predraft us |",
-                      "|---|---|---|---|"] + [f"| {r['batch']} | {r['k']} | {r['draft_us']:.1f} | "
-                                              f"{r['predraft_us']:.1f} |" for r in rows]
+    text = "\n".join([f"# Pre-drafting ({device_name}, {meta['date']})", "", "| batch | k | draft us | predraft us | "
+                      "calls by graph replay | one replay's GPU us |", "|---|---|---|---|---|---|"]
+                     + [f"| {r['batch']} | {r['k']} | {r['draft_us']:.1f} | {r['predraft_us']:.1f} | "
+                        f"{r['predraft_replays']} | {r['predraft_replay_gpu_us']} |" for r in rows]
                      + ["", "Target tokens/s (model):", ""] + lines + ["", assumptions, ""])
     (out / "predraft.md").write_text(text)
     print(text, flush=True)
