@@ -11,8 +11,9 @@ decode step, drafts on the host:
   * nccl_channel: coordinator.transport.bound_channel (the slab's prefix by one NCCL send into
     the drafter's GPU, the output back by one NCCL send; the drafter on another GPU than --device;
     the header on a tcp data socket); nccl_channel_ipc: the same, the data socket on ipc;
-  * cuda_ipc: coordinator.transport.bound_ipc over CUDA IPC (header-only steps; with the drafter
-    on another GPU it reads the target's slab over the peer link);
+  * cuda_ipc: coordinator.transport.bound_ipc over CUDA IPC (header-only steps, on the binding's
+    same-host doorbell, drafter.wire.doorbell; with the drafter on another GPU it reads the target's
+    slab over the peer link); cuda_ipc_zmq: the same with the header on the ZMQ data socket;
   * cuda_ipc_host_wait: the same, the target's host waiting on the drafter's event;
   * host_ring: the same client forced onto the host ring over tcp;
   * unbound, unbound_cuda_ipc: the ZmqDrafterClient encoding tensors per call (the hidden states
@@ -53,10 +54,10 @@ import torch
 from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats, _time, buffers, fill, in_process,
                                        start_server)
 
-CLIENTS = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_host_wait", "host_ring", "unbound",
-           "unbound_cuda_ipc")
-BOUND = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_host_wait", "host_ring")
-STAMPED = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_host_wait")
+CLIENTS = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait", "host_ring",
+           "unbound", "unbound_cuda_ipc")
+BOUND = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait", "host_ring")
+STAMPED = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait")
 
 
 def layout(endpoint: str, args):
@@ -86,7 +87,7 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
                                 device=args.device, timeout_s=args.timeout_s, allow_fallback=False,
                                 transport="ipc" if name == "nccl_channel_ipc" else "tcp",
                                 force_ring=plane == "host_ring", host_wait=name == "cuda_ipc_host_wait",
-                                channel=plane == "nccl_channel")
+                                channel=plane == "nccl_channel", doorbell=name != "cuda_ipc_zmq")
     try:
         got = client.bind()
     except BaseException:
@@ -116,9 +117,12 @@ def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> di
         n, b = fill(client.views, _call(args, batch))
         torch.cuda.synchronize()
         result = {"rtt": _time(lambda: client.step(n, b), args.iters), "drafts": client.step(n, b).tolist()}
+        if client.link is not None:  # the GPU planes: whether the header went by the doorbell
+            result["doorbell"] = client.link.bell is not None
+            result["doorbell_reason"] = client.link.bell_reason
         if name in STAMPED:
             result["stages"] = stages(client, n, b, args.iters)
-        if name in ("cuda_ipc", "nccl_channel", "nccl_channel_ipc"):
+        if name in ("cuda_ipc", "cuda_ipc_zmq", "nccl_channel", "nccl_channel_ipc"):
             host = []
             stream = torch.cuda.current_stream()
             for i in range(WARMUP + args.iters):
@@ -141,7 +145,13 @@ STAGES = (  # (name, from stamp, to stamp): a stamped step's path, target -> dra
     ("reply to target", "replied", "answered"),
     ("target: reply to drafts on host", "answered", "read"),
     ("GPU tail: queued to drafts on host", "queued", "read"),
-    ("whole step", "sent", "read"))
+    ("whole step", "sent", "read"),
+    # inside "step start to GPU work queued" where the drafter stamps it (wb.FINE_STAMPS: cuda_ipc)
+    ("  start to the inputs event's wait queued", "started", "waited"),
+    ("  the guard's replay queued", "waited", "guarded"),
+    ("  the bound graphs' replay queued", "guarded", "replayed"),
+    ("  the done event recorded", "replayed", "queued"))
+FINE = {"waited", "guarded", "replayed"}  # stamps an older drafter (or another plane) does not send
 
 
 def stages(client, n: int, b: int, iters: int) -> dict:
@@ -152,11 +162,12 @@ def stages(client, n: int, b: int, iters: int) -> dict:
     for _ in range(iters):
         client.step(n, b)
         st = client.stamps
-        if not all(k in st for _, a, z in STAGES for k in (a, z)):
+        if not all(k in st for _, a, z in STAGES for k in (a, z) if k not in FINE):
             return {"error": f"unstamped reply: {sorted(st)}"}
         for name, a, z in STAGES:
-            rows[name].append((st[z] - st[a]) / 1e3)
-    return {name: _stats(xs) for name, xs in rows.items()}
+            if a in st and z in st:
+                rows[name].append((st[z] - st[a]) / 1e3)
+    return {name: _stats(xs) for name, xs in rows.items() if xs}
 
 
 def unbound_client(endpoint: str, args, batch: int, share_cuda: bool) -> dict:
@@ -196,7 +207,8 @@ def table(result: dict) -> str:
                 continue
             host = r.get("target_host")
             host_text = f"{host['p50_us']:.1f} / {host['p99_us']:.1f}" if host else ""
-            lines.append(f"| {b} | {name} | {r['rtt']['p50_us']:.0f} | {r['rtt']['p99_us']:.0f} | "
+            label = name + (" (doorbell)" if r.get("doorbell") else "")
+            lines.append(f"| {b} | {label} | {r['rtt']['p50_us']:.0f} | {r['rtt']['p99_us']:.0f} | "
                          f"{r['ratio']:.2f} ({r['ratio_bound']:.2f}) | {host_text} |")
     lines += _guard_lines(result)
     lines += _stage_lines(result)
@@ -229,8 +241,10 @@ def _stage_lines(result: dict) -> list[str]:
     out = ["", "Step stages (perf_counter_ns on both sides, one host clock): p50 (p99) us", "",
            "| stage | " + " | ".join(f"batch {key}" for key in rows) + " |", "|---|" + "---|" * len(rows)]
     for name, _, _ in STAGES:
-        out.append(f"| {name} | " + " | ".join(f"{st[name]['p50_us']:.0f} ({st[name]['p99_us']:.0f})"
-                                              for st in rows.values()) + " |")
+        if not any(name in st for st in rows.values()):
+            continue
+        out.append(f"| {name} | " + " | ".join(f"{st[name]['p50_us']:.0f} ({st[name]['p99_us']:.0f})" if name in st
+                                              else "" for st in rows.values()) + " |")
     return out
 
 
@@ -367,6 +381,8 @@ def remote_client(endpoint: str, args, b: int, columns: int, name: str, row: dic
     r["ratio_bound"] = r["rtt"]["p50_us"] / row["in_process"]["bound_propose"]["p50_us"]
     row["remote"][name] = r
     host = r.get("target_host")
+    if r.get("doorbell_reason") and name != "cuda_ipc_zmq" and name.startswith("cuda_ipc"):
+        log(f"batch {b} {name}: no doorbell: {r['doorbell_reason']}")
     log(f"batch {b} {name}: p50 {r['rtt']['p50_us']:.0f} us, p99 {r['rtt']['p99_us']:.0f} us, "
         f"ratio {r['ratio']:.2f} (vs bound {r['ratio_bound']:.2f})"
         + (f", target host time p50 {host['p50_us']:.1f} us p99 {host['p99_us']:.1f} us" if host else ""))

@@ -1,0 +1,153 @@
+"""cuda_ipc steps over the binding's same-host doorbell (drafter.wire.doorbell), and its fallback.
+
+The plane runs as in tests/integration/test_bound_ipc.py (cuda_slab.LocalSlabs: one process, a
+drafter service on its own event loop thread), the doorbell is a real UNIX-domain connection
+between the target's thread and the binding's doorbell thread.  Drafts over it must equal an
+in-process engine's, with the ZMQ data socket closed under it (so the doorbell carried the step);
+where the doorbell cannot be had (a drafter that offers none, one the target cannot reach, a
+drafter from before the doorbell) the steps go over the data socket and draft the same; a drafter
+that hangs or goes away mid-step ends the step within the deadline (DEADLINE_EXCEEDED, UNAVAILABLE)
+and the client binds again by itself; a target that goes away ends the binding's doorbell thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import ClassVar
+
+import msgspec
+import pytest
+import torch
+
+from tests.integration.test_bound_ipc import IpcTarget  # noqa: E402  (sets the interpreter up first)
+from tests.integration.test_bound_remote import PADDING, PLANS, Drafter, _engine, _fill, _scenario  # noqa: E402
+
+from drafter.service import bound_ipc  # noqa: E402
+from drafter.wire import bound as wb  # noqa: E402
+from drafter.wire import doorbell  # noqa: E402
+from drafter.wire.cuda_slab import LocalSlabs  # noqa: E402
+from drafter.wire.errors import Code, DrafterError  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not doorbell.available(), reason="abstract UNIX-domain sockets are Linux's")
+
+
+@pytest.fixture(autouse=True)
+def _local_slabs(monkeypatch):
+    monkeypatch.setattr(bound_ipc, "BACKEND", LocalSlabs())
+
+
+def _binding(drafter, target: IpcTarget):
+    return drafter.server._bound_plane.sessions[target.client.session.session_id]
+
+
+def test_steps_over_the_doorbell_draft_what_in_process_drafts(tiny_root):
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = IpcTarget(tiny_root, "eagle3", drafter, seed=1)
+        try:
+            t.step(PLANS[0])
+            link = t.client.link
+            assert link.bell is not None, link.bell_reason
+            link.sock.close(linger=0)  # the data socket gone: only the doorbell can carry the next step
+            t.step(PLANS[1])
+            order = ["sent", "received", "started", *wb.FINE_STAMPS, "queued", "replied", "answered", "read"]
+            stamps = t.client.stamps
+            assert [stamps[k] for k in order] == sorted(stamps[k] for k in order), stamps
+        finally:
+            t.client.close()
+
+
+class _BindRequestBefore(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """BindRequest as a drafter from before the doorbell decodes it."""
+
+    session_id: str = ""
+    epoch: int = 0
+    plane: str = wb.HOST_RING
+    transport: str = "tcp"
+    buffers: list[wb.BufferSpec] = []
+    max_batch: int = 0
+    slab: wb.CudaIpcTensor | None = None
+    device_uuid: str = ""
+    doorbell: ClassVar[bool] = False
+
+
+@pytest.mark.parametrize("why", ["none offered", "unreachable", "older drafter"])
+def test_without_a_doorbell_the_data_socket_carries_the_steps(tiny_root, monkeypatch, why):
+    if why == "none offered":
+        monkeypatch.setattr(doorbell, "available", lambda: False)  # the drafter's side asks this alone
+    elif why == "unreachable":  # another network namespace: the name is not there for the target
+        def refused(*_a, **_k):
+            raise ConnectionRefusedError("not reachable from here")
+        monkeypatch.setattr(doorbell, "connect", refused)
+    else:
+        monkeypatch.setattr(wb, "BIND_DECODER", msgspec.msgpack.Decoder(_BindRequestBefore))
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = IpcTarget(tiny_root, "eagle3", drafter, seed=3)
+        try:
+            t.step(PLANS[0])
+            assert t.client.plane == wb.CUDA_IPC and t.client.link.bell is None
+            assert t.client.link.bell_reason
+            assert _binding(drafter, t).doorbell_address == ("" if why != "unreachable" else
+                                                             t.client.link.resp.doorbell)
+        finally:
+            t.client.close()
+
+
+def test_a_drafter_that_hangs_or_goes_away_mid_step_ends_the_step_and_is_bound_again(tiny_root, monkeypatch):
+    gate = threading.Event()
+    answer = bound_ipc.IpcBoundSession._answer
+    mode = {"now": ""}
+
+    def misbehaving(self, frame, extra, received):
+        if mode["now"] == "hang":
+            gate.wait(30)  # released at the end of the test
+            return wb.StepDone(step=0, code=int(Code.INTERNAL), message="released"), []
+        if mode["now"] == "gone":
+            raise ConnectionResetError("the drafter's end went away")  # the doorbell thread ends, its socket closed
+        return answer(self, frame, extra, received)
+
+    monkeypatch.setattr(bound_ipc.IpcBoundSession, "_answer", misbehaving)
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = IpcTarget(tiny_root, "eagle3", drafter, seed=4)
+        client = t.client
+        try:
+            client.bind()
+            assert client.link.bell is not None
+            n, b = _fill(client.views, t.s_remote.call(PLANS[0]).kwargs)
+            client.timeout_s, mode["now"] = 0.5, "hang"
+            with pytest.raises(DrafterError) as err:
+                client.step(n, b, **PADDING)
+            assert err.value.code == Code.DEADLINE_EXCEEDED, str(err.value)
+            assert client.link is None, "a binding in doubt is dropped"
+            gate.set()
+            client.timeout_s, mode["now"] = 60, "gone"
+            with pytest.raises(DrafterError) as err:  # binds again first (the last one was dropped)
+                client.step(n, b, **PADDING)
+            assert err.value.code == Code.FAILED_PRECONDITION and err.value.field == "session", str(err.value)
+            with pytest.raises(DrafterError) as err:
+                client.step(n, b, **PADDING)
+            assert err.value.code == Code.UNAVAILABLE, str(err.value)
+            mode["now"] = ""
+            with pytest.raises(DrafterError) as err:
+                client.step(n, b, **PADDING)
+            assert err.value.code == Code.FAILED_PRECONDITION and err.value.field == "session", str(err.value)
+            assert client.binds == 3 and client.link.bell is not None
+            t.s_ref, t.s_remote = _scenario(t.ref, 5), _scenario(t.ref, 5)  # the target prefills again
+            t.step(PLANS[0])
+        finally:
+            gate.set()
+            client.close()
+
+
+def test_a_target_that_goes_away_ends_the_bindings_doorbell_thread(tiny_root):
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = IpcTarget(tiny_root, "eagle3", drafter, seed=6)
+        try:
+            t.client.bind()
+            binding = _binding(drafter, t)
+            assert binding._bell_thread.is_alive()
+            t.client.link.bell.close()  # as the target's process exit would
+            binding._bell_thread.join(10)
+            assert not binding._bell_thread.is_alive()
+            assert not binding._stop.is_set(), "the binding itself lives on (its data socket, its session)"
+        finally:
+            t.client.close()
