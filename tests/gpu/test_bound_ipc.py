@@ -121,6 +121,7 @@ def test_bound_cuda_ipc_drafts_equal_host_ring_and_bytes_and_corrupt_steps_are_n
             assert torch.equal(got["ipc"], got["bytes"]), (i, got)
         ipc = targets["ipc"].client
         assert ipc.plane == wb.CUDA_IPC and ipc.binds == 1
+        assert ipc.link.bell is not None, f"the steps went by the data socket: {ipc.link.bell_reason}"
         corruptions = {
             "block_tables[0]": lambda v, n, b: v["block_tables[0]"].__setitem__((b - 1, 0), SESSION_BLOCKS),
             wb.HIDDEN: lambda v, n, b: v[wb.HIDDEN].__setitem__((n // 2, 1), float("nan")),
