@@ -147,10 +147,10 @@ STAGES = (  # (name, from stamp, to stamp): a stamped step's path, target -> dra
     ("GPU tail: queued to drafts on host", "queued", "read"),
     ("whole step", "sent", "read"),
     # inside "step start to GPU work queued" where the drafter stamps it (wb.FINE_STAMPS: cuda_ipc)
-    ("  start to the inputs event's wait queued", "started", "waited"),
-    ("  the guard's replay queued", "waited", "guarded"),
-    ("  the bound graphs' replay queued", "guarded", "replayed"),
-    ("  the done event recorded", "replayed", "queued"))
+    ("of which: start to the inputs event's wait queued", "started", "waited"),
+    ("of which: the guard's replay queued", "waited", "guarded"),
+    ("of which: the bound graphs' replay queued", "guarded", "replayed"),
+    ("of which: the done event recorded", "replayed", "queued"))
 FINE = {"waited", "guarded", "replayed"}  # stamps an older drafter (or another plane) does not send
 
 
