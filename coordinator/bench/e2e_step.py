@@ -345,6 +345,7 @@ def run_way(name: str, runner: ModelRunner, proposer, setup: Setup, args) -> dic
            "query_rows_per_step": setup.batch * (k + 1), "full_steps": full,
            "drafted_steps": sum(bool(r.drafts_ok) for r in records), "catchup_steps": catchup,
            "prefill_s": prefill_s, "drafts": drafts,
+           "distinct_draft_tokens": len({t for step in drafts for row in step for t in row}),
            "outputs": {r.rid: r.output for r in sorted(engine.running, key=lambda r: r.rid)}}
     if k:
         out["exchange"] = stats(waits)
@@ -358,7 +359,7 @@ def proposer_report(proposer) -> dict:
     transport = proposer.transports.get(proposer.endpoint)
     link = getattr(transport, "link", None)
     if hasattr(transport, "steps"):
-        report["plane"] = getattr(link, "plane", None) if link is not None and link.alive else None
+        report["plane"] = getattr(link, "plane", None) if getattr(link, "alive", False) else None
         report["steps"] = dict(transport.steps)
     return report
 
