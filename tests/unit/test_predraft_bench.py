@@ -34,3 +34,42 @@ def test_tiny_smoke_run_writes_its_table(tmp_path):
     assert row["batch"] == 2 and row["k"] == 3 and row["draft_us"] > 0 and row["predraft_us"] > 0
     assert {t["verify_ms"] for t in data["table"]} == {10.0, 25.0}
     assert "Assumptions" in (tmp_path / "predraft.md").read_text()
+
+
+def test_served_drafter_records_each_calls_stages(tmp_path, monkeypatch):
+    """`serve`'s stage recorder: a call that asked for pre-drafts leaves one JSON line with its
+    request id and the marks of its pre-draft and push, in order, after the transport's marks."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import torch
+
+    from drafter.engine.engine import DraftEngine
+    from drafter.service.predraft import PreDraftService
+    from drafter.tools.bench.predraft import record_stages
+    from drafter.wire import probes
+    from drafter.wire.records import ProposeRequest
+    from tests.unit.test_predraft_target import _engine, _rows
+
+    for cls, name in ((DraftEngine, "predraft"), (PreDraftService, "_predraft"), (PreDraftService, "after_batch")):
+        monkeypatch.setattr(cls, name, getattr(cls, name))  # restored after the test
+    path = tmp_path / "stages.jsonl"
+    record_stages(str(path))
+    try:
+        engine = _engine(2)
+        service = PreDraftService(engine)
+        kw, _ = _rows().call(None, torch.zeros(2, dtype=torch.long), _rows().hidden)
+        call = replace(ProposeRequest.from_keywords(**kw, request_id=41), want_predrafts=True)
+        call.probe = probes.start("test")
+        call.probe.mark("send")
+        out = engine.propose(**kw)
+        pushed = []
+        session = SimpleNamespace(id="s", bases=(0,), block_sizes=(16,), num_speculative_tokens=3)
+        service.after_batch([SimpleNamespace(call=call, session=session, push=pushed.append)], [out])
+    finally:
+        probes.disable()
+    rec = json.loads(path.read_text().splitlines()[0])
+    names = [name for name, _ in rec["marks"]]
+    assert rec["request_id"] == 41 and len(pushed) == 1 and (pushed[0].accepted >= 0).any()
+    assert names == ["start", "send", "predraft_start", "predraft_engine_start", "predraft_engine", "predraft", "push"]
+    assert all(a[1] <= b[1] for a, b in zip(rec["marks"], rec["marks"][1:]))

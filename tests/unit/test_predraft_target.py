@@ -154,3 +154,40 @@ def test_no_wait_mode_sends_missed_rows_without_drafts():
         assert all(o.accepted == 0 and o.verified == () for o, n in zip(outcomes, q) if n == 1)
     print(f"\n[predraft target, no wait] hit {r['hit_rate']:.2f}, unawaited {r['unawaited']}, rows without drafts {bare}")
     assert r["unawaited"] > 0 and bare > 0 and r["hit_rate"] > 0.3
+
+
+def test_stage_breakdown_joins_both_sides_by_call():
+    """The per-stage p50s come from the target's stamps of a step, the drafter's marks of the same
+    call (by request id) and the next step's verify end; stages that do not apply are left out."""
+    from coordinator.bench.predraft_target import server_marks, stage_summary
+
+    us = 1000
+    marks = [{"step": 7, "launch": 0, "verify_end": 10_000 * us, "drawn": 10_050 * us, "built": 10_250 * us,
+              "sent": 10_260 * us, "drafts": 12_000 * us, "waited": True, "bound": None},
+             {"step": 8, "launch": 12_000 * us, "verify_end": 22_000 * us, "drawn": 22_010 * us,
+              "built": 22_210 * us, "sent": 22_220 * us, "drafts": 22_300 * us, "waited": False, "bound": None}]
+    drafter = {7: {"start": 10_400 * us, "handoff_in": 10_500 * us, "engine": 11_300 * us, "send": 11_350 * us,
+                   "predraft_engine_start": 11_400 * us, "predraft_engine": 13_400 * us, "push": 13_500 * us}}
+    st = stage_summary(marks, drafter)
+    p50 = {name.split()[0]: v["p50_us"] for name, v in st.items()}
+    assert p50["A"] == 30 and p50["B"] == 200 and p50["C"] == 10  # medians of (50, 10), (250-50, 210-10), ...
+    assert p50["D"] == 140 and p50["E"] == 100 and p50["F"] == 800 and p50["G"] == 50
+    assert p50["H"] == 650 and st[next(n for n in st if n.startswith("H"))]["n"] == 1  # waited steps only
+    assert p50["J"] == 2000 and p50["K"] == 100
+    assert p50["L"] == 22_000 - 13_500  # the push beat the next verify's end by 8.5 ms
+    assert p50["Z"] == (2000 + 300) / 2
+    assert not any(k.startswith(("M", "N", "O", "P", "Q")) for k in p50)  # no bound stamps
+
+
+def test_server_marks_reads_the_calls_of_one_run(tmp_path):
+    import json
+
+    from coordinator.bench.predraft_target import server_marks
+
+    path = tmp_path / "k3-stages.jsonl"
+    lines = [json.dumps({"session": "s", "request_id": rid, "marks": [["start", rid], ["send", rid + 5],
+                                                                       ["send", rid + 9]]}) for rid in (4, 5, 6)]
+    path.write_text("\n".join(lines) + "\n{\"partial")  # a line still being written is skipped
+    got = server_marks(str(path), 5, 6)
+    assert sorted(got) == [5, 6] and got[5] == {"start": 5, "send": 10}  # each stage's first mark
+    assert server_marks(str(tmp_path / "none.jsonl"), 0, 9) == {}
