@@ -64,7 +64,7 @@ from drafter.models.llama import LlamaForCausalLM
 from drafter.models.spec import ModelSpec, parse_head, parse_target
 from drafter.tools.bench.remote import HEAD_CONFIG, TINY, server_args, wait_ready
 
-WAYS = ("plain", "free_drafts", "inprocess", "inprocess_trusted", "remote", "unbound")
+WAYS = ("plain", "free_drafts", "inprocess", "inprocess_trusted", "remote", "unbound", "plain_eager")
 DRAFTING = ("inprocess", "inprocess_trusted", "remote", "unbound")  # ways that call a drafter
 BLOCK_SIZE = 16
 
@@ -128,8 +128,51 @@ def random_target(spec: ModelSpec, device: torch.device, dtype: torch.dtype, see
     return model.eval()
 
 
+class GraphedRunner(ModelRunner):
+    """The runner with its steady decode forwards replayed from CUDA graphs, as vLLM runs a decode
+    step: a forward of exactly `batch` requests and one of the `shapes` token counts is captured
+    the first time it comes (its inputs copied into static buffers, one warm-up run, the capture,
+    the replay) and replayed after that; any other forward (the prefill) runs eagerly.  The
+    outputs are the graph's static buffers, valid until the next forward (the engine reads them
+    within the step).  The Triton backend's launches depend on shapes only, so a replay is right
+    for any values the buffers hold."""
+
+    def __init__(self, cfg: RunnerConfig, *, model, backend, batch: int, shapes: tuple[int, ...]):
+        super().__init__(cfg, model=model, backend=backend)
+        self.batch, self.shapes = batch, shapes
+        self.graphs: dict[tuple, tuple] = {}  # (num_tokens, table columns) -> (graph, static inputs, output)
+        self.replays = 0
+
+    def forward(self, *inputs):  # ModelRunner.forward's tensors: ids, positions, qsl, seq_lens, table, slots
+        num_tokens, batch = inputs[0].shape[0], inputs[3].shape[0]
+        if batch != self.batch or num_tokens not in self.shapes:
+            return super().forward(*inputs)
+        key = (num_tokens, inputs[4].shape[1])
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(inputs)
+        graph, static, out = self.graphs[key]
+        for dst, src in zip(static, inputs):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        self.replays += 1
+        return out
+
+    def _capture(self, inputs) -> tuple:
+        static = [t.to(self.device).clone() for t in inputs]
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # compiles and picks kernels outside the capture
+            super().forward(*static)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = super().forward(*static)
+        return graph, static, out
+
+
 def build_runner(args, setup: Setup, head_cfg: dict) -> ModelRunner:
-    """The reference target's runner over the random target, its KV cache on args.device."""
+    """The reference target's runner over the random target, its KV cache on args.device (on a
+    GPU with --target-graphs: its steady decode forwards replayed from CUDA graphs)."""
     device = torch.device(args.device)
     spec = parse_target(TINY_TARGET if args.tiny else LLAMA_8B, "llama-3.1-8b shapes (random weights)")
     model = random_target(spec, device, getattr(torch, setup.dtype))
@@ -140,6 +183,9 @@ def build_runner(args, setup: Setup, head_cfg: dict) -> ModelRunner:
         backend = TritonBackend()
     cfg = RunnerConfig("", BLOCK_SIZE, setup.num_blocks, tuple(head_cfg["eagle_aux_hidden_state_layer_ids"]),
                        setup.dtype)
+    if device.type == "cuda" and args.target_graphs:
+        return GraphedRunner(cfg, model=model, backend=backend, batch=setup.batch,
+                             shapes=(setup.batch, setup.batch * (setup.k + 1)))
     return ModelRunner(cfg, model=model, backend=backend)
 
 
@@ -303,7 +349,7 @@ def steady(rec, setup: Setup, k: int) -> bool:
 
 def run_way(name: str, runner: ModelRunner, proposer, setup: Setup, args) -> dict:
     """Prefill, catch up, warm up, then time args.iters steps of one target engine."""
-    k = 0 if name == "plain" else setup.k
+    k = 0 if name.startswith("plain") else setup.k
     device = runner.device
     cfg = TargetConfig(target_dir="", method="eagle3", aux_layer_ids=runner.cfg.aux_layer_ids,
                        num_speculative_tokens=k, max_model_len=setup.max_model_len, max_num_seqs=setup.batch,
@@ -328,6 +374,7 @@ def run_way(name: str, runner: ModelRunner, proposer, setup: Setup, args) -> dic
     for _ in range(setup.warmup):
         engine.step()
     before = {r.rid: len(r.output) for r in engine.running}
+    replays = getattr(runner, "replays", 0)
     times, waits, drafts, records = [], [], [], []
     for _ in range(setup.iters):
         _sync(device)
@@ -343,6 +390,7 @@ def run_way(name: str, runner: ModelRunner, proposer, setup: Setup, args) -> dic
     out = {"step": stats(times), "tokens_per_step": emitted / setup.iters,
            "tokens_per_request_step": emitted / (setup.iters * setup.batch),
            "query_rows_per_step": setup.batch * (k + 1), "full_steps": full,
+           "target_graph_replays": getattr(runner, "replays", 0) - replays,
            "drafted_steps": sum(bool(r.drafts_ok) for r in records), "catchup_steps": catchup,
            "prefill_s": prefill_s, "drafts": drafts,
            "distinct_draft_tokens": len({t for step in drafts for row in step for t in row}),
@@ -411,7 +459,8 @@ def compare_drafts(ways: dict) -> dict:
 
 LABELS = {"plain": "(a) no drafting, k = 0", "free_drafts": "(a') k = 3, free drafts (no drafter)",
           "inprocess": "(b) in-process drafter", "inprocess_trusted": "(b') in-process, trusted call",
-          "remote": "(c) remote drafter", "unbound": "(d) remote, unbound ZMQ"}
+          "remote": "(c) remote drafter", "unbound": "(d) remote, unbound ZMQ",
+          "plain_eager": "(a, eager target) no drafting, the target's forward not graphed"}
 
 
 def table(result: dict) -> str:
@@ -423,7 +472,10 @@ def table(result: dict) -> str:
              f"on {meta['drafter_device']}. Batch {meta['batch']}, context {meta['ctx']}, greedy, k = {meta['k']}; "
              f"{meta['iters']} steps timed after {meta['warmup']} warm-up steps, each engine.step() between two "
              "device synchronisations. Step and exchange (the engine's propose call: the call moved to the device, "
-             "drafted, drafts back) in us.", "",
+             "drafted, drafts back) in us. The target's decode forward "
+             + ("is replayed from a CUDA graph (GraphedRunner, as vLLM runs a decode step); the rest of the step "
+                "(verification, the call built from per-request state) is the reference engine's host Python."
+                if meta["target_graphs"] else "runs eagerly (the reference engine as it is)."), "",
              "| way | step p50 | step p99 | exchange p50 | exchange p99 | tokens / step | notes |",
              "|---|---|---|---|---|---|---|"]
     for n in WAYS:
@@ -465,6 +517,8 @@ def _notes(w: dict) -> str:
     notes = []
     if w["full_steps"] != w["step"]["n"]:
         notes.append(f"{w['full_steps']} of {w['step']['n']} steps full")
+    if w["target_graph_replays"]:
+        notes.append(f"target forward replayed from a CUDA graph in {w['target_graph_replays']} steps")
     if "proposer" in w:
         p = w["proposer"]
         if "plane" in p:
@@ -488,6 +542,8 @@ def parse(argv: list[str]):
     p.add_argument("--plane", default="cuda_ipc", help="the remote way's BoundConfig.plane [cuda_ipc]")
     p.add_argument("--ways", default=",".join(WAYS), help=f"of {WAYS}")
     p.add_argument("--deadline-s", type=float, default=30.0, help="the proposers' per-step deadline")
+    p.add_argument("--target-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="on a GPU: the target's steady decode forwards as CUDA graphs (GraphedRunner) [on]")
     p.add_argument("--tiny", action="store_true", help="tiny target and head (the CPU test)")
     args = p.parse_args(argv)
     args.ways = [w for w in args.ways.split(",") if w]
@@ -532,7 +588,8 @@ def run(args, argv: list[str]) -> int:
                           f"{target_cfg['num_attention_heads']}/{target_cfg['num_key_value_heads']} heads, "
                           f"intermediate {target_cfg['intermediate_size']}, vocab {target_cfg['vocab_size']}"),
         "head_shapes": f"hidden {head_cfg['hidden_size']}, draft vocab {head_cfg['draft_vocab_size']}",
-        "max_num_batched_tokens": setup.max_tokens, "max_model_len": setup.max_model_len},
+        "max_num_batched_tokens": setup.max_tokens, "max_model_len": setup.max_model_len,
+        "target_graphs": device.type == "cuda" and args.target_graphs},
         "ways": {}, "derived": {}, "compare": {}}
 
     def save():
@@ -561,6 +618,14 @@ def run(args, argv: list[str]) -> int:
         for way in args.ways:
             proposer = None
             try:
+                if way == "plain_eager":
+                    if not isinstance(runner, GraphedRunner):
+                        continue  # the target is eager in every way already
+                    eager = ModelRunner(runner.cfg, model=runner.model, backend=runner.backend)
+                    result["ways"][way] = r = run_way(way, eager, None, setup, args)
+                    del eager
+                    print(f"{way}: step p50 {r['step']['p50_us']:.0f} us p99 {r['step']['p99_us']:.0f} us", flush=True)
+                    continue
                 if way == "plain":
                     proposer = None
                 elif way == "free_drafts":
