@@ -20,7 +20,9 @@ cannot_share, as CudaIpcBoundClient decides; the drafter's CudaIpcSupport is ask
 at attach), the host ring otherwise.  Over cuda_ipc the ring's layout lies in a slab on the
 caller's GPU, shared with the drafter once at Bind; a step copies the request's tensors into it
 (one device copy per tensor, on the current stream), records the "inputs ready" event and sends
-the header alone (coordinator.transport.bound_ipc.IpcLink); the drafts come back as a GPU tensor
+the header alone (coordinator.transport.bound_ipc.IpcLink; on the binding's same-host doorbell where
+the drafter offers one and it answers within DOORBELL_CONNECT_S, else on the data socket; a drafter
+that does not know the Bind's doorbell field is asked again without); the drafts come back as a GPU tensor
 (a copy of the drafter's output queued on the current stream after its wait on the "drafts ready"
 event), and the step's one host read is its error word (8 bytes, one stream sync): a set word is
 INVALID_ARGUMENT naming the field, as CudaIpcBoundClient reports it.  Where the tensors live is
@@ -65,7 +67,7 @@ import zmq
 from coordinator.transport.bound_client import REBIND, BoundLink, BoundRing, connect_socket
 from coordinator.transport.bound_channel import REFUSED as CHANNEL_REFUSED
 from coordinator.transport.bound_channel import ChannelLink
-from coordinator.transport.bound_ipc import ENVIRONMENT, DeviceLink, IpcLink, cannot_share
+from coordinator.transport.bound_ipc import ENVIRONMENT, DeviceLink, IpcLink, cannot_share, knows_no_doorbell
 from drafter.wire import cuda_ref
 from drafter.wire import bound as wb
 from drafter.wire import cuda_slab, schema
@@ -137,6 +139,9 @@ class _Pending:
     plane: str
 
 
+DOORBELL_CONNECT_S = 0.1  # at least this long for the doorbell's hello to be answered (once a binding)
+
+
 class BoundTransport:
     """DraftTransport: the unbound ZMQ transport `inner` for attach, detach and what does not fit,
     and a bound session for the steps that do."""
@@ -162,6 +167,7 @@ class BoundTransport:
         self._device: torch.device | None = _device(cfg.device) if cfg.device else None  # the caller's tensors'
         self._planes: dict[torch.device, str] = {}  # the plane for the caller's tensors on each device
         self._support = None  # the drafter's CudaIpcSupport (its AttachResponse's, or asked by Info)
+        self._doorbell = True  # cuda_ipc Binds ask for the doorbell (False once a drafter did not know the field)
         self._ipc_refused = ""  # why the drafter refused or could not serve a cuda_ipc binding: host ring since
         self._nccl_refused = ""  # why the drafter refused or could not serve an nccl_channel binding
         self._slabs = None  # the cuda_ipc backend (SLABS or TorchSlabs)
@@ -356,7 +362,8 @@ class BoundTransport:
         self._max_batch = session.max_num_seqs
         self._calls += 1
         body = wb.BindRequest(session_id=session_id, epoch=epoch, plane=plane, transport=transport,
-                              buffers=buffers, max_batch=session.max_num_seqs, slab=slab, device_uuid=uuid)
+                              buffers=buffers, max_batch=session.max_num_seqs, slab=slab, device_uuid=uuid,
+                              doorbell=plane == wb.CUDA_IPC and self._doorbell)
         env = schema.Envelope(call_id=self._calls, method=wb.BIND_METHOD)
         try:
             self.control.send_multipart([wb.encode(env), wb.encode(body)], flags=zmq.NOBLOCK)
@@ -414,6 +421,8 @@ class BoundTransport:
                     self._nccl_refused = exc.message
                 return
             if ready:
+                if link.plane == wb.CUDA_IPC:  # the steps by the doorbell where it can be made (else the data socket)
+                    link.open_doorbell(max(until - time.monotonic(), DOORBELL_CONNECT_S))
                 self.link, self.bound_to, self._connecting = link, session_id, None
                 log.info("session %s bound (%s, %s, ring %d bytes)", session_id, link.plane, link.resp.endpoint,
                          len(self.ring.bytes))
@@ -444,6 +453,10 @@ class BoundTransport:
         if code == Code.INVALID_ARGUMENT and error.field == "transport" and pending.transport == "ipc" \
                 and self.cfg.transport == "auto":  # no ipc socket there: tcp
             self._send_bind(pending.session_id, pending.epoch, "tcp", session, pending.plane)
+        elif pending.plane == wb.CUDA_IPC and self._doorbell and knows_no_doorbell(
+                DrafterError(code, error.field, error.message)):  # a drafter from before the doorbell
+            self._doorbell = False
+            self._send_bind(pending.session_id, pending.epoch, pending.transport, session, pending.plane)
         elif pending.plane == wb.CUDA_IPC and error.field in ENVIRONMENT:
             self._no_ipc(pending, session, f"the drafter refused {error.field}: {error.message}")
         elif pending.plane == wb.NCCL_CHANNEL and error.field in CHANNEL_REFUSED:

@@ -52,6 +52,13 @@ def test_steps_over_the_doorbell_draft_what_in_process_drafts(tiny_root):
             order = ["sent", "received", "started", *wb.FINE_STAMPS, "queued", "replied", "answered", "read"]
             stamps = t.client.stamps
             assert [stamps[k] for k in order] == sorted(stamps[k] for k in order), stamps
+            # a step naming another binding (an earlier one of this session) is refused there too
+            link.bell.send(wb.encode(wb.StepHeader(step=999, num_tokens=13, batch=3, bind_id="0" * 32)))
+            done = wb.DONE_DECODER.decode(doorbell.receive(link.bell, 60))
+            assert (done.step, done.code, done.field) == (999, Code.FAILED_PRECONDITION, "bind_id"), done
+            link.bell.send(b"\xc1 not a header")
+            done = wb.DONE_DECODER.decode(doorbell.receive(link.bell, 60))
+            assert (done.code, done.field) == (Code.INVALID_ARGUMENT, "header"), done
         finally:
             t.client.close()
 

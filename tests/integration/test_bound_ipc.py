@@ -194,6 +194,7 @@ def test_the_remote_proposer_binds_over_cuda_ipc_and_drafts_equal_in_process(tin
             assert p.proposer.start(), "attached"
             transport = p.transport
             assert isinstance(transport.link, IpcLink), "bound over cuda_ipc at attach"
+            assert transport.link.bell is not None, f"steps by the doorbell: {transport.link.bell_reason}"
             session = _bound_session(drafter, p.proposer)
             assert isinstance(session, bound_ipc.IpcBoundSession)
             assert session.slab is transport._slab.slab, "the drafter reads the proposer's slab in place"
