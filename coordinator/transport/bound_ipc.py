@@ -391,13 +391,7 @@ class CudaIpcBoundClient:
         req = wb.BindRequest(session_id=self.session.session_id, epoch=self.session.epoch, plane=wb.CUDA_IPC,
                              transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, slab=slab,
                              doorbell=self.doorbell)
-        try:
-            resp = self._call(wb.BIND_METHOD, req, wb.BIND_RESPONSE_DECODER, deadline)
-        except DrafterError as err:
-            if not (self.doorbell and knows_no_doorbell(err)):
-                raise
-            resp = self._call(wb.BIND_METHOD, msgspec.structs.replace(req, doorbell=False), wb.BIND_RESPONSE_DECODER,
-                              deadline)  # a drafter from before the doorbell: the data socket
+        resp = self._bind_call(req, deadline)
         self.width = resp.drafts_width
         link = IpcLink(self.ctx, self.slabs, self.device, resp, self.max_batch, self.groups, self._inputs_event,
                        via=self.endpoint)
@@ -410,15 +404,25 @@ class CudaIpcBoundClient:
         self.link = link
         self.plane = wb.CUDA_IPC
 
+    def _bind_call(self, req: wb.BindRequest, deadline: float) -> wb.BindResponse:
+        """The Bind; asked again without the doorbell where the drafter does not know the field."""
+        try:
+            return self._call(wb.BIND_METHOD, req, wb.BIND_RESPONSE_DECODER, deadline)
+        except DrafterError as err:
+            if not (req.doorbell and knows_no_doorbell(err)):
+                raise
+        return self._call(wb.BIND_METHOD, msgspec.structs.replace(req, doorbell=False), wb.BIND_RESPONSE_DECODER,
+                          deadline)  # a drafter from before the doorbell: the data socket
+
     def _bind_channel(self, deadline: float) -> None:
         """Bind the nccl_channel plane (this GPU named: NCCL refuses two ranks on one GPU) and join its group."""
         from coordinator.transport.bound_channel import ChannelLink
 
         uuid = cuda_ref.device_uuid(self.device) if self.device.type == "cuda" else ""
-        resp = self._call(wb.BIND_METHOD, wb.BindRequest(
+        resp = self._bind_call(wb.BindRequest(
             session_id=self.session.session_id, epoch=self.session.epoch, plane=wb.NCCL_CHANNEL,
-            transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, device_uuid=uuid),
-            wb.BIND_RESPONSE_DECODER, deadline)
+            transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, device_uuid=uuid,
+            doorbell=self.doorbell), deadline)
         self.width = resp.drafts_width
         link = ChannelLink(self.ctx, self.device, resp, self.max_batch, self.groups, self.slab, self.slots,
                            via=self.endpoint)
@@ -431,6 +435,8 @@ class CudaIpcBoundClient:
             link.close()
             self.unbind()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
+        if self.doorbell:
+            link.open_doorbell(deadline - time.monotonic())
         self.link = link
         self.plane = wb.NCCL_CHANNEL
 

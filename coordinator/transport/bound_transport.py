@@ -167,7 +167,8 @@ class BoundTransport:
         self._device: torch.device | None = _device(cfg.device) if cfg.device else None  # the caller's tensors'
         self._planes: dict[torch.device, str] = {}  # the plane for the caller's tensors on each device
         self._support = None  # the drafter's CudaIpcSupport (its AttachResponse's, or asked by Info)
-        self._doorbell = True  # cuda_ipc Binds ask for the doorbell (False once a drafter did not know the field)
+        self._doorbell = True  # cuda_ipc and nccl_channel Binds ask for the doorbell (False once a drafter did not
+        # know the field)
         self._ipc_refused = ""  # why the drafter refused or could not serve a cuda_ipc binding: host ring since
         self._nccl_refused = ""  # why the drafter refused or could not serve an nccl_channel binding
         self._slabs = None  # the cuda_ipc backend (SLABS or TorchSlabs)
@@ -363,7 +364,7 @@ class BoundTransport:
         self._calls += 1
         body = wb.BindRequest(session_id=session_id, epoch=epoch, plane=plane, transport=transport,
                               buffers=buffers, max_batch=session.max_num_seqs, slab=slab, device_uuid=uuid,
-                              doorbell=plane == wb.CUDA_IPC and self._doorbell)
+                              doorbell=plane in (wb.CUDA_IPC, wb.NCCL_CHANNEL) and self._doorbell)
         env = schema.Envelope(call_id=self._calls, method=wb.BIND_METHOD)
         try:
             self.control.send_multipart([wb.encode(env), wb.encode(body)], flags=zmq.NOBLOCK)
@@ -421,7 +422,7 @@ class BoundTransport:
                     self._nccl_refused = exc.message
                 return
             if ready:
-                if link.plane == wb.CUDA_IPC:  # the steps by the doorbell where it can be made (else the data socket)
+                if isinstance(link, DeviceLink):  # the steps by the doorbell where it can be made (else the data socket)
                     link.open_doorbell(max(until - time.monotonic(), DOORBELL_CONNECT_S))
                 self.link, self.bound_to, self._connecting = link, session_id, None
                 log.info("session %s bound (%s, %s, ring %d bytes)", session_id, link.plane, link.resp.endpoint,
@@ -453,7 +454,7 @@ class BoundTransport:
         if code == Code.INVALID_ARGUMENT and error.field == "transport" and pending.transport == "ipc" \
                 and self.cfg.transport == "auto":  # no ipc socket there: tcp
             self._send_bind(pending.session_id, pending.epoch, "tcp", session, pending.plane)
-        elif pending.plane == wb.CUDA_IPC and self._doorbell and knows_no_doorbell(
+        elif self._doorbell and knows_no_doorbell(
                 DrafterError(code, error.field, error.message)):  # a drafter from before the doorbell
             self._doorbell = False
             self._send_bind(pending.session_id, pending.epoch, pending.transport, session, pending.plane)

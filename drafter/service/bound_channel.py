@@ -37,7 +37,7 @@ import time
 import torch
 import zmq
 
-from drafter.service.bound_ipc import _engine_device, _Guarded, on_engine
+from drafter.service.bound_ipc import _Doorbell, _engine_device, _Guarded, on_engine
 from drafter.service.bound_sessions import BoundSession, _view
 from drafter.wire import bound as wb
 from drafter.wire import bound_channel as bc
@@ -67,7 +67,7 @@ def check_plane(engine, req: wb.BindRequest) -> torch.device:
     return device
 
 
-class ChannelSession(_Guarded, BoundSession):
+class ChannelSession(_Doorbell, _Guarded, BoundSession):
     """One session bound over a NCCL channel: the slab on the engine's GPU, the guard, the output
     sent back by the channel."""
 
@@ -87,6 +87,7 @@ class ChannelSession(_Guarded, BoundSession):
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._done = torch.cuda.Event() if self.device.type == "cuda" else None  # a step's replay queued
         self._link_state(req)
+        self._open_doorbell(req)  # on one host the header may come by the doorbell (bound_ipc._Doorbell)
 
     # ------------------------------------------------------------------ the channel
     def stop(self) -> None:
@@ -117,17 +118,23 @@ class ChannelSession(_Guarded, BoundSession):
         while sock.getsockopt(zmq.RCVMORE):
             sock.recv()
             extra += 1
+        done, self._accepted = self._answer(header_frame, extra, received)
+        return done, b""
+
+    def _answer(self, header_frame: bytes, extra: int, received: int) -> tuple[wb.StepDone, list[int]]:
+        """One step from its header frame (the data socket's or the doorbell's): StepDone, and the
+        rows' accepted counts to record after the reply."""
         try:
             head = wb.STEP_DECODER.decode(header_frame)
         except Exception as exc:  # noqa: BLE001 - msgspec's errors name the path
             self._stop.set()  # how many bytes the target sent is unknown: the channel is out of step
             return wb.StepDone(step=0, code=int(Code.FAILED_PRECONDITION), field="header",
-                               message=f"{exc}; the channel is closed, bind again"), b""
+                               message=f"{exc}; the channel is closed, bind again"), []
         if not 0 < head.nbytes <= self.slab.numel():
             self._stop.set()
             return self._refused(head, DrafterError(Code.FAILED_PRECONDITION, "nbytes", (
                 f"{head.nbytes} bytes do not fit the slab of {self.slab.numel()}; the channel is closed, "
-                "bind again"))), b""
+                "bind again"))), []
         if self._side is not None:  # NCCL's stream then waits for nothing of the engine's (other sessions' steps)
             with torch.cuda.stream(self._side):
                 arrived = self.channel.recv([self.slab[:head.nbytes]], bc.TARGET_RANK, 0)
@@ -135,19 +142,20 @@ class ChannelSession(_Guarded, BoundSession):
             arrived = self.channel.recv([self.slab[:head.nbytes]], bc.TARGET_RANK, 0)
             arrived.wait()
         if extra:
-            return self._refused(head, invalid("frames", "an nccl_channel step is [StepHeader] alone")), b""
+            return self._refused(head, invalid("frames", "an nccl_channel step is [StepHeader] alone")), []
         try:
             self.admit(head)
             started, queued = on_engine(self, self._timed, head, arrived)
             self._send_output()
         except DrafterError as exc:
-            return self._refused(head, exc), b""
+            return self._refused(head, exc), []
         except Exception as exc:  # noqa: BLE001 - a bug of ours: the step still gets its answer
             import logging
 
             logging.getLogger("drafter.service.bound").exception("nccl_channel bound step failed")
-            return wb.StepDone(step=head.step, code=int(Code.INTERNAL), message=repr(exc)), b""
-        return wb.StepDone(step=head.step, stamps=[received, started, queued, time.perf_counter_ns()]), b""
+            return wb.StepDone(step=head.step, code=int(Code.INTERNAL), message=repr(exc)[:2000]), []
+        return (wb.StepDone(step=head.step, stamps=[received, started, queued, time.perf_counter_ns()]),
+                list(head.accepted_counts))
 
     def _timed(self, head: wb.StepHeader, arrived) -> tuple[int, int]:
         started = time.perf_counter_ns()

@@ -193,7 +193,73 @@ class GuardedRingSession(_Guarded, BoundSession):
         return self._host_out[:head.batch * self.drafts.shape[1]].numpy().tobytes()
 
 
-class IpcBoundSession(_Guarded, BoundSession):
+class _Doorbell:
+    """A binding's doorbell (drafter.wire.doorbell) beside its data socket, where the Bind asked for
+    one: its own thread takes the target's connection, then each step's header and answers with
+    self._answer(frame, extra, received) -> (StepDone, accepted counts), as the data thread does."""
+
+    def open(self, ctx: zmq.Context, endpoint: str) -> None:
+        """The data socket and its thread; and where the Bind asked for one, the doorbell's thread."""
+        super().open(ctx, endpoint)
+        if self._listener is not None:
+            self._bell_thread = threading.Thread(target=self._serve_doorbell, name=f"bell-{self.bind_id[:8]}",
+                                                 daemon=True)
+            self._bell_thread.start()
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        super().join(timeout_s)
+        if self._bell_thread is not None:
+            self._bell_thread.join(timeout_s)
+
+    def _open_doorbell(self, req: wb.BindRequest) -> None:
+        """A listening doorbell where the Bind asked for one and the platform has it (else none:
+        the target steps on the data socket)."""
+        self._listener, self.doorbell_address, self._bell_thread = None, "", None
+        if not req.doorbell or not doorbell.available():
+            return
+        try:
+            self._listener, self.doorbell_address = doorbell.listen()
+        except OSError as exc:
+            log.info("no doorbell for the binding: %s", exc, extra={"event": "bind_doorbell_unavailable"})
+
+    def _serve_doorbell(self) -> None:
+        """The doorbell's thread: the target's connection (its hello checked), then each step's
+        header in and StepDone out, until the binding ends or the target hangs up."""
+        listener, conn = self._listener, None
+        poll_s = POLL_MS / 1e3
+        try:
+            conn = doorbell.accept(listener, self.bind_id, self._alive, poll_s, HELLO_TIMEOUT_S)
+            listener.close()
+            if conn is None:
+                return
+            while not self._steps_ready.wait(poll_s):  # the channel planes: the group built by the data thread
+                if not self._alive():
+                    return
+            conn.settimeout(poll_s)
+            while self._alive():
+                try:
+                    frame = doorbell.receive(conn, None)
+                except doorbell.FrameTooLong as exc:
+                    conn.send(wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header",
+                                                    message=str(exc))))
+                    continue
+                if frame is None:
+                    continue
+                if not frame:
+                    return  # the target closed its end: it steps on the data socket, or binds again
+                done, accepted = self._answer(frame, 0, time.perf_counter_ns())
+                conn.send(wb.encode(done))
+                if accepted and not done.code:  # after the reply: off the step's path
+                    self.core.metrics.record_acceptance(torch.tensor(accepted), self.core.desc.num_speculative_tokens)
+        except OSError as exc:
+            log.debug("bound doorbell ended: %s", exc)
+        finally:
+            listener.close()
+            if conn is not None:
+                conn.close()
+
+
+class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
     """One session bound over CUDA IPC: the target's slab, the guard, the engine binding, the events."""
 
     def __init__(self, plane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
@@ -259,64 +325,6 @@ class IpcBoundSession(_Guarded, BoundSession):
         started = time.perf_counter_ns()
         self.step(head, 0)
         return started, time.perf_counter_ns(), self._fine
-
-    # ------------------------------------------------------------------ the doorbell (drafter.wire.doorbell)
-    def open(self, ctx: zmq.Context, endpoint: str) -> None:
-        """The data socket and its thread; and where the Bind asked for one, the doorbell's thread."""
-        super().open(ctx, endpoint)
-        if self._listener is not None:
-            self._bell_thread = threading.Thread(target=self._serve_doorbell, name=f"bell-{self.bind_id[:8]}",
-                                                 daemon=True)
-            self._bell_thread.start()
-
-    def join(self, timeout_s: float = 10.0) -> None:
-        super().join(timeout_s)
-        if self._bell_thread is not None:
-            self._bell_thread.join(timeout_s)
-
-    def _open_doorbell(self, req: wb.BindRequest) -> None:
-        """A listening doorbell where the Bind asked for one and the platform has it (else none:
-        the target steps on the data socket)."""
-        self._listener, self.doorbell_address, self._bell_thread = None, "", None
-        if not req.doorbell or not doorbell.available():
-            return
-        try:
-            self._listener, self.doorbell_address = doorbell.listen()
-        except OSError as exc:
-            log.info("no doorbell for the binding: %s", exc, extra={"event": "bind_doorbell_unavailable"})
-
-    def _serve_doorbell(self) -> None:
-        """The doorbell's thread: the target's connection (its hello checked), then each step's
-        header in and StepDone out, until the binding ends or the target hangs up."""
-        listener, conn = self._listener, None
-        poll_s = POLL_MS / 1e3
-        try:
-            conn = doorbell.accept(listener, self.bind_id, self._alive, poll_s, HELLO_TIMEOUT_S)
-            listener.close()
-            if conn is None:
-                return
-            conn.settimeout(poll_s)
-            while self._alive():
-                try:
-                    frame = doorbell.receive(conn, None)
-                except doorbell.FrameTooLong as exc:
-                    conn.send(wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header",
-                                                    message=str(exc))))
-                    continue
-                if frame is None:
-                    continue
-                if not frame:
-                    return  # the target closed its end: it steps on the data socket, or binds again
-                done, accepted = self._answer(frame, 0, time.perf_counter_ns())
-                conn.send(wb.encode(done))
-                if accepted and not done.code:  # after the reply: off the step's path
-                    self.core.metrics.record_acceptance(torch.tensor(accepted), self.core.desc.num_speculative_tokens)
-        except OSError as exc:
-            log.debug("bound doorbell ended: %s", exc)
-        finally:
-            listener.close()
-            if conn is not None:
-                conn.close()
 
     # ------------------------------------------------------------------ one step (engine lock held)
     def step(self, head: wb.StepHeader, nbytes: int) -> bytes:

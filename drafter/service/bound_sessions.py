@@ -218,6 +218,7 @@ class BoundSession:
         self.store_endpoint = ""
         self.channel = None  # the channel planes: the two-rank process group, built by the data thread
         self._stop = threading.Event()
+        self._steps_ready = threading.Event()  # set by the data thread once steps can run (its channel built)
         self._thread: threading.Thread | None = None
         self._accepted: list[int] = []  # the step's accepted counts (StepHeader), recorded after its reply
 
@@ -259,6 +260,7 @@ class BoundSession:
         try:
             if self.store is not None:  # waits for the target to join (rank 0), at most the timeout
                 self.channel = self._open_channel()
+            self._steps_ready.set()
             while self._alive():
                 if not sock.poll(POLL_MS):
                     continue

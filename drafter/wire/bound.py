@@ -33,9 +33,10 @@ stream waits on the target's event, the drafter checks and masks the step on the
 (drafter.engine.step_guard: the error word is a bitmask over guard_fields), replays, records its
 event and replies StepDone at once; the target's stream waits on that event and reads the drafts
 and the error word back together.
-A cuda_ipc Bind may ask for a doorbell (BindRequest.doorbell): the drafter then answers with the
-address of a same-host UNIX-domain connection (BindResponse.doorbell, drafter.wire.doorbell) that
-carries the same StepHeader and StepDone records as the data socket, one kernel wake-up a way.
+A cuda_ipc or nccl_channel Bind may ask for a doorbell (BindRequest.doorbell): the drafter then
+answers with the address of a same-host UNIX-domain connection (BindResponse.doorbell,
+drafter.wire.doorbell) that carries the same StepHeader and StepDone records as the data socket,
+one kernel wake-up a way (a target on another host cannot reach it and keeps the data socket).
 Both records omit fields at their defaults, so a peer that does not know the field never sees it
 (a drafter that does not know it refuses a Bind that asks: the target binds again without).
 Every step names its binding (StepHeader.bind_id, the random id the Bind's reply gave): the
@@ -89,7 +90,8 @@ class BindRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     slab: CudaIpcTensor | None = None  # cuda_ipc: the target's slab ([ring_bytes / 64, 16] float32) and its
     # "inputs ready" event (step_event_handle)
     device_uuid: str = ""  # nccl_channel: the target's GPU (NCCL refuses two ranks on one GPU)
-    doorbell: bool = False  # cuda_ipc: steps by a same-host doorbell (BindResponse.doorbell) where one can be made
+    doorbell: bool = False  # cuda_ipc, nccl_channel: steps by a same-host doorbell (BindResponse.doorbell) where
+    # one can be made
 
 
 class BindResponse(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

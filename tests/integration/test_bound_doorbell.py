@@ -8,6 +8,7 @@ where the doorbell cannot be had (a drafter that offers none, one the target can
 drafter from before the doorbell) the steps go over the data socket and draft the same; a drafter
 that hangs or goes away mid-step ends the step within the deadline (DEADLINE_EXCEEDED, UNAVAILABLE)
 and the client binds again by itself; a target that goes away ends the binding's doorbell thread.
+The nccl_channel plane (gloo here) takes its header by the doorbell the same way.
 """
 
 from __future__ import annotations
@@ -156,5 +157,27 @@ def test_a_target_that_goes_away_ends_the_bindings_doorbell_thread(tiny_root):
             binding._bell_thread.join(10)
             assert not binding._bell_thread.is_alive()
             assert not binding._stop.is_set(), "the binding itself lives on (its data socket, its session)"
+        finally:
+            t.client.close()
+
+
+def test_nccl_channel_steps_over_the_doorbell_draft_what_in_process_drafts(tiny_root, monkeypatch):
+    """The nccl_channel plane (its NCCL replaced by gloo, as tests/integration/test_bound_channel.py
+    runs it) on one host: the header by the doorbell, the slab and the output down the channel."""
+    from coordinator.transport import bound_channel as client_channel
+    from drafter.service import bound_channel
+    from drafter.wire import bound_channel as bc
+    from tests.integration.test_bound_channel import ChannelTarget
+
+    monkeypatch.setattr(bound_channel, "BACKEND", bc.GLOO)
+    monkeypatch.setattr(client_channel, "BACKEND", bc.GLOO)
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = ChannelTarget(tiny_root, "eagle3", drafter, seed=7)
+        try:
+            t.step(PLANS[0])
+            link = t.client.link
+            assert t.client.plane == wb.NCCL_CHANNEL and link.bell is not None, link.bell_reason
+            link.sock.close(linger=0)  # only the doorbell can carry the next header
+            t.step(PLANS[1])
         finally:
             t.client.close()
