@@ -10,10 +10,12 @@ decode step, drafts on the host:
 
   * nccl_channel: coordinator.transport.bound_channel (the slab's prefix by one NCCL send into
     the drafter's GPU, the output back by one NCCL send; the drafter on another GPU than --device;
-    the header on a tcp data socket); nccl_channel_ipc: the same, the data socket on ipc;
-  * cuda_ipc: coordinator.transport.bound_ipc over CUDA IPC (header-only steps, on the binding's
-    same-host doorbell, drafter.wire.doorbell; with the drafter on another GPU it reads the target's
-    slab over the peer link); cuda_ipc_zmq: the same with the header on the ZMQ data socket;
+    the header on the binding's same-host doorbell, drafter.wire.doorbell, its tcp data socket
+    open beside it); nccl_channel_ipc: the same, the data socket on ipc; nccl_channel_zmq: the
+    header on the tcp data socket (no doorbell);
+  * cuda_ipc: coordinator.transport.bound_ipc over CUDA IPC (header-only steps, on the doorbell;
+    with the drafter on another GPU it reads the target's slab over the peer link); cuda_ipc_zmq:
+    the same with the header on the ZMQ data socket;
   * cuda_ipc_host_wait: the same, the target's host waiting on the drafter's event;
   * host_ring: the same client forced onto the host ring over tcp;
   * unbound, unbound_cuda_ipc: the ZmqDrafterClient encoding tensors per call (the hidden states
@@ -54,10 +56,12 @@ import torch
 from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats, _time, buffers, fill, in_process,
                                        start_server)
 
-CLIENTS = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait", "host_ring",
-           "unbound", "unbound_cuda_ipc")
-BOUND = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait", "host_ring")
-STAMPED = ("nccl_channel", "nccl_channel_ipc", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait")
+CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait",
+           "host_ring", "unbound", "unbound_cuda_ipc")
+BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait",
+         "host_ring")
+STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait")
+NO_DOORBELL = ("cuda_ipc_zmq", "nccl_channel_zmq")  # the header on the ZMQ data socket, to compare
 
 
 def layout(endpoint: str, args):
@@ -81,13 +85,13 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
     bound; RuntimeError where the drafter bound another plane."""
     from coordinator.transport.bound_ipc import CudaIpcBoundClient
 
-    plane = {"host_ring": "host_ring", "nccl_channel": "nccl_channel", "nccl_channel_ipc": "nccl_channel"}.get(
-        name, "cuda_ipc")
+    plane = {"host_ring": "host_ring", "nccl_channel": "nccl_channel", "nccl_channel_ipc": "nccl_channel",
+             "nccl_channel_zmq": "nccl_channel"}.get(name, "cuda_ipc")
     client = CudaIpcBoundClient(endpoint, layout(endpoint, args), buffers(args, batch, columns), max_batch=batch,
                                 device=args.device, timeout_s=args.timeout_s, allow_fallback=False,
                                 transport="ipc" if name == "nccl_channel_ipc" else "tcp",
                                 force_ring=plane == "host_ring", host_wait=name == "cuda_ipc_host_wait",
-                                channel=plane == "nccl_channel", doorbell=name != "cuda_ipc_zmq")
+                                channel=plane == "nccl_channel", doorbell=name not in NO_DOORBELL)
     try:
         got = client.bind()
     except BaseException:
@@ -122,7 +126,7 @@ def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> di
             result["doorbell_reason"] = client.link.bell_reason
         if name in STAMPED:
             result["stages"] = stages(client, n, b, args.iters)
-        if name in ("cuda_ipc", "cuda_ipc_zmq", "nccl_channel", "nccl_channel_ipc"):
+        if name in ("cuda_ipc", "cuda_ipc_zmq", "nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq"):
             host = []
             stream = torch.cuda.current_stream()
             for i in range(WARMUP + args.iters):
@@ -381,7 +385,7 @@ def remote_client(endpoint: str, args, b: int, columns: int, name: str, row: dic
     r["ratio_bound"] = r["rtt"]["p50_us"] / row["in_process"]["bound_propose"]["p50_us"]
     row["remote"][name] = r
     host = r.get("target_host")
-    if r.get("doorbell_reason") and name != "cuda_ipc_zmq" and name.startswith("cuda_ipc"):
+    if r.get("doorbell_reason") and name not in NO_DOORBELL and name != "host_ring":
         log(f"batch {b} {name}: no doorbell: {r['doorbell_reason']}")
     log(f"batch {b} {name}: p50 {r['rtt']['p50_us']:.0f} us, p99 {r['rtt']['p99_us']:.0f} us, "
         f"ratio {r['ratio']:.2f} (vs bound {r['ratio_bound']:.2f})"
