@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from coordinator.demo.fleet import FleetConfig, FleetError, run_fleet
@@ -17,10 +15,9 @@ def test_a_failing_rank_stops_the_fleet_quickly(tmp_path_factory, tmp_path):
     target = TargetConfig(str(dirs / "target"), method="eagle", num_speculative_tokens=0, max_model_len=64)
     good = random_requests(2, vocab_size=512, max_new_tokens=4, seed=0)
     bad = [RequestSpec(99, (1, 2, 3), max_new_tokens=500)]  # longer than max_model_len: rank 1 raises
-    t0 = time.monotonic()
-    with pytest.raises(FleetError, match="exceeds max_model_len"):
+    # taken down by the failing rank ("a rank failed"), not by the fleet's timeout ("timed out after")
+    with pytest.raises(FleetError, match=r"(?s)\(a rank failed;.*exceeds max_model_len"):
         run_fleet(FleetConfig(target=target, tp=2, dp=2, timeout_s=120), [good, bad], tmp_path)
-    assert time.monotonic() - t0 < 60  # not the 120 s collective timeout
 
 
 def test_plain_decoding_fleet_agrees_with_itself(tmp_path_factory, tmp_path):
