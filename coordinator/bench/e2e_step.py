@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import signal
@@ -51,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -347,57 +348,169 @@ def steady(rec, setup: Setup, k: int) -> bool:
     return k == 0 or (rec.batch == setup.batch and rec.tokens == setup.batch * (k + 1))
 
 
-def run_way(name: str, runner: ModelRunner, proposer, setup: Setup, args) -> dict:
-    """Prefill, catch up, warm up, then time args.iters steps of one target engine."""
+@dataclass
+class Lane:
+    """One way's target engine (its own KV cache, its own drafter session) and what its timed steps gave."""
+
+    name: str
+    engine: TargetEngine
+    k: int
+    prefill_s: float = 0.0
+    catchup: int = 0
+    before: dict | None = None  # rid -> tokens generated when the timed steps began
+    replays: int = 0  # the runner's graph replays when the timed steps began
+    times: list = field(default_factory=list)  # us per timed step
+    waits: list = field(default_factory=list)  # us per timed step in the engine's propose call
+    records: list = field(default_factory=list)
+    drafts: list = field(default_factory=list)  # per timed step: every request's drafts, by rid
+    gc_ms: list = field(default_factory=list)  # Python collections during its timed steps: (generation, ms)
+    error: str = ""
+
+    @property
+    def runner(self):
+        return self.engine.runner
+
+
+def prepare(name: str, runner: ModelRunner, proposer, setup: Setup) -> Lane:
+    """A target engine for one way, its requests prefilled and the drafter caught up on their prompts."""
     k = 0 if name.startswith("plain") else setup.k
-    device = runner.device
     cfg = TargetConfig(target_dir="", method="eagle3", aux_layer_ids=runner.cfg.aux_layer_ids,
                        num_speculative_tokens=k, max_model_len=setup.max_model_len, max_num_seqs=setup.batch,
                        max_num_batched_tokens=setup.max_tokens, block_size=BLOCK_SIZE, num_blocks=setup.num_blocks,
                        dtype=setup.dtype)
-    engine = TargetEngine(cfg, proposer=proposer, runner=runner)
-    vocab = runner.vocab_size
-    for spec in random_requests(setup.batch, vocab_size=vocab, max_new_tokens=setup.max_new_tokens, seed=3,
-                                prompt_lens=(setup.ctx, setup.ctx)):
-        engine.add(spec)
+    lane = Lane(name, TargetEngine(cfg, proposer=proposer, runner=runner), k)
+    for spec in random_requests(setup.batch, vocab_size=runner.vocab_size, max_new_tokens=setup.max_new_tokens,
+                                seed=3, prompt_lens=(setup.ctx, setup.ctx)):
+        lane.engine.add(spec)
     t0 = time.perf_counter()
-    engine.step()  # the prefill
-    prefill_s = time.perf_counter() - t0
-    catchup = 0
+    lane.engine.step()  # the prefill
+    lane.prefill_s = time.perf_counter() - t0
     while True:  # the drafter catches up on every prompt (two per call), then every step is a full one
-        rec = engine.step()
-        catchup += 1
+        rec = lane.engine.step()
+        lane.catchup += 1
         if steady(rec, setup, k):
-            break
-        if catchup > 4 * setup.batch + 8:
-            raise RuntimeError(f"{name}: no steady step after {catchup} steps (last {rec})")
+            return lane
+        if lane.catchup > 4 * setup.batch + 8:
+            raise RuntimeError(f"{name}: no steady step after {lane.catchup} steps (last {rec})")
+
+
+def interleave(lanes: list[Lane], setup: Setup, device: torch.device) -> None:
+    """Warm-up steps, then the timed steps, round robin over the lanes (the first lane of each
+    round rotates), so a drift of the machine (clocks, a neighbour's load) touches every way alike.
+    A lane whose step raises keeps its error and leaves the rotation."""
     for _ in range(setup.warmup):
-        engine.step()
-    before = {r.rid: len(r.output) for r in engine.running}
-    replays = getattr(runner, "replays", 0)
-    times, waits, drafts, records = [], [], [], []
-    for _ in range(setup.iters):
-        _sync(device)
-        t0 = time.perf_counter()
-        rec = engine.step()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e6)
-        waits.append(rec.wait_s * 1e6)
-        records.append(rec)
-        drafts.append([list(r.drafts) for r in sorted(engine.running, key=lambda r: r.rid)])
-    emitted = sum(len(r.output) - before[r.rid] for r in engine.running if r.rid in before)
-    full = sum(steady(r, setup, k) for r in records)
-    out = {"step": stats(times), "tokens_per_step": emitted / setup.iters,
-           "tokens_per_request_step": emitted / (setup.iters * setup.batch),
-           "query_rows_per_step": setup.batch * (k + 1), "full_steps": full,
-           "target_graph_replays": getattr(runner, "replays", 0) - replays,
-           "drafted_steps": sum(bool(r.drafts_ok) for r in records), "catchup_steps": catchup,
-           "prefill_s": prefill_s, "drafts": drafts,
-           "distinct_draft_tokens": len({t for step in drafts for row in step for t in row}),
+        for lane in lanes:
+            lane.engine.step()
+    for lane in lanes:
+        lane.before = {r.rid: len(r.output) for r in lane.engine.running}
+        lane.replays = getattr(lane.runner, "replays", 0)
+    current: list[Lane] = []
+
+    def collected(phase, info, started=[0.0]):  # noqa: B006 - the start of the collection in progress
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif current:
+            current[0].gc_ms.append((info["generation"], (time.perf_counter() - started[0]) * 1e3))
+
+    gc.collect()
+    gc.callbacks.append(collected)
+    try:
+        for i in range(setup.iters):
+            live = [lane for lane in lanes if not lane.error]
+            shift = i % max(1, len(live))
+            for lane in live[shift:] + live[:shift]:
+                current[:] = [lane]
+                try:
+                    timed_step(lane, device)
+                except Exception as exc:  # noqa: BLE001 - the other ways go on
+                    lane.error = f"{type(exc).__name__} at timed step {i}: {exc}"
+                current.clear()
+    finally:
+        gc.callbacks.remove(collected)
+
+
+def timed_step(lane: Lane, device: torch.device) -> None:
+    """One engine.step() between two device synchronisations."""
+    _sync(device)
+    t0 = time.perf_counter()
+    rec = lane.engine.step()
+    _sync(device)
+    lane.times.append((time.perf_counter() - t0) * 1e6)
+    lane.waits.append(rec.wait_s * 1e6)
+    lane.records.append(rec)
+    lane.drafts.append([list(r.drafts) for r in sorted(lane.engine.running, key=lambda r: r.rid)])
+
+
+def lane_result(lane: Lane, setup: Setup) -> dict:
+    """A lane's figures: step and exchange statistics, the slowest steps, tokens, drafts, outputs."""
+    if lane.error:
+        return {"error": lane.error}
+    engine, n = lane.engine, len(lane.times)
+    emitted = sum(len(r.output) - lane.before[r.rid] for r in engine.running if r.rid in lane.before)
+    slowest = sorted(range(n), key=lambda i: -lane.times[i])[:3]
+    out = {"step": stats(lane.times), "tokens_per_step": emitted / n,
+           "tokens_per_request_step": emitted / (n * setup.batch),
+           "query_rows_per_step": setup.batch * (lane.k + 1), "full_steps": sum(steady(r, setup, lane.k)
+                                                                               for r in lane.records),
+           "target_graph_replays": getattr(lane.runner, "replays", 0) - lane.replays,
+           "drafted_steps": sum(bool(r.drafts_ok) for r in lane.records), "catchup_steps": lane.catchup,
+           "prefill_s": lane.prefill_s, "step_us": [round(t, 1) for t in lane.times],
+           "slowest_steps": [{"index": i, "us": round(lane.times[i], 1)} for i in slowest],
+           "gc": {"collections": len(lane.gc_ms), "gen2": sum(g == 2 for g, _ in lane.gc_ms),
+                  "ms": round(sum(ms for _, ms in lane.gc_ms), 2),
+                  "max_ms": round(max((ms for _, ms in lane.gc_ms), default=0.0), 2)},
+           "drafts": lane.drafts,
+           "distinct_draft_tokens": len({t for step in lane.drafts for row in step for t in row}),
            "outputs": {r.rid: r.output for r in sorted(engine.running, key=lambda r: r.rid)}}
-    if k:
-        out["exchange"] = stats(waits)
+    if lane.k:
+        out["exchange"] = stats(lane.waits)
     return out
+
+
+def forward_gpu_us(runner, iters: int = 50) -> dict:
+    """The GPU time of each captured target forward alone (CUDA events, mean of back-to-back replays
+    of the last step's inputs: the same KV rows rewritten with the same values)."""
+    out = {}
+    for (num_tokens, _), (graph, _, _) in getattr(runner, "graphs", {}).items():
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        out[str(num_tokens)] = start.elapsed_time(end) * 1e3 / iters
+    return out
+
+
+def make_proposer(way: str, spec, model_dir: str, port, args, device: torch.device, closers: list):
+    """The proposer the target engine of `way` calls (None: no drafter); what must be closed after
+    the run goes into closers.  Every drafting way has a session of its own."""
+    hidden_dtype = getattr(torch, spec.dtype)
+    if way.startswith("plain"):
+        return None
+    if way == "free_drafts":
+        return FreeDrafts(spec.num_speculative_tokens, device)
+    if way in ("inprocess", "inprocess_trusted"):
+        proposer, transport = inprocess_proposer(spec, model_dir, args)
+        closers.append(proposer.close)
+        if way == "inprocess":
+            return OnDevice(proposer, device, hidden_dtype)
+        engine = transport.sessions[proposer.session.session_id]
+        return OnDevice(TrustedProposer(engine), device, hidden_dtype)
+    proposer = remote_proposer(spec, port, args, bound=way == "remote")
+    closers.append(lambda: proposer.close(timeout=5.0))
+    if not proposer.start():
+        raise RuntimeError(f"attach failed: {list(proposer.events)[-3:]}")
+    return OnDevice(proposer, device, hidden_dtype)
+
+
+def lane_runner_for(way: str, base: ModelRunner) -> ModelRunner:
+    """A runner of its own over base's model for another lane: its own KV cache (every engine hands
+    out the same block ids) and its own graphs; plain_eager's never graphed."""
+    if way != "plain_eager" and isinstance(base, GraphedRunner):
+        return GraphedRunner(base.cfg, model=base.model, backend=base.backend, batch=base.batch, shapes=base.shapes)
+    return ModelRunner(base.cfg, model=base.model, backend=base.backend)
 
 
 def proposer_report(proposer) -> dict:
@@ -470,9 +583,13 @@ def table(result: dict) -> str:
              f"Reference target (coordinator.target) at {meta['target_shapes']}, random {meta['dtype']} weights, on "
              f"{meta['target_device']}; EAGLE-3 head ({meta['head_shapes']}, random weights); drafter of (c)/(d) "
              f"on {meta['drafter_device']}. Batch {meta['batch']}, context {meta['ctx']}, greedy, k = {meta['k']}; "
-             f"{meta['iters']} steps timed after {meta['warmup']} warm-up steps, each engine.step() between two "
-             "device synchronisations. Step and exchange (the engine's propose call: the call moved to the device, "
-             "drafted, drafts back) in us. The target's decode forward "
+             f"{meta['iters']} steps timed per way after {meta['warmup']} warm-up steps, each engine.step() between "
+             "two device synchronisations; every way has its own engine, KV cache and drafter session, and the "
+             "ways step in turn (round robin, the first of each round rotating), so a drift of the machine touches "
+             "them alike. Step and exchange in us; the exchange is the engine's propose call (the call moved to "
+             "the device, drafted, drafts handed back): an in-process call returns before its GPU work is done "
+             "(the rest is waited for when the engine reads the drafts, inside the step), a bound remote step "
+             "returns after it, so compare the steps, not the exchanges. The target's decode forward "
              + ("is replayed from a CUDA graph (GraphedRunner, as vLLM runs a decode step); the rest of the step "
                 "(verification, the call built from per-request state) is the reference engine's host Python."
                 if meta["target_graphs"] else "runs eagerly (the reference engine as it is)."), "",
@@ -502,12 +619,23 @@ def table(result: dict) -> str:
         if key in d:
             value = f"{100 * d[key]:+.1f} %" if key.endswith("share") else f"{d[key]:.0f} us"
             lines.append(f"* {label}: **{value}**")
-    lines += ["", "Drafts compared step by step with (b):", ""]
+    lines += ["", "Drafts compared step by step with (b), and the tokens each way generated compared with (a). "
+              "Speculation is lossless up to the target's numerics: a forward over k + 1 rows per request runs "
+              "other GEMM shapes than one over 1 row, and in bfloat16 with random weights (near-ties between the "
+              "top logits) one flipped argmax sends a request down another path for good; in float32 "
+              "(--dtype float32) the ways must agree.", ""]
     for key, c in result["compare"].items():
         if key.startswith("inprocess_vs_"):
             lines.append(f"* {key}: {c['equal_steps']} of {c['steps']} steps equal")
         else:
             lines.append(f"* {key}: {c['requests_agreeing']} of {c['requests']} requests generated the same tokens")
+    fwd = meta.get("target_forward_gpu_us")
+    if fwd:
+        lines += ["", "The target's graphed forward alone on the GPU (CUDA events): " + ", ".join(
+            f"{rows} query rows {us:.0f} us" for rows, us in sorted(fwd.items(), key=lambda x: int(x[0])))]
+    lines += ["", "(b) validates every call on the host (engine.draft's checks: a device sync and small copies); "
+              "(b') skips them (a trusted caller); (c) validates on the GPU inside the drafter's bound graphs "
+              "(the step guard), so (c) can come out at or under (b)."]
     lines += ["", "Random weights: the drafts are almost never accepted (tokens / step is about the batch), so "
               "acceptance says nothing here; the figure is time per step."]
     return "\n".join(lines) + "\n"
@@ -544,6 +672,8 @@ def parse(argv: list[str]):
     p.add_argument("--deadline-s", type=float, default=30.0, help="the proposers' per-step deadline")
     p.add_argument("--target-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU: the target's steady decode forwards as CUDA graphs (GraphedRunner) [on]")
+    p.add_argument("--dtype", default="", choices=("", "bfloat16", "float32"),
+                   help="the target's and the drafters' dtype [bfloat16; float32 with --tiny]")
     p.add_argument("--tiny", action="store_true", help="tiny target and head (the CPU test)")
     args = p.parse_args(argv)
     args.ways = [w for w in args.ways.split(",") if w]
@@ -551,7 +681,7 @@ def parse(argv: list[str]):
     if unknown:
         raise SystemExit(f"--ways: unknown {sorted(unknown)}; choose from {WAYS}")
     args.drafter_device = args.drafter_device or args.device
-    args.dtype = "float32" if args.tiny else "bfloat16"
+    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     return args
 
 
@@ -604,7 +734,6 @@ def run(args, argv: list[str]) -> int:
     server = start_server(args, setup, model_dir) if served else None  # it loads while the target is built
     try:
         runner = build_runner(args, setup, head_cfg)
-        hidden_dtype = getattr(torch, setup.dtype)
         spec = TargetEngine(TargetConfig("", aux_layer_ids=runner.cfg.aux_layer_ids, num_speculative_tokens=setup.k,
                                          max_model_len=setup.max_model_len, max_num_seqs=setup.batch,
                                          max_num_batched_tokens=setup.max_tokens, block_size=BLOCK_SIZE,
@@ -614,49 +743,32 @@ def run(args, argv: list[str]) -> int:
         if server is not None:
             ready = wait_ready(server)
             port = int(ready["zmq_port"])
-        inproc = None
+        lanes, closers = [], []
+        fresh = [runner]  # the first lane runs on the runner built above; every other one on its own
         for way in args.ways:
-            proposer = None
             try:
-                if way == "plain_eager":
-                    if not isinstance(runner, GraphedRunner):
-                        continue  # the target is eager in every way already
-                    eager = ModelRunner(runner.cfg, model=runner.model, backend=runner.backend)
-                    result["ways"][way] = r = run_way(way, eager, None, setup, args)
-                    del eager
-                    print(f"{way}: step p50 {r['step']['p50_us']:.0f} us p99 {r['step']['p99_us']:.0f} us", flush=True)
-                    continue
-                if way == "plain":
-                    proposer = None
-                elif way == "free_drafts":
-                    proposer = FreeDrafts(setup.k, device)
-                elif way in ("inprocess", "inprocess_trusted"):
-                    if inproc is None:
-                        inproc = inprocess_proposer(spec, model_dir, args)
-                    rp, transport = inproc
-                    inner = rp if way == "inprocess" else TrustedProposer(next(iter(transport.sessions.values())))
-                    proposer = OnDevice(inner, device, hidden_dtype)
-                else:
-                    proposer = OnDevice(remote_proposer(spec, port, args, bound=way == "remote"), device,
-                                        hidden_dtype)
-                    if not proposer.inner.start():
-                        raise RuntimeError(f"attach failed: {list(proposer.inner.events)[-3:]}")
-                r = run_way(way, runner, proposer, setup, args)
-                inner = getattr(proposer, "inner", None)
-                if hasattr(inner, "stats"):
-                    r["proposer"] = proposer_report(inner)
-                result["ways"][way] = r
-                print(f"{way}: step p50 {r['step']['p50_us']:.0f} us p99 {r['step']['p99_us']:.0f} us, "
-                      f"{r['tokens_per_step']:.2f} tokens/step {r.get('proposer', '')}", flush=True)
+                if way == "plain_eager" and not isinstance(runner, GraphedRunner):
+                    continue  # the target is eager in every way already
+                proposer = make_proposer(way, spec, model_dir, port, args, device, closers)
+                lane_runner = fresh.pop() if fresh and way != "plain_eager" else lane_runner_for(way, runner)
+                lanes.append(prepare(way, lane_runner, proposer, setup))
             except Exception as exc:  # noqa: BLE001 - one way failing keeps the others' figures
                 result["ways"][way] = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"{way}: FAILED {type(exc).__name__}: {exc}", flush=True)
-            finally:
-                if way in served and proposer is not None:
-                    proposer.inner.close(timeout=5.0)
-            save()
-        if inproc is not None:
-            inproc[0].close()
+        interleave(lanes, setup, device)
+        for lane in lanes:
+            r = result["ways"][lane.name] = lane_result(lane, setup)
+            inner = getattr(lane.engine.proposer, "inner", None)
+            if "error" not in r and hasattr(inner, "stats"):
+                r["proposer"] = proposer_report(inner)
+            print(f"{lane.name}: " + (r["error"] if "error" in r else
+                                      f"step p50 {r['step']['p50_us']:.0f} us p99 {r['step']['p99_us']:.0f} us, "
+                                      f"{r['tokens_per_step']:.2f} tokens/step {r.get('proposer', '')}"), flush=True)
+        if device.type == "cuda":
+            result["meta"]["target_forward_gpu_us"] = {k: v for lane in lanes for k, v in
+                                                       forward_gpu_us(lane.runner).items()}
+        for close in closers:
+            close()
     finally:
         if server is not None:
             stop_server(server)
