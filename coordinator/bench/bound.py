@@ -15,7 +15,10 @@ decode step, drafts on the host:
     header on the tcp data socket (no doorbell);
   * cuda_ipc: coordinator.transport.bound_ipc over CUDA IPC (header-only steps, on the doorbell;
     with the drafter on another GPU it reads the target's slab over the peer link); cuda_ipc_zmq:
-    the same with the header on the ZMQ data socket;
+    the same with the header on the ZMQ data socket; cuda_ipc_spin: the doorbell, the drafter
+    polling it SPIN_US after each reply before it sleeps (BindRequest.spin_us: it catches the next
+    header hot when steps come back to back, as here; a target step of milliseconds between them
+    would find it asleep as cuda_ipc does);
   * cuda_ipc_host_wait: the same, the target's host waiting on the drafter's event;
   * host_ring: the same client forced onto the host ring over tcp;
   * unbound, unbound_cuda_ipc: the ZmqDrafterClient encoding tensors per call (the hidden states
@@ -56,11 +59,13 @@ import torch
 from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats, _time, buffers, fill, in_process,
                                        start_server)
 
-CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait",
-           "host_ring", "unbound", "unbound_cuda_ipc")
-BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait",
-         "host_ring")
-STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_host_wait")
+CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
+           "cuda_ipc_host_wait", "host_ring", "unbound", "unbound_cuda_ipc")
+BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
+         "cuda_ipc_host_wait", "host_ring")
+STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
+           "cuda_ipc_host_wait")
+SPIN_US = 3000  # cuda_ipc_spin's BindRequest.spin_us: covers the bench's back-to-back steps up to batch 64
 NO_DOORBELL = ("cuda_ipc_zmq", "nccl_channel_zmq")  # the header on the ZMQ data socket, to compare
 
 
@@ -91,7 +96,8 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
                                 device=args.device, timeout_s=args.timeout_s, allow_fallback=False,
                                 transport="ipc" if name == "nccl_channel_ipc" else "tcp",
                                 force_ring=plane == "host_ring", host_wait=name == "cuda_ipc_host_wait",
-                                channel=plane == "nccl_channel", doorbell=name not in NO_DOORBELL)
+                                channel=plane == "nccl_channel", doorbell=name not in NO_DOORBELL,
+                                spin_us=SPIN_US if name == "cuda_ipc_spin" else 0)
     try:
         got = client.bind()
     except BaseException:
@@ -126,7 +132,8 @@ def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> di
             result["doorbell_reason"] = client.link.bell_reason
         if name in STAMPED:
             result["stages"] = stages(client, n, b, args.iters)
-        if name in ("cuda_ipc", "cuda_ipc_zmq", "nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq"):
+        if name in ("cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin", "nccl_channel", "nccl_channel_ipc",
+                    "nccl_channel_zmq"):
             host = []
             stream = torch.cuda.current_stream()
             for i in range(WARMUP + args.iters):

@@ -285,7 +285,7 @@ class CudaIpcBoundClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, device="cuda", transport: str = "tcp", timeout_s: float = 5.0,
                  allow_fallback: bool = True, force_ring: bool = False, slabs=None, host_wait: bool = False,
-                 channel: bool = False, doorbell: bool = True):
+                 channel: bool = False, doorbell: bool = True, spin_us: int = 0):
         """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests);
         force_ring: bind the host ring even where CUDA IPC would do (to compare the planes);
         channel: bind the nccl_channel plane instead of cuda_ipc (the drafter on another GPU of this
@@ -295,11 +295,13 @@ class CudaIpcBoundClient:
         queueing its read, so nothing of this context waits on the GPU while the drafter's kernels
         run (two contexts time-slice one GPU), instead of making the stream wait on it;
         doorbell: cuda_ipc steps by the binding's same-host doorbell (drafter.wire.doorbell) where the
-        drafter offers one and it can be reached, else (and with False) by the data socket."""
+        drafter offers one and it can be reached, else (and with False) by the data socket;
+        spin_us: with the doorbell, how long the drafter polls it for the next header after each
+        reply before its thread sleeps (BindRequest.spin_us: for steps that come back to back)."""
         self.endpoint, self.layout, self.buffers = endpoint, layout, list(buffers)
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
         self.allow_fallback, self.force_ring, self.host_wait = allow_fallback, force_ring, host_wait
-        self.channel, self.doorbell = channel, doorbell
+        self.channel, self.doorbell, self.spin_us = channel, doorbell, spin_us if doorbell else 0
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -390,7 +392,7 @@ class CudaIpcBoundClient:
         slab = self.slabs.share(self.slab, self._inputs_handle)
         req = wb.BindRequest(session_id=self.session.session_id, epoch=self.session.epoch, plane=wb.CUDA_IPC,
                              transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, slab=slab,
-                             doorbell=self.doorbell)
+                             doorbell=self.doorbell, spin_us=self.spin_us)
         resp = self._bind_call(req, deadline)
         self.width = resp.drafts_width
         link = IpcLink(self.ctx, self.slabs, self.device, resp, self.max_batch, self.groups, self._inputs_event,
@@ -411,8 +413,8 @@ class CudaIpcBoundClient:
         except DrafterError as err:
             if not (req.doorbell and knows_no_doorbell(err)):
                 raise
-        return self._call(wb.BIND_METHOD, msgspec.structs.replace(req, doorbell=False), wb.BIND_RESPONSE_DECODER,
-                          deadline)  # a drafter from before the doorbell: the data socket
+        return self._call(wb.BIND_METHOD, msgspec.structs.replace(req, doorbell=False, spin_us=0),
+                          wb.BIND_RESPONSE_DECODER, deadline)  # a drafter from before the doorbell: the data socket
 
     def _bind_channel(self, deadline: float) -> None:
         """Bind the nccl_channel plane (this GPU named: NCCL refuses two ranks on one GPU) and join its group."""
@@ -422,7 +424,7 @@ class CudaIpcBoundClient:
         resp = self._bind_call(wb.BindRequest(
             session_id=self.session.session_id, epoch=self.session.epoch, plane=wb.NCCL_CHANNEL,
             transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, device_uuid=uuid,
-            doorbell=self.doorbell), deadline)
+            doorbell=self.doorbell, spin_us=self.spin_us), deadline)
         self.width = resp.drafts_width
         link = ChannelLink(self.ctx, self.device, resp, self.max_batch, self.groups, self.slab, self.slots,
                            via=self.endpoint)
@@ -558,7 +560,8 @@ class CudaIpcBoundClient:
 def knows_no_doorbell(err: DrafterError) -> bool:
     """Whether a Bind refusal is a drafter's that does not know BindRequest.doorbell (its decoder
     refuses the unknown field): bind again without it."""
-    return err.code == Code.INVALID_ARGUMENT and err.field == "body" and "doorbell" in err.message
+    return err.code == Code.INVALID_ARGUMENT and err.field == "body" and (
+        "doorbell" in err.message or "spin_us" in err.message)
 
 
 def channel_backend() -> str:

@@ -215,6 +215,7 @@ class _Doorbell:
         """A listening doorbell where the Bind asked for one and the platform has it (else none:
         the target steps on the data socket)."""
         self._listener, self.doorbell_address, self._bell_thread = None, "", None
+        self._spin_s = req.spin_us / 1e6  # checked by BoundPlane.bind
         if not req.doorbell or not doorbell.available():
             return
         try:
@@ -236,9 +237,10 @@ class _Doorbell:
                 if not self._alive():
                     return
             conn.settimeout(poll_s)
+            spun, scratch = None, bytearray(doorbell.MAX_FRAME) if self._spin_s else None
             while self._alive():
                 try:
-                    frame = doorbell.receive(conn, None)
+                    frame, spun = (spun if spun is not None else doorbell.receive(conn, None)), None
                 except doorbell.FrameTooLong as exc:
                     conn.send(wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header",
                                                     message=str(exc))))
@@ -251,6 +253,12 @@ class _Doorbell:
                 conn.send(wb.encode(done))
                 if accepted and not done.code:  # after the reply: off the step's path
                     self.core.metrics.record_acceptance(torch.tensor(accepted), self.core.desc.num_speculative_tokens)
+                if scratch is not None:  # the Bind asked: the next header caught without sleeping, if it comes soon
+                    try:
+                        spun = doorbell.spin(conn, self._spin_s, scratch)
+                    except doorbell.FrameTooLong as exc:
+                        conn.send(wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header",
+                                                        message=str(exc))))
         except OSError as exc:
             log.debug("bound doorbell ended: %s", exc)
         finally:

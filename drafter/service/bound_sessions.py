@@ -94,6 +94,8 @@ class BoundPlane:
         s = core.sessions.owned(req.session_id, caller.peer if caller is not None else "")
         if req.plane not in wb.PLANES:
             raise invalid("plane", f"{req.plane!r}; this drafter serves {list(wb.PLANES)}")
+        if not 0 <= req.spin_us <= wb.MAX_SPIN_US:
+            raise invalid("spin_us", f"{req.spin_us} must lie in [0, {wb.MAX_SPIN_US}]")
         if req.transport not in wb.TRANSPORTS or (req.transport == "ipc" and not self.server.ipc_endpoint):
             raise invalid("transport", f"{req.transport!r}: tcp, or ipc where the server listens on ipc")
         slots, total = check_layout(req, s, core.desc)

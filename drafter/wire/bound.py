@@ -92,6 +92,8 @@ class BindRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     device_uuid: str = ""  # nccl_channel: the target's GPU (NCCL refuses two ranks on one GPU)
     doorbell: bool = False  # cuda_ipc, nccl_channel: steps by a same-host doorbell (BindResponse.doorbell) where
     # one can be made
+    spin_us: int = 0  # with the doorbell: after each reply the drafter polls it this long for the next header
+    # before its thread sleeps (at most MAX_SPIN_US; a core busy meanwhile): for steps that come back to back
 
 
 class BindResponse(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -174,6 +176,7 @@ def output_words(max_batch: int, width: int) -> int:
     return -(-(max_batch * width + 1) // 8) * 8
 
 
+MAX_SPIN_US = 5000  # the most BindRequest.spin_us a drafter grants (a larger ask is refused naming spin_us)
 SLAB_ROW = 16  # a shared slab or output travels as [bytes / 64, 16] float32 (one cache line a row)
 
 

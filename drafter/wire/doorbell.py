@@ -29,6 +29,7 @@ import re
 import secrets
 import socket
 import sys
+import time
 from typing import Callable
 
 PREFIX = "@drafter-bell-"
@@ -80,6 +81,28 @@ def receive(sock: socket.socket, timeout_s: float | None) -> bytes | None:
     if flags & socket.MSG_TRUNC:
         raise FrameTooLong(f"a frame over {MAX_FRAME} bytes")
     return data
+
+
+def spin(sock: socket.socket, seconds: float, buf: bytearray) -> bytes | None:
+    """Poll the socket without sleeping for up to `seconds` (a thread that sleeps pays a wake-up
+    when the next frame comes, and runs cold after it); the frame, b"" when the peer closed, None
+    when nothing came.  buf: MAX_FRAME bytes of scratch.  The socket's timeout is kept."""
+    timeout = sock.gettimeout()
+    sock.setblocking(False)
+    try:
+        end = time.perf_counter() + seconds
+        while True:
+            try:
+                n, _, flags, _ = sock.recvmsg_into([buf])
+            except BlockingIOError:
+                if time.perf_counter() >= end:
+                    return None
+                continue
+            if flags & socket.MSG_TRUNC:
+                raise FrameTooLong(f"a frame over {MAX_FRAME} bytes")
+            return bytes(buf[:n])
+    finally:
+        sock.settimeout(timeout)
 
 
 def accept(listener: socket.socket, token: str, alive: Callable[[], bool], poll_s: float,

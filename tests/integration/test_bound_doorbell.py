@@ -44,6 +44,7 @@ def _binding(drafter, target: IpcTarget):
 def test_steps_over_the_doorbell_draft_what_in_process_drafts(tiny_root):
     with Drafter(_engine(tiny_root, "eagle3")) as drafter:
         t = IpcTarget(tiny_root, "eagle3", drafter, seed=1)
+        t.client.spin_us = 2000  # the drafter polls the doorbell 2 ms after each reply before it sleeps
         try:
             t.step(PLANS[0])
             link = t.client.link
@@ -53,11 +54,12 @@ def test_steps_over_the_doorbell_draft_what_in_process_drafts(tiny_root):
             order = ["sent", "received", "started", *wb.FINE_STAMPS, "queued", "replied", "answered", "read"]
             stamps = t.client.stamps
             assert [stamps[k] for k in order] == sorted(stamps[k] for k in order), stamps
-            # a step naming another binding (an earlier one of this session) is refused there too
+            # a step naming another binding (an earlier one of this session) is refused there too; sent
+            # back to back with a garbled one, which the drafter's spin after the first reply picks up
             link.bell.send(wb.encode(wb.StepHeader(step=999, num_tokens=13, batch=3, bind_id="0" * 32)))
+            link.bell.send(b"\xc1 not a header")
             done = wb.DONE_DECODER.decode(doorbell.receive(link.bell, 60))
             assert (done.step, done.code, done.field) == (999, Code.FAILED_PRECONDITION, "bind_id"), done
-            link.bell.send(b"\xc1 not a header")
             done = wb.DONE_DECODER.decode(doorbell.receive(link.bell, 60))
             assert (done.code, done.field) == (Code.INVALID_ARGUMENT, "header"), done
         finally:
@@ -76,6 +78,7 @@ class _BindRequestBefore(msgspec.Struct, forbid_unknown_fields=True, omit_defaul
     slab: wb.CudaIpcTensor | None = None
     device_uuid: str = ""
     doorbell: ClassVar[bool] = False
+    spin_us: ClassVar[int] = 0
 
 
 @pytest.mark.parametrize("why", ["none offered", "unreachable", "older drafter"])
@@ -179,5 +182,18 @@ def test_nccl_channel_steps_over_the_doorbell_draft_what_in_process_drafts(tiny_
             assert t.client.plane == wb.NCCL_CHANNEL and link.bell is not None, link.bell_reason
             link.sock.close(linger=0)  # only the doorbell can carry the next header
             t.step(PLANS[1])
+        finally:
+            t.client.close()
+
+
+def test_a_spin_past_the_drafters_limit_is_refused_naming_it(tiny_root):
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = IpcTarget(tiny_root, "eagle3", drafter, seed=8)
+        t.client.spin_us = wb.MAX_SPIN_US + 1
+        try:
+            with pytest.raises(DrafterError) as err:
+                t.client.bind()
+            assert err.value.code == Code.INVALID_ARGUMENT and err.value.field == "spin_us", str(err.value)
+            assert not drafter.core.sessions.sessions, "the refused bind gave its session back"
         finally:
             t.client.close()

@@ -118,3 +118,23 @@ def test_a_frame_longer_than_the_protocol_is_refused_not_cut():
     finally:
         a.close()
         b.close()
+
+
+def test_a_spin_catches_a_frame_that_comes_and_keeps_the_sockets_timeout():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    buf = bytearray(doorbell.MAX_FRAME)
+    try:
+        b.settimeout(0.1)
+        assert doorbell.spin(b, 0.001, buf) is None, "nothing came"
+        a.send(b"header")
+        assert doorbell.spin(b, 5, buf) == b"header"
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * doorbell.MAX_FRAME)
+        a.send(b"x" * (doorbell.MAX_FRAME + 1))
+        with pytest.raises(doorbell.FrameTooLong):
+            doorbell.spin(b, 5, buf)
+        assert b.gettimeout() == 0.1
+        a.close()
+        assert doorbell.spin(b, 5, buf) == b"", "the peer closed"
+    finally:
+        a.close()
+        b.close()
