@@ -1,6 +1,6 @@
 """The bound step's header hop, target -> drafter, on this host: ZMQ data socket vs the doorbell.
 
-    python -m coordinator.bench.header_hop [--steps 2000 --rounds 5 --out DIR]
+    python bench/probe_header_hop.py [--steps 2000 --rounds 5 --out DIR]
 
 A probe of the transports alone (no engine, no GPU): a child process plays the drafter's side of a
 bound cuda_ipc binding as drafter.service.bound_sessions / bound_ipc serve it, threads and all (an
@@ -27,10 +27,11 @@ from pathlib import Path
 
 import zmq
 
-from coordinator.transport.bound_client import connect_socket
-from drafter.service.bound_sessions import POLL_MS
-from drafter.wire import bound as wb
-from drafter.wire import doorbell
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the checkout's packages
+from coordinator.transport.bound_client import connect_socket  # noqa: E402
+from drafter.service.bound_sessions import POLL_MS  # noqa: E402
+from drafter.wire import bound as wb  # noqa: E402
+from drafter.wire import doorbell  # noqa: E402
 
 PATHS = ("zmq_tcp", "zmq_ipc", "doorbell")
 TOKEN = "probe-binding-id"
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["drafter"]:
         return drafter_main(argv[1])
-    p = argparse.ArgumentParser(prog="python -m coordinator.bench.header_hop", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python bench/probe_header_hop.py", description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=2000, help="steps per path per round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=200)
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     run_dir = tempfile.mkdtemp(prefix="hop-")
-    child = subprocess.Popen([sys.executable, "-m", "coordinator.bench.header_hop", "drafter", run_dir],
+    child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "drafter", run_dir],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     ctx = zmq.Context()
     try:
