@@ -66,6 +66,23 @@ def cannot_share(slabs, device: torch.device, support) -> str:
     return ""
 
 
+_STREAMS: dict[tuple, torch.cuda.Stream] = {}  # (stream id, device index, device type) -> its Stream
+
+
+def current_stream(device: torch.device) -> "torch.cuda.Stream":
+    """torch.cuda.current_stream(device), the Stream object kept per stream: building one costs
+    ~6-10 us on a GPU host (bench/results/2026-11-25-h100-host-ops), and a step needs the current
+    stream three times (the inputs event, the wait on the drafts, the read back)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = torch._C._cuda_getCurrentStream(index)  # (stream id, device index, device type): one C call
+    stream = _STREAMS.get(key)
+    if stream is None:
+        if len(_STREAMS) >= 64:
+            _STREAMS.clear()
+        stream = _STREAMS[key] = torch.cuda.current_stream(device)
+    return stream
+
+
 class DeviceLink:
     """What the GPU planes' data paths share (IpcLink: cuda_ipc; coordinator.transport.
     bound_channel.ChannelLink: nccl_channel): the data socket, the StepDone exchange, the drafts as
@@ -234,7 +251,7 @@ class DeviceLink:
         if self._host_out is None:
             self._host_out = torch.empty(self.output.shape, dtype=torch.int64, pin_memory=True)
         self._host_out.copy_(self.output, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
+        current_stream(self.device).synchronize()
         return self._host_out
 
     def error_word(self) -> int:
@@ -245,7 +262,7 @@ class DeviceLink:
         if self._host_word is None:
             self._host_word = torch.empty(1, dtype=torch.int64, pin_memory=True)
         self._host_word.copy_(self.output[-1:], non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
+        current_stream(self.device).synchronize()
         return int(self._host_word[0])
 
     def raise_for(self, word: int) -> None:
@@ -272,13 +289,20 @@ class IpcLink(DeviceLink):
         out = slabs.open(ref, device, "output").view(torch.int64)  # [words]
         self.output = out[:max_batch * width + 1]  # [max_batch * width + 1]: drafts..., error word
         self.drafts_event = slabs.open_event(resp.drafts_event, device, "output")
+        self._torch = isinstance(slabs, cuda_slab.TorchSlabs)  # CUDA events: on the current stream directly
         self._setup(ctx, device, resp, groups, via)
 
     def _before_send(self, head: wb.StepHeader) -> None:
-        self.slabs.record(self.inputs_event, self.device)
+        if self._torch:
+            self.inputs_event.record(current_stream(self.device))
+        else:
+            self.slabs.record(self.inputs_event, self.device)
 
     def _arrive(self) -> None:  # the "drafts ready" event
-        self.slabs.wait(self.drafts_event, self.device)
+        if self._torch:
+            self.drafts_event.wait(current_stream(self.device))
+        else:
+            self.slabs.wait(self.drafts_event, self.device)
 
 
 class CudaIpcBoundClient:

@@ -227,3 +227,25 @@ def test_the_plane_follows_where_the_tensors_live_and_what_the_drafter_serves(mo
     assert local._plane() == wb.CUDA_IPC, "the in-process stand-in serves any device"
     assert BoundTransport(_Plain("zmq"), SPEC, BoundConfig(plane="host_ring", device="cpu"))._plane() == wb.HOST_RING
     assert BoundTransport(_Plain("zmq"), SPEC, BoundConfig(plane="nccl_channel"))._plane() == wb.NCCL_CHANNEL
+
+
+def test_the_target_keeps_one_stream_object_per_current_stream(monkeypatch):
+    """coordinator.transport.bound_ipc.current_stream: the current stream's own Stream object, built
+    once per stream (a new one when the caller switched streams)."""
+    import torch
+
+    from coordinator.transport import bound_ipc
+
+    current = {"id": (3, 0, 1)}
+    built = []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentStream", lambda index: current["id"], raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: built.append(current["id"]) or object())
+    monkeypatch.setattr(bound_ipc, "_STREAMS", {})
+    device = torch.device("cuda", 0)
+    first = bound_ipc.current_stream(device)
+    assert bound_ipc.current_stream(device) is first and len(built) == 1
+    current["id"] = (7, 0, 1)  # the caller's stream changed
+    second = bound_ipc.current_stream(device)
+    assert second is not first and built == [(3, 0, 1), (7, 0, 1)]
+    current["id"] = (3, 0, 1)
+    assert bound_ipc.current_stream(device) is first

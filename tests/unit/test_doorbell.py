@@ -138,3 +138,4 @@ def test_a_spin_catches_a_frame_that_comes_and_keeps_the_sockets_timeout():
     finally:
         a.close()
         b.close()
+
