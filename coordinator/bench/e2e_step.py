@@ -561,12 +561,15 @@ def compare_drafts(ways: dict) -> dict:
         out[f"inprocess_vs_{n}"] = {"equal": all(same) and len(ref) == len(other), "steps": len(same),
                                     "equal_steps": sum(same),
                                     "first_difference": same.index(False) if not all(same) else None}
-    plain = ways.get("plain", {}).get("outputs")
-    for n, w in ways.items():
-        if n == "plain" or plain is None or "outputs" not in w:
-            continue
-        agree = [w["outputs"][rid][:len(toks)] == toks[:len(w["outputs"][rid])] for rid, toks in plain.items()]
-        out[f"outputs_{n}_vs_plain"] = {"requests_agreeing": sum(agree), "requests": len(agree)}
+    # against free drafts too: the same k + 1 query rows per request, so the same GEMM shapes
+    for base in ("plain", "free_drafts"):
+        ref_out = ways.get(base, {}).get("outputs")
+        for n, w in ways.items():
+            if n == base or ref_out is None or "outputs" not in w or (base == "free_drafts" and
+                                                                      n.startswith("plain")):
+                continue
+            agree = [w["outputs"][rid][:len(toks)] == toks[:len(w["outputs"][rid])] for rid, toks in ref_out.items()]
+            out[f"outputs_{n}_vs_{base}"] = {"requests_agreeing": sum(agree), "requests": len(agree)}
     return out
 
 
@@ -619,11 +622,12 @@ def table(result: dict) -> str:
         if key in d:
             value = f"{100 * d[key]:+.1f} %" if key.endswith("share") else f"{d[key]:.0f} us"
             lines.append(f"* {label}: **{value}**")
-    lines += ["", "Drafts compared step by step with (b), and the tokens each way generated compared with (a). "
-              "Speculation is lossless up to the target's numerics: a forward over k + 1 rows per request runs "
-              "other GEMM shapes than one over 1 row, and in bfloat16 with random weights (near-ties between the "
-              "top logits) one flipped argmax sends a request down another path for good; in float32 "
-              "(--dtype float32) the ways must agree.", ""]
+    lines += ["", "Drafts compared step by step with (b), and the tokens each way generated compared with (a) and "
+              "(a'). Speculation is lossless up to the target's numerics: a forward over k + 1 rows per request "
+              "runs other GEMM shapes than one over 1 row, and in bfloat16 with random weights (near-ties between "
+              "the top logits) one flipped argmax sends a request down another path for good; the ways of k + 1 "
+              "rows must agree with (a') (the same shapes; a row's result does not depend on the other rows), and "
+              "in float32 (--dtype float32) every way with (a).", ""]
     for key, c in result["compare"].items():
         if key.startswith("inprocess_vs_"):
             lines.append(f"* {key}: {c['equal_steps']} of {c['steps']} steps equal")

@@ -48,7 +48,10 @@ def test_tiny_run_drafts_equal_in_process_and_remote_and_the_md_prints_the_json(
 def test_compare_names_the_first_step_whose_drafts_differ():
     base = {"drafts": [[[1, 2, 3]], [[4, 5, 6]], [[7, 8, 9]]], "outputs": {0: [1, 2]}}
     other = {"drafts": [[[1, 2, 3]], [[4, 5, 0]], [[7, 8, 9]]], "outputs": {0: [1, 3]}}
-    got = compare_drafts({"plain": {"outputs": {0: [1, 2]}}, "inprocess": base, "remote": other})
+    got = compare_drafts({"plain": {"outputs": {0: [1, 2]}}, "free_drafts": {"outputs": {0: [1, 3, 5]}},
+                          "inprocess": base, "remote": other})
+    assert got["outputs_remote_vs_free_drafts"] == {"requests_agreeing": 1, "requests": 1}  # a prefix agrees
+    assert "outputs_plain_vs_free_drafts" not in got and "outputs_free_drafts_vs_plain" in got
     assert got["inprocess_vs_remote"] == {"equal": False, "steps": 3, "equal_steps": 2, "first_difference": 1}
     assert got["outputs_remote_vs_plain"] == {"requests_agreeing": 0, "requests": 1}
     assert got["outputs_inprocess_vs_plain"] == {"requests_agreeing": 1, "requests": 1}
