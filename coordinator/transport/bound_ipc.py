@@ -130,6 +130,16 @@ class DeviceLink:
             return False
         return True
 
+    def wake(self) -> None:
+        """Tell the drafter a step comes soon (doorbell.WAKE): call it when starting to fill the
+        buffers, and its thread wakes while they fill instead of after the header.  Nothing
+        without a doorbell; a failed ring is left to the step's own send to report."""
+        if self.bell is not None:
+            try:
+                self.bell.send(doorbell.WAKE)
+            except OSError:
+                pass
+
     def close(self) -> None:
         self.alive = False
         if self.bell is not None:
@@ -559,6 +569,12 @@ class CudaIpcBoundClient:
                 if exc.code == Code.UNAVAILABLE and exc.field == "data":
                     self._bind_in_step()
             raise
+
+    def wake(self) -> None:
+        """Before filling the views for a step: the drafter's doorbell thread wakes meanwhile
+        (DeviceLink.wake); nothing where the binding has no doorbell."""
+        if self.link is not None and self.link.alive:
+            self.link.wake()
 
     def check(self) -> None:
         """Read the last step's error word (a host sync); INVALID_ARGUMENT naming its first field."""

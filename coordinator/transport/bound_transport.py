@@ -256,6 +256,7 @@ class BoundTransport:
         queued on the current stream after its wait on the drafts event); the error word is the
         one host read (8 bytes and a stream sync): a set word raises INVALID_ARGUMENT naming its field."""
         t0 = time.perf_counter()
+        self.link.wake()  # the drafter's doorbell thread wakes while the copies below are queued
         n, b = fill(self._slab.views, request.inputs)
         self.fill_s.append(time.perf_counter() - t0)
         self.steps["bound"] += 1

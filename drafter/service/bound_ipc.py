@@ -58,6 +58,7 @@ log = logging.getLogger("drafter.service.bound")
 
 BACKEND = None  # None: cuda_slab.TorchSlabs (the tests put a LocalSlabs here)
 HELLO_TIMEOUT_S = 2.0  # a doorbell connection that sends no hello in this time is closed
+WAKE_SPIN_S = 0.002  # after the target's WAKE, the doorbell thread polls for the header this long before it sleeps
 _MESSAGE = 2000  # characters of an INTERNAL step error's message (a doorbell frame stays small)
 SLAB = "slab"
 GUARDED_RING = None  # None: the host ring is guarded on the GPU where the engine is on one; the tests force it
@@ -224,8 +225,8 @@ class _Doorbell:
             log.info("no doorbell for the binding: %s", exc, extra={"event": "bind_doorbell_unavailable"})
 
     def _serve_doorbell(self) -> None:
-        """The doorbell's thread: the target's connection (its hello checked), then each step's
-        header in and StepDone out, until the binding ends or the target hangs up."""
+        """The doorbell's thread: the target's connection (its hello checked), then its steps,
+        until the binding ends or the target hangs up."""
         listener, conn = self._listener, None
         poll_s = POLL_MS / 1e3
         try:
@@ -237,34 +238,48 @@ class _Doorbell:
                 if not self._alive():
                     return
             conn.settimeout(poll_s)
-            spun, scratch = None, bytearray(doorbell.MAX_FRAME) if self._spin_s else None
-            while self._alive():
-                try:
-                    frame, spun = (spun if spun is not None else doorbell.receive(conn, None)), None
-                except doorbell.FrameTooLong as exc:
-                    conn.send(wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header",
-                                                    message=str(exc))))
-                    continue
-                if frame is None:
-                    continue
-                if not frame:
-                    return  # the target closed its end: it steps on the data socket, or binds again
-                done, accepted = self._answer(frame, 0, time.perf_counter_ns())
-                conn.send(wb.encode(done))
-                if accepted and not done.code:  # after the reply: off the step's path
-                    self.core.metrics.record_acceptance(torch.tensor(accepted), self.core.desc.num_speculative_tokens)
-                if scratch is not None:  # the Bind asked: the next header caught without sleeping, if it comes soon
-                    try:
-                        spun = doorbell.spin(conn, self._spin_s, scratch)
-                    except doorbell.FrameTooLong as exc:
-                        conn.send(wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header",
-                                                        message=str(exc))))
+            self._doorbell_steps(conn)
         except OSError as exc:
             log.debug("bound doorbell ended: %s", exc)
         finally:
             listener.close()
             if conn is not None:
                 conn.close()
+
+    def _doorbell_steps(self, conn) -> None:
+        """Each header in, its StepDone out.  A WAKE (the target filling its buffers) has the thread
+        poll for the header awake for WAKE_SPIN_S; with the Bind's spin_us it polls that long after
+        each reply.  A frame caught so is taken without sleeping; a WAKE caught so is not spun on
+        again (ringing alone cannot keep the thread busy)."""
+        scratch = bytearray(doorbell.MAX_FRAME)
+        caught = None  # a frame a spin caught
+        while self._alive():
+            spun = caught is not None
+            frame, caught = (caught if spun else self._refusing(conn, None)), None
+            if frame is None:
+                continue
+            if not frame:
+                return  # the target closed its end: it steps on the data socket, or binds again
+            if frame == doorbell.WAKE:
+                caught = None if spun else self._refusing(conn, (WAKE_SPIN_S, scratch))
+                continue
+            done, accepted = self._answer(frame, 0, time.perf_counter_ns())
+            conn.send(wb.encode(done))
+            if accepted and not done.code:  # after the reply: off the step's path
+                self.core.metrics.record_acceptance(torch.tensor(accepted), self.core.desc.num_speculative_tokens)
+            if self._spin_s:
+                caught = self._refusing(conn, (self._spin_s, scratch))
+
+    @staticmethod
+    def _refusing(conn, spin: tuple | None) -> bytes | None:
+        """The next frame (asleep, or with spin = (seconds, scratch) awake; None: none came); a frame
+        too long for a header is answered INVALID_ARGUMENT here and counts as none."""
+        try:
+            return doorbell.receive(conn, None) if spin is None else doorbell.spin(conn, *spin)
+        except doorbell.FrameTooLong as exc:
+            conn.send(wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header",
+                                            message=str(exc))))
+            return None
 
 
 class IpcBoundSession(_Doorbell, _Guarded, BoundSession):

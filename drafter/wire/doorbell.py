@@ -14,6 +14,10 @@ thread wakes (two), reads it and signals the receiving socket's mailbox, whose t
 in poll on that socket, is the one woken: one wake-up per direction.  SEQPACKET keeps message
 boundaries, so a frame is one record.
 
+A target may ring first (WAKE, one byte) when it starts preparing a step (filling its buffers):
+the drafter's thread wakes while the target works and polls for the header without sleeping again,
+so the wake-up is paid in parallel with the target's fill rather than after the header was sent.
+
 Addresses are Linux abstract names ("@drafter-bell-<24 hex>" on the wire: nothing on the file
 system, gone with the socket).  Any process of the same network namespace could connect, so a
 connection must first send the binding's hello (the bind id, a random 128-bit secret the Bind's
@@ -37,6 +41,9 @@ _ADDRESS = re.compile(r"@drafter-bell-[0-9a-f]{24}")
 MAX_FRAME = 1 << 16  # bytes: a StepHeader (sizes, a bind id, up to max_num_seqs accepted counts) or a StepDone
 HELLO = b"drafter-bell hello "
 OK = b"drafter-bell ok"
+
+
+WAKE = b"\xc1"  # a frame no record encodes to (0xc1 is never used by msgpack): "my header comes soon"
 
 
 class FrameTooLong(ValueError):
