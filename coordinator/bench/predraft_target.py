@@ -509,6 +509,12 @@ STAGES = (
      lambda m, d, n: d["predraft_engine_start"] - d["send"] if "predraft_engine_start" in d else None),
     ("J drafter: pre-draft engine (graph replay, outcomes to host)",
      lambda m, d, n: d["predraft_engine"] - d["predraft_engine_start"] if "predraft_engine" in d else None),
+    ("J1 pre-draft: inputs to the GPU, up to the replay",
+     lambda m, d, n: d["replay_start"] - d["predraft_engine_start"] if "replay_start" in d else None),
+    ("J2 pre-draft: replay launched and done (stream synchronised)",
+     lambda m, d, n: d["replay_done"] - d["replay_start"] if "replay_done" in d else None),
+    ("J3 pre-draft: outcomes to the host", lambda m, d, n: d["predraft_engine"] - d["replay_done"]
+     if "replay_done" in d else None),
     ("K drafter: pre-draft -> push sent", lambda m, d, n: d["push"] - d["predraft_engine"] if "push" in d
      and "predraft_engine" in d else None),
     ("L push slack: next verify end - push sent (< 0: late)",
@@ -605,12 +611,13 @@ def start_server(model_dir: str, k: int, args, run_dir: str) -> tuple[subprocess
     sock = f"{run_dir}/k{k}.sock"
     cmd = [sys.executable, "-m", "drafter.tools.bench.predraft", "serve", *_server_argv(model_dir, k, args, args.outcomes),
            "--zmq-ipc", sock]
-    env = {**os.environ, "DRAFTER_STAGES_OUT": stages_path(run_dir, k)}  # every call's stage marks (JSON lines)
+    env = {**os.environ, "DRAFTER_STAGES_OUT": stages_path(args.out, k)}  # every call's stage marks (JSON lines)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env), f"ipc://{sock}"
 
 
-def stages_path(run_dir: str, k: int) -> str:
-    return f"{run_dir}/k{k}-stages.jsonl"
+def stages_path(out_dir, k: int) -> str:
+    """The server's per-call stage marks (JSON lines), kept beside the results."""
+    return f"{out_dir}/predraft_stages_k{k}.jsonl"
 
 
 def attach(endpoint: str, batch: int, args):
@@ -749,6 +756,8 @@ def main(argv: list[str] | None = None) -> int:
     args.max_len = args.ctx + runs * (max(args.ks) + 1) + 2 * max(args.ks) + 64
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for k in args.ks:  # this run's servers append to them
+        Path(stages_path(out, k)).unlink(missing_ok=True)
     target = torch.device(args.target_device)
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu"
     print(f"pre-draft target bench on {name}: target {args.target_device}, drafter {args.drafter_device}, "
@@ -803,8 +812,10 @@ def main(argv: list[str] | None = None) -> int:
                             first = drafter.steps + 1
                             r = run(rows, drafter, verifies[v], args.steps, args.warmup)
                             r.update(mode=mode, verify_ms=v, batch=b, k=k, outcomes=args.outcomes)
-                            d = server_marks(stages_path(run_dir, k), first, drafter.steps) if k in servers else {}
+                            d = server_marks(stages_path(args.out, k), first, drafter.steps) if k in servers else {}
                             r["stages"] = stage_summary(r.pop("marks"), d)
+                            r["predraft_replayed"] = sum("replay_done" in x for x in d.values())
+                            r["predraft_eager"] = sum("replay_refused" in x for x in d.values())
                             results.append(r)
                             _log_run(r)
                             write(out, args, assume, name, modes, verify_ms, results, quiet=True)
@@ -837,7 +848,8 @@ REMOTE = {"exact_remote": ExactRemote, "exact_bound": ExactBound, "predraft": Pr
 
 def _log_run(r: dict) -> None:
     extra = (f" hit {r['hit_rate']:.2f} unawaited {r['unawaited']} not arrived {r['not_arrived']} "
-             f"empty {r['empty']} remapped {r['remapped']} late sets {r['late_sets']}") if r["mode"].startswith("predraft") else ""
+             f"empty {r['empty']} remapped {r['remapped']} late sets {r['late_sets']} pre-drafts by replay "
+             f"{r.get('predraft_replayed')} eager {r.get('predraft_eager')}") if r["mode"].startswith("predraft") else ""
     print(f"  V={r['verify_ms']:g} b={r['batch']:2d} k={r['k']} {r['mode']:12s} {r['tokens_per_s']:9.0f} tok/s  "
           f"{r['tokens_per_step']:.2f} tok/step  step p50 {r['step_ms_p50']:.2f} ms{extra}", flush=True)
 

@@ -45,13 +45,15 @@ def test_served_drafter_records_each_calls_stages(tmp_path, monkeypatch):
     import torch
 
     from drafter.engine.engine import DraftEngine
+    from drafter.engine.predraft import PreDraftGraphs
     from drafter.service.predraft import PreDraftService
     from drafter.tools.bench.predraft import record_stages
     from drafter.wire import probes
     from drafter.wire.records import ProposeRequest
     from tests.unit.test_predraft_target import _engine, _rows
 
-    for cls, name in ((DraftEngine, "predraft"), (PreDraftService, "_predraft"), (PreDraftService, "after_batch")):
+    for cls, name in ((DraftEngine, "predraft"), (PreDraftService, "_predraft"), (PreDraftService, "after_batch"),
+                      (PreDraftGraphs, "run")):
         monkeypatch.setattr(cls, name, getattr(cls, name))  # restored after the test
     path = tmp_path / "stages.jsonl"
     record_stages(str(path))

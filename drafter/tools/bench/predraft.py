@@ -142,6 +142,28 @@ def _time(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(out)
 
 
+def _to_host(v):
+    if isinstance(v, list):
+        return [t.cpu() for t in v]
+    return v.cpu() if isinstance(v, torch.Tensor) else v
+
+
+def _in_thread(fn, device: str):
+    """fn() in a new thread (as the server's engine thread runs it), its GPU made current there."""
+    import threading
+
+    out = {}
+
+    def body():
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))
+        out["v"] = fn()
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    return out["v"]
+
+
 def _replay_cost(engine, batch: int, iters: int) -> dict:
     """Whether the pre-drafts ran as graph replays (calls answered by one), and one replay's GPU
     microseconds alone (CUDA events around `iters` replays of the batch's graph; None without one)."""
@@ -187,11 +209,17 @@ def measure(spec, batches, ks, outcomes: int, ctx: int, iters: int, device: str,
             # pre-draft can be timed again and again
             drafts = draft().to(device)
             p_us = _time(lambda: engine.predraft(inputs, drafts, step=0), iters)
+            # as a server calls it: the call's tensors on the host, from the engine's own thread
+            host = ProposeInputs(**{n: _to_host(call.get(n)) for n in ProposeInputs.__dataclass_fields__})
+            host_drafts = drafts.cpu()
+            p_host_us = _time(lambda: engine.predraft(host, host_drafts, step=0), iters)
+            p_thread_us = _in_thread(lambda: _time(lambda: engine.predraft(host, host_drafts, step=0), iters), device)
             row = {"batch": b, "k": k, "outcomes": outcomes, "ctx": ctx, "draft_us": d_us, "predraft_us": p_us,
+                   "predraft_host_inputs_us": p_host_us, "predraft_host_inputs_thread_us": p_thread_us,
                    **_replay_cost(engine, b, iters)}
             log(f"  b={b:3d} k={k}  draft {d_us:9.1f} us  predraft ({outcomes} outcomes) {row['predraft_us']:9.1f} us"
                 f"  (calls by graph replay {row['predraft_replays']}, one replay's GPU time "
-                f"{row['predraft_replay_gpu_us']} us)")
+                f"{row['predraft_replay_gpu_us']} us; host inputs {p_host_us:.1f} us, from a thread {p_thread_us:.1f} us)")
             rows.append(row)
             del engine
             if torch.cuda.is_available():
@@ -244,6 +272,7 @@ def record_stages(path: str) -> None:
     import threading
 
     from drafter.engine.engine import DraftEngine
+    from drafter.engine.predraft import PreDraftGraphs
     from drafter.service.predraft import PreDraftService
     from drafter.wire import probes
 
@@ -251,6 +280,7 @@ def record_stages(path: str) -> None:
     out = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the server process
     local = threading.local()
     plain_after, plain_one, plain_engine = PreDraftService.after_batch, PreDraftService._predraft, DraftEngine.predraft
+    plain_run = PreDraftGraphs.run
 
     def mark(probe, stage: str) -> None:
         if probe is not None:
@@ -263,6 +293,16 @@ def record_stages(path: str) -> None:
             return plain_engine(self, *a, **kw)
         finally:
             mark(probe, "predraft_engine")
+
+    def replay(self, *a, **kw):
+        """The graph replay alone: launched, then waited for here (the .cpu() after it would wait anyway)."""
+        probe = getattr(local, "probe", None)
+        mark(probe, "replay_start")
+        out = plain_run(self, *a, **kw)
+        if out is not None and self.engine.device.type == "cuda":
+            torch.cuda.current_stream(self.engine.device).synchronize()
+        mark(probe, "replay_done" if out is not None else "replay_refused")
+        return out
 
     def one(self, it, result, budget):
         local.probe = it.call.probe
@@ -296,6 +336,7 @@ def record_stages(path: str) -> None:
                                           "replays": getattr(graphs, "count", None)}) + "\n")
 
     DraftEngine.predraft, PreDraftService._predraft, PreDraftService.after_batch = engine_predraft, one, after_batch
+    PreDraftGraphs.run = replay
 
 
 def serve_main(argv: list[str]) -> int:
