@@ -1,22 +1,90 @@
 #!/usr/bin/env bash
-# The project's test command (README and .ci/run both call it).
-#   Stage 1: record proposer calls from a real vLLM 0.32 engine (CPU build) on tiny checkpoints.
-#            Its venv (.venv-vllm) and recordings (.vllm-recordings) live inside the clone.
-#            Set DRAFTER_VLLM_RECORDINGS=DIR to reuse a recorded suite and skip this stage.
-#   Stage 2: every test, the vLLM replay included.
+# The project's test command (README and .ci/run both call it).  Two lanes, side by side:
+#   vLLM lane (background): build the vLLM 0.32 CPU venv (.venv-vllm, inside the clone), record proposer
+#            calls from a real vLLM engine on tiny checkpoints (.vllm-recordings), then run the tests
+#            marked `vllm` (they need that venv or those recordings).  Its output is printed when it ends.
+#   main lane (foreground): every other test, at once.
+# Why side by side: pip's venv build keeps one core busy and the main lane averages about one core of
+# CI's two, so the two lanes together take about the main lane's time instead of the sum of both.
+# Set DRAFTER_VLLM_RECORDINGS=DIR to reuse a recorded suite: no vLLM stage, one pytest run of every test.
+# A -m/--markexpr of your own also gets one run of everything after the vLLM stage (no lanes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -z "${DRAFTER_VLLM_RECORDINGS:-}" ]; then
+PYTEST=(python3 -m pytest -q -p no:cacheprovider)
+if [ -n "${DRAFTER_VLLM_RECORDINGS:-}" ]; then
+  exec "${PYTEST[@]}" tests "$@"
+fi
+RECORDINGS="$PWD/.vllm-recordings"
+
+vllm_stage() {
+  # the venv (once), then the recordings; the venv build says itself when it starts from scratch
+  local t0
   t0=$(date +%s)
   [ -x .venv-vllm/bin/python ] || echo "building the vLLM 0.32 CPU venv in .venv-vllm (once: 2-3 min, up to 3.5 GB)"
-  # pip runs quietly in there: a line every 20 s says it is still going
-  ( while sleep 20; do echo "  ... vLLM venv / recordings: $(( $(date +%s) - t0 ))s"; done ) &
-  ticker=$!
-  trap 'kill $ticker 2>/dev/null || true' EXIT
-  bash tests/vllm_parity/setup_venv.sh .venv-vllm
-  VLLM_PY="$PWD/.venv-vllm/bin/python" PYTHON=python3 bash tests/vllm_parity/record_suite.sh .vllm-recordings
-  kill $ticker 2>/dev/null || true
+  # explicit returns: the lane calls this function in an || list, where set -e does not apply
+  bash tests/vllm_parity/setup_venv.sh .venv-vllm || return $?
+  VLLM_PY="$PWD/.venv-vllm/bin/python" PYTHON=python3 bash tests/vllm_parity/record_suite.sh "$RECORDINGS" || return $?
   echo "vLLM recording stage: $(( $(date +%s) - t0 ))s"
-  export DRAFTER_VLLM_RECORDINGS="$PWD/.vllm-recordings"
+}
+
+own_marker=0
+for arg in "$@"; do
+  case "$arg" in -m|-m*|--markexpr|--markexpr=*) own_marker=1 ;; esac
+done
+if [ "$own_marker" = 1 ]; then
+  vllm_stage
+  export DRAFTER_VLLM_RECORDINGS="$RECORDINGS"
+  exec "${PYTEST[@]}" tests "$@"
 fi
-python3 -m pytest -q -p no:cacheprovider tests "$@"
+
+mkdir -p "$RECORDINGS"
+lane_log="$RECORDINGS/vllm-lane.log"
+main_out="$(mktemp)"
+t0=$(date +%s)
+echo "vLLM lane (venv, recordings, the tests marked vllm) runs beside the other tests; its output follows theirs (log: ${lane_log#"$PWD/"})"
+[ -x .venv-vllm/bin/python ] || echo "  (its first run builds the vLLM 0.32 CPU venv in .venv-vllm: 2-3 min, up to 3.5 GB)"
+# in its own session (setsid: its own process group), so that an interrupted run stops all of it
+export RECORDINGS
+export -f vllm_stage
+lane_cmd='rc=0; vllm_stage || rc=$?
+if [ "$rc" = 0 ]; then
+  DRAFTER_VLLM_RECORDINGS="$RECORDINGS" python3 -m pytest -q -p no:cacheprovider -m vllm tests "$@" || rc=$?
+fi
+exit "$rc"'
+if command -v setsid >/dev/null 2>&1; then
+  setsid bash -c "$lane_cmd" vllm-lane "$@" > "$lane_log" 2>&1 &
+else
+  bash -c "$lane_cmd" vllm-lane "$@" > "$lane_log" 2>&1 &
+fi
+lane=$!
+trap 'kill -- -$lane 2>/dev/null || kill $lane 2>/dev/null; exit 130' INT TERM HUP
+
+main_rc=0
+"${PYTEST[@]}" -m "not vllm" tests "$@" | tee "$main_out" || main_rc=${PIPESTATUS[0]}
+
+# the vLLM lane usually ends first; while it has not, a line every 20 s says it is still going
+bash -c 'while sleep 20 > /dev/null 2>&1; do echo "  ... waiting for the vLLM lane: $(( $(date +%s) - $1 ))s"; done' ticker "$t0" &
+ticker=$!
+lane_rc=0
+wait "$lane" || lane_rc=$?
+kill "$ticker" 2>/dev/null || true
+trap - INT TERM HUP
+echo
+echo "==================== vLLM lane (${lane_log#"$PWD/"}) ===================="
+cat "$lane_log"
+
+# pytest's exit status 5 is "no test selected" (a -k of yours that selects no vllm test, or only those)
+if [ "$main_rc" = 5 ] && [ "$lane_rc" = 5 ]; then
+  rc=5
+elif [ "$main_rc" != 0 ] && [ "$main_rc" != 5 ]; then
+  rc=$main_rc
+elif [ "$lane_rc" != 0 ] && [ "$lane_rc" != 5 ]; then
+  rc=$lane_rc
+else
+  rc=0
+fi
+summary() { grep -E '^(=+ )?[0-9]+ (passed|failed|error|skipped|deselected)|no tests ran' "$1" | tail -1 | tr -d '='; }
+echo "scripts/test.sh: $(( $(date +%s) - t0 ))s; tests without vLLM (exit $main_rc):$(summary "$main_out");" \
+     "vLLM lane (exit $lane_rc):$(summary "$lane_log")"
+rm -f "$main_out"
+exit "$rc"

@@ -9,6 +9,7 @@ on first import in a source checkout (drafter/_proto/__init__.py).  The output i
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tempfile
@@ -49,9 +50,20 @@ def generate(out_root: Path = OUT_ROOT, proto_root: Path = PROTO_ROOT) -> list[P
                 init = Path(out_root) / parent / "__init__.py"
                 if parent != Path(".") and not init.exists():
                     init.write_text("")
-            dst.write_text(_IMPORT.sub(_IMPORT_FIXED, src.read_text()))
+            _replace(dst, _IMPORT.sub(_IMPORT_FIXED, src.read_text()))
             written.append(dst)
     return written
+
+
+def _replace(dst: Path, text: str) -> None:
+    """Write dst as a whole or not at all (a module another process imports meanwhile, e.g. a test run
+    beside the vLLM venv's editable install, reads the old file or the new one, never half of one);
+    unchanged content is not rewritten."""
+    if dst.exists() and dst.read_text() == text:
+        return
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, dst)
 
 
 def is_generated(out_root: Path = OUT_ROOT) -> bool:
