@@ -18,7 +18,9 @@ decode step, drafts on the host:
     the same with the header on the ZMQ data socket; cuda_ipc_spin: the doorbell, the drafter
     polling it SPIN_US after each reply before it sleeps (BindRequest.spin_us: it catches the next
     header hot when steps come back to back, as here; a target step of milliseconds between them
-    would find it asleep as cuda_ipc does);
+    would find it asleep as cuda_ipc does); cuda_ipc_fill: each step first copies the call's
+    tensors (on the GPU) into the target's buffers, as the RemoteProposer does; cuda_ipc_fill_wake:
+    the same with the doorbell rung (wake()) before the copies, as the RemoteProposer rings it;
   * cuda_ipc_host_wait: the same, the target's host waiting on the drafter's event;
   * host_ring: the same client forced onto the host ring over tcp;
   * unbound, unbound_cuda_ipc: the ZmqDrafterClient encoding tensors per call (the hidden states
@@ -60,11 +62,11 @@ from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats,
                                        start_server)
 
 CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
-           "cuda_ipc_host_wait", "host_ring", "unbound", "unbound_cuda_ipc")
+           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "host_ring", "unbound", "unbound_cuda_ipc")
 BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
-         "cuda_ipc_host_wait", "host_ring")
+         "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "host_ring")
 STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
-           "cuda_ipc_host_wait")
+           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait")
 SPIN_US = 3000  # cuda_ipc_spin's BindRequest.spin_us: covers the bench's back-to-back steps up to batch 64
 NO_DOORBELL = ("cuda_ipc_zmq", "nccl_channel_zmq")  # the header on the ZMQ data socket, to compare
 
@@ -124,14 +126,17 @@ def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> di
     stages of the step, and for nccl_channel and cuda_ipc the host time of step_async on the target side."""
     client = open_client(endpoint, args, batch, columns, name)
     try:
-        n, b = fill(client.views, _call(args, batch))
+        call = {k: ([t.to(args.device) for t in v] if isinstance(v, list) else v.to(args.device))
+                for k, v in _call(args, batch).items()}
+        n, b = fill(client.views, call)
         torch.cuda.synchronize()
-        result = {"rtt": _time(lambda: client.step(n, b), args.iters), "drafts": client.step(n, b).tolist()}
+        step = _stepper(client, call, n, b, name)
+        result = {"rtt": _time(step, args.iters), "drafts": step().tolist()}
         if client.link is not None:  # the GPU planes: whether the header went by the doorbell
             result["doorbell"] = client.link.bell is not None
             result["doorbell_reason"] = client.link.bell_reason
         if name in STAMPED:
-            result["stages"] = stages(client, n, b, args.iters)
+            result["stages"] = stages(client, step, args.iters)
         if name in ("cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin", "nccl_channel", "nccl_channel_ipc",
                     "nccl_channel_zmq"):
             host = []
@@ -165,13 +170,28 @@ STAGES = (  # (name, from stamp, to stamp): a stamped step's path, target -> dra
 FINE = {"waited", "guarded", "replayed"}  # stamps an older drafter (or another plane) does not send
 
 
-def stages(client, n: int, b: int, iters: int) -> dict:
+def _stepper(client, call: dict, n: int, b: int, name: str):
+    """The timed step of client `name`: step() alone, or the call's copies into the buffers first
+    (_fill), with the doorbell rung before them (_fill_wake)."""
+    if not name.startswith("cuda_ipc_fill"):
+        return lambda: client.step(n, b)
+    wake = name.endswith("_wake")
+
+    def step():
+        if wake:
+            client.wake()
+        fill(client.views, call)
+        return client.step(n, b)
+    return step
+
+
+def stages(client, step, iters: int) -> dict:
     """Medians (and p99) of each stage of a stamped (cuda_ipc, nccl_channel) step from the two sides' stamps."""
     rows: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
     for _ in range(WARMUP):
-        client.step(n, b)
+        step()
     for _ in range(iters):
-        client.step(n, b)
+        step()
         st = client.stamps
         if not all(k in st for _, a, z in STAGES for k in (a, z) if k not in FINE):
             return {"error": f"unstamped reply: {sorted(st)}"}
