@@ -223,8 +223,9 @@ class OnDevice:
     device (hidden states in the session's dtype), as a GPU-resident target would hold it, then
     handed to `inner` (a RemoteProposer or TrustedProposer)."""
 
-    def __init__(self, inner, device: torch.device, hidden_dtype: torch.dtype):
+    def __init__(self, inner, device: torch.device, hidden_dtype: torch.dtype, head=None):
         self.inner, self.device, self.hidden_dtype = inner, device, hidden_dtype
+        self.head = head  # an in-process drafter's head (its GEMM plan goes into the report)
 
     @property
     def generation(self):
@@ -495,9 +496,9 @@ def make_proposer(way: str, spec, model_dir: str, port, args, device: torch.devi
         proposer, transport = inprocess_proposer(spec, model_dir, args)
         closers.append(proposer.close)
         if way == "inprocess":
-            return OnDevice(proposer, device, hidden_dtype)
+            return OnDevice(proposer, device, hidden_dtype, transport.head)
         engine = transport.sessions[proposer.session.session_id]
-        return OnDevice(TrustedProposer(engine), device, hidden_dtype)
+        return OnDevice(TrustedProposer(engine), device, hidden_dtype, transport.head)
     proposer = remote_proposer(spec, port, args, bound=way == "remote")
     closers.append(lambda: proposer.close(timeout=5.0))
     if not proposer.start():
@@ -511,6 +512,22 @@ def lane_runner_for(way: str, base: ModelRunner) -> ModelRunner:
     if way != "plain_eager" and isinstance(base, GraphedRunner):
         return GraphedRunner(base.cfg, model=base.model, backend=base.backend, batch=base.batch, shapes=base.shapes)
     return ModelRunner(base.cfg, model=base.model, backend=base.backend)
+
+
+def gemm_plan(head) -> dict:
+    """Which kernel each fused GEMM of a drafter's head runs per row bucket: plan_gemm's choice,
+    timed at start-up by each engine (a bucket absent: cuBLAS).  Two engines that chose differently
+    sum in another order, so their bfloat16 drafts may part on a near-tie."""
+    from drafter.kernels.weight_gemm import WeightGemm
+
+    out = {}
+    for path, module in head.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, WeightGemm):
+                out[f"{path}.{name}".lstrip(".")] = {
+                    "configs": {str(b): repr(c) for b, c in sorted(value.configs.items())},
+                    "scaled_configs": {str(b): repr(c) for b, c in sorted(value.scaled_configs.items())}}
+    return out
 
 
 def proposer_report(proposer) -> dict:
@@ -561,6 +578,9 @@ def compare_drafts(ways: dict) -> dict:
         out[f"inprocess_vs_{n}"] = {"equal": all(same) and len(ref) == len(other), "steps": len(same),
                                     "equal_steps": sum(same),
                                     "first_difference": same.index(False) if not all(same) else None}
+        plans = [ways.get(w, {}).get("gemm_plan") for w in ("inprocess", n)]
+        if None not in plans:
+            out[f"inprocess_vs_{n}"]["same_gemm_plan"] = plans[0] == plans[1]
     # against free drafts too: the same k + 1 query rows per request, so the same GEMM shapes
     for base in ("plain", "free_drafts"):
         ref_out = ways.get(base, {}).get("outputs")
@@ -630,7 +650,9 @@ def table(result: dict) -> str:
               "in float32 (--dtype float32) every way with (a).", ""]
     for key, c in result["compare"].items():
         if key.startswith("inprocess_vs_"):
-            lines.append(f"* {key}: {c['equal_steps']} of {c['steps']} steps equal")
+            plan = {True: " (the two engines' GEMM plans equal)", False: " (the two engines timed different GEMM "
+                    "kernels at start-up: another summation order)"}.get(c.get("same_gemm_plan"), "")
+            lines.append(f"* {key}: {c['equal_steps']} of {c['steps']} steps equal{plan}")
         else:
             lines.append(f"* {key}: {c['requests_agreeing']} of {c['requests']} requests generated the same tokens")
     fwd = meta.get("target_forward_gpu_us")
@@ -765,6 +787,9 @@ def run(args, argv: list[str]) -> int:
             inner = getattr(lane.engine.proposer, "inner", None)
             if "error" not in r and hasattr(inner, "stats"):
                 r["proposer"] = proposer_report(inner)
+            head = getattr(lane.engine.proposer, "head", None)
+            if "error" not in r and head is not None:
+                r["gemm_plan"] = gemm_plan(head)
             print(f"{lane.name}: " + (r["error"] if "error" in r else
                                       f"step p50 {r['step']['p50_us']:.0f} us p99 {r['step']['p99_us']:.0f} us, "
                                       f"{r['tokens_per_step']:.2f} tokens/step {r.get('proposer', '')}"), flush=True)

@@ -63,3 +63,22 @@ def test_derive_the_share_of_remote_over_in_process():
     d = derive(ways)
     assert d["remote_over_inprocess_share"] == 0.25 and d["inprocess_minus_plain_us"] == 20.0
     assert d["remote_minus_free_drafts_us"] == 40.0 and "unbound_over_inprocess_share" not in d
+
+
+def test_gemm_plans_of_two_engines_are_compared():
+    import torch
+
+    from coordinator.bench.e2e_step import TINY_HEAD, gemm_plan
+    from drafter.models.fusion import fuse_head
+    from drafter.models.spec import parse_head
+    from drafter.tools.bench.grid import random_head
+
+    head = fuse_head(random_head(parse_head(TINY_HEAD, "eagle3"), torch.device("cpu"), torch.float32), "on")
+    plan = gemm_plan(head)
+    assert "lm_head_gemm" in plan and "layers.0.mlp.gate_up_gemm" in plan and plan["lm_head_gemm"]["configs"]
+    other = {**plan, "lm_head_gemm": {**plan["lm_head_gemm"], "configs": {}}}  # cuBLAS for every bucket
+    ways = {n: {"drafts": [[[1, 2, 3]]], "gemm_plan": p} for n, p in (("inprocess", plan),
+                                                                      ("inprocess_trusted", other))}
+    assert compare_drafts(ways)["inprocess_vs_inprocess_trusted"]["same_gemm_plan"] is False
+    ways["inprocess_trusted"]["gemm_plan"] = gemm_plan(head)
+    assert compare_drafts(ways)["inprocess_vs_inprocess_trusted"]["same_gemm_plan"] is True
