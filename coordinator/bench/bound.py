@@ -21,7 +21,9 @@ decode step, drafts on the host:
     would find it asleep as cuda_ipc does); cuda_ipc_fill: each step first copies the call's
     tensors (on the GPU) into the target's buffers, as the RemoteProposer does; cuda_ipc_fill_wake:
     the same with the doorbell rung (wake()) before the copies, as the RemoteProposer rings it;
-  * cuda_ipc_host_wait: the same, the target's host waiting on the drafter's event;
+  * cuda_ipc waits for the drafts as the client decides by itself (bound_ipc.same_gpu: the host
+    waits on the drafter's event where both run on one GPU, else the stream);
+    cuda_ipc_host_wait: the host always; cuda_ipc_stream_wait: the stream always;
   * host_ring: the same client forced onto the host ring over tcp;
   * unbound, unbound_cuda_ipc: the ZmqDrafterClient encoding tensors per call (the hidden states
     as a per-step CUDA IPC reference for the second).
@@ -62,11 +64,12 @@ from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats,
                                        start_server)
 
 CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
-           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "host_ring", "unbound", "unbound_cuda_ipc")
+           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring", "unbound",
+           "unbound_cuda_ipc")
 BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
-         "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "host_ring")
+         "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring")
 STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
-           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait")
+           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait")
 SPIN_US = 3000  # cuda_ipc_spin's BindRequest.spin_us: covers the bench's back-to-back steps up to batch 64
 NO_DOORBELL = ("cuda_ipc_zmq", "nccl_channel_zmq")  # the header on the ZMQ data socket, to compare
 
@@ -97,7 +100,8 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
     client = CudaIpcBoundClient(endpoint, layout(endpoint, args), buffers(args, batch, columns), max_batch=batch,
                                 device=args.device, timeout_s=args.timeout_s, allow_fallback=False,
                                 transport="ipc" if name == "nccl_channel_ipc" else "tcp",
-                                force_ring=plane == "host_ring", host_wait=name == "cuda_ipc_host_wait",
+                                force_ring=plane == "host_ring",
+                                host_wait={"cuda_ipc_host_wait": True, "cuda_ipc_stream_wait": False}.get(name),
                                 channel=plane == "nccl_channel", doorbell=name not in NO_DOORBELL,
                                 spin_us=SPIN_US if name == "cuda_ipc_spin" else 0)
     try:
@@ -135,6 +139,7 @@ def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> di
         if client.link is not None:  # the GPU planes: whether the header went by the doorbell
             result["doorbell"] = client.link.bell is not None
             result["doorbell_reason"] = client.link.bell_reason
+            result["host_wait"] = getattr(client.link, "host_wait", False)
         if name in STAMPED:
             result["stages"] = stages(client, step, args.iters)
         if name in ("cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin", "nccl_channel", "nccl_channel_ipc",
@@ -238,7 +243,7 @@ def table(result: dict) -> str:
                 continue
             host = r.get("target_host")
             host_text = f"{host['p50_us']:.1f} / {host['p99_us']:.1f}" if host else ""
-            label = name + (" (doorbell)" if r.get("doorbell") else "")
+            label = name + (" (doorbell)" if r.get("doorbell") else "") + (" (host waits)" if r.get("host_wait") else "")
             lines.append(f"| {b} | {label} | {r['rtt']['p50_us']:.0f} | {r['rtt']['p99_us']:.0f} | "
                          f"{r['ratio']:.2f} ({r['ratio_bound']:.2f}) | {host_text} |")
     lines += _guard_lines(result)

@@ -290,10 +290,12 @@ class IpcLink(DeviceLink):
     plane = wb.CUDA_IPC
 
     def __init__(self, ctx: zmq.Context, slabs, device: torch.device, resp: wb.BindResponse, max_batch: int,
-                 groups: int, inputs_event, via: str = ""):
-        """inputs_event: this side's "inputs ready" event (its handle went in the BindRequest).
+                 groups: int, inputs_event, via: str = "", host_wait: bool = False):
+        """inputs_event: this side's "inputs ready" event (its handle went in the BindRequest);
+        host_wait: the host waits for the drafts event (cudaEventSynchronize) where the current
+        stream would wait on it (same_gpu: the better of the two where both run on one GPU).
         DrafterError naming output.* when the drafter's output cannot be opened here."""
-        self.slabs, self.inputs_event = slabs, inputs_event
+        self.slabs, self.inputs_event, self.host_wait = slabs, inputs_event, host_wait
         width = resp.drafts_width
         ref = cuda_slab.check_ref(resp.output, "output", wb.output_words(max_batch, width) * 8)
         out = slabs.open(ref, device, "output").view(torch.int64)  # [words]
@@ -308,8 +310,14 @@ class IpcLink(DeviceLink):
         else:
             self.slabs.record(self.inputs_event, self.device)
 
-    def _arrive(self) -> None:  # the "drafts ready" event
-        if self._torch:
+    def _arrive(self) -> None:
+        """The "drafts ready" event waited for: by the host (host_wait; the time counts as waiting,
+        not as host work), else by the current stream."""
+        if self.host_wait:
+            t0 = time.perf_counter_ns()
+            self.slabs.synchronize(self.drafts_event)
+            self._waited_ns += time.perf_counter_ns() - t0
+        elif self._torch:
             self.drafts_event.wait(current_stream(self.device))
         else:
             self.slabs.wait(self.drafts_event, self.device)
@@ -318,16 +326,17 @@ class IpcLink(DeviceLink):
 class CudaIpcBoundClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, device="cuda", transport: str = "tcp", timeout_s: float = 5.0,
-                 allow_fallback: bool = True, force_ring: bool = False, slabs=None, host_wait: bool = False,
+                 allow_fallback: bool = True, force_ring: bool = False, slabs=None, host_wait: bool | None = None,
                  channel: bool = False, doorbell: bool = True, spin_us: int = 0):
         """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests);
         force_ring: bind the host ring even where CUDA IPC would do (to compare the planes);
         channel: bind the nccl_channel plane instead of cuda_ipc (the drafter on another GPU of this
         host or on another host: coordinator.transport.bound_channel), the host ring where the
         drafter refuses it and allow_fallback;
-        host_wait: step() waits for the drafter's event on the host (cudaEventSynchronize) before
-        queueing its read, so nothing of this context waits on the GPU while the drafter's kernels
-        run (two contexts time-slice one GPU), instead of making the stream wait on it;
+        host_wait: a cuda_ipc step waits for the drafter's event on the host (cudaEventSynchronize)
+        before queueing its read, so nothing of this context waits on the GPU while the drafter's
+        kernels run, instead of making the stream wait on it; None (the default): where the
+        drafter's engine is on this GPU (same_gpu: two contexts time-slicing one GPU);
         doorbell: cuda_ipc steps by the binding's same-host doorbell (drafter.wire.doorbell) where the
         drafter offers one and it can be reached, else (and with False) by the data socket;
         spin_us: with the doorbell, how long the drafter polls it for the next header after each
@@ -429,8 +438,9 @@ class CudaIpcBoundClient:
                              doorbell=self.doorbell, spin_us=self.spin_us)
         resp = self._bind_call(req, deadline)
         self.width = resp.drafts_width
+        wait = same_gpu(self.session.cuda_ipc, self.device) if self.host_wait is None else self.host_wait
         link = IpcLink(self.ctx, self.slabs, self.device, resp, self.max_batch, self.groups, self._inputs_event,
-                       via=self.endpoint)
+                       via=self.endpoint, host_wait=wait)
         if not link.connect(deadline - time.monotonic()):
             link.close()
             self.unbind()
@@ -528,11 +538,7 @@ class CudaIpcBoundClient:
         if self.plane == wb.HOST_RING:
             self.stamps = {}
             return self._ring_step(num_tokens, batch, batch_padded, tokens_padded)
-        if self.host_wait and self.plane == wb.CUDA_IPC:
-            self._exchange(num_tokens, batch, batch_padded, tokens_padded)
-            self.slabs.synchronize(self.link.drafts_event)
-        else:
-            self.step_async(num_tokens, batch, batch_padded, tokens_padded)
+        self.step_async(num_tokens, batch, batch_padded, tokens_padded)  # the host waits in it where host_wait
         host = self.link.read_back()  # [max_batch * width + 1]: the drafts and the error word, one copy
         self.stamps["read"] = time.perf_counter_ns()
         self.link.raise_for(int(host[-1]))
@@ -549,13 +555,6 @@ class CudaIpcBoundClient:
                                                          self.timeout_s))
         self.host_ns, self.stamps = self.link.host_ns, self.link.stamps
         return drafts
-
-    def _exchange(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int) -> int:
-        """The link's exchange (inputs event, header, StepDone); perf_counter_ns at the start."""
-        start = self._live(lambda: self.link.exchange(num_tokens, batch, batch_padded, tokens_padded,
-                                                      self.timeout_s))
-        self.stamps = self.link.stamps
-        return start
 
     def _live(self, fn):
         """fn() on the link; a link it left in doubt is dropped, and one whose drafter went away
@@ -595,6 +594,16 @@ class CudaIpcBoundClient:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return self.ring.step(num_tokens, batch, batch_padded, tokens_padded)
+
+
+def same_gpu(support, device: torch.device) -> bool:
+    """Whether the drafter's engine runs on `device` (its CudaIpcSupport names its own GPU first,
+    drafter.service.cuda_support.readable_devices): then two contexts time-slice one GPU, and the
+    target's host waiting for the drafts beats its stream waiting on the drafter's event
+    (bench/results/2026-11-26-h200x2-bound-doorbell, one/: 1.10-1.22x against 1.39-1.48x)."""
+    if device.type != "cuda" or support is None or not support.enabled or not support.device_uuids:
+        return False
+    return support.device_uuids[0] == cuda_ref.device_uuid(device)
 
 
 def knows_no_doorbell(err: DrafterError) -> bool:

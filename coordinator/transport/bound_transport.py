@@ -22,7 +22,9 @@ caller's GPU, shared with the drafter once at Bind; a step copies the request's 
 (one device copy per tensor, on the current stream), records the "inputs ready" event and sends
 the header alone (coordinator.transport.bound_ipc.IpcLink; on the binding's same-host doorbell where
 the drafter offers one and it answers within DOORBELL_CONNECT_S, else on the data socket; a drafter
-that does not know the Bind's doorbell field is asked again without); the drafts come back as a GPU tensor
+that does not know the Bind's doorbell field is asked again without; where the drafter's engine is
+on the caller's GPU the host waits for its drafts event rather than the stream, bound_ipc.same_gpu);
+the drafts come back as a GPU tensor
 (a copy of the drafter's output queued on the current stream after its wait on the "drafts ready"
 event), and the step's one host read is its error word (8 bytes, one stream sync): a set word is
 INVALID_ARGUMENT naming the field, as CudaIpcBoundClient reports it.  Where the tensors live is
@@ -67,7 +69,8 @@ import zmq
 from coordinator.transport.bound_client import REBIND, BoundLink, BoundRing, connect_socket
 from coordinator.transport.bound_channel import REFUSED as CHANNEL_REFUSED
 from coordinator.transport.bound_channel import ChannelLink
-from coordinator.transport.bound_ipc import ENVIRONMENT, DeviceLink, IpcLink, cannot_share, knows_no_doorbell
+from coordinator.transport.bound_ipc import (ENVIRONMENT, DeviceLink, IpcLink, cannot_share, knows_no_doorbell,
+                                            same_gpu)
 from drafter.wire import cuda_ref
 from drafter.wire import bound as wb
 from drafter.wire import cuda_slab, schema
@@ -438,7 +441,7 @@ class BoundTransport:
             return BoundLink(self.ctx, self.ring, resp, pending.plane, self.endpoint)
         device = self._slab.slab.device
         return IpcLink(self.ctx, self._backend(), device, resp, self._max_batch, len(self.spec.kv_groups),
-                       self._events[device][0], via=self.endpoint)
+                       self._events[device][0], via=self.endpoint, host_wait=same_gpu(self._support, device))
 
     def _no_ipc(self, pending: _Pending, session, why: str) -> None:
         """The drafter cannot serve this target over CUDA IPC (another container, no --allow-cuda-ipc

@@ -204,3 +204,21 @@ def test_a_spin_past_the_drafters_limit_is_refused_naming_it(tiny_root):
             assert not drafter.core.sessions.sessions, "the refused bind gave its session back"
         finally:
             t.client.close()
+
+
+def test_the_client_has_its_host_wait_where_the_drafter_shares_its_gpu(tiny_root, monkeypatch):
+    """CudaIpcBoundClient(host_wait=None) asks coordinator.transport.bound_ipc.same_gpu at bind (here
+    made to say yes: a CPU drafter advertises no GPU) and its link waits on the host."""
+    from coordinator.transport import bound_ipc as client_ipc
+
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = IpcTarget(tiny_root, "eagle3", drafter, seed=9)
+        t.client.host_wait = None
+        try:
+            t.client.bind()
+            assert not t.client.link.host_wait, "a CPU drafter shares no GPU"
+            monkeypatch.setattr(client_ipc, "same_gpu", lambda support, device: True)
+            t.client.bind()
+            assert t.client.link.host_wait
+        finally:
+            t.client.close()

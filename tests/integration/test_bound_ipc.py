@@ -195,6 +195,7 @@ def test_the_remote_proposer_binds_over_cuda_ipc_and_drafts_equal_in_process(tin
             transport = p.transport
             assert isinstance(transport.link, IpcLink), "bound over cuda_ipc at attach"
             assert transport.link.bell is not None, f"steps by the doorbell: {transport.link.bell_reason}"
+            assert not transport.link.host_wait, "the drafter is not on the target's GPU: the stream waits"
             session = _bound_session(drafter, p.proposer)
             assert isinstance(session, bound_ipc.IpcBoundSession)
             assert session.slab is transport._slab.slab, "the drafter reads the proposer's slab in place"

@@ -249,3 +249,33 @@ def test_the_target_keeps_one_stream_object_per_current_stream(monkeypatch):
     assert second is not first and built == [(3, 0, 1), (7, 0, 1)]
     current["id"] = (3, 0, 1)
     assert bound_ipc.current_stream(device) is first
+
+
+def test_the_host_waits_for_the_drafts_where_the_drafter_shares_the_targets_gpu(monkeypatch):
+    """bound_ipc.same_gpu: the drafter's CudaIpcSupport names its own GPU first; only that GPU being
+    the target's (two contexts time-slicing one GPU) makes the host, not the stream, wait."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from coordinator.transport import bound_ipc
+    from drafter.wire import schema
+
+    monkeypatch.setattr(bound_ipc.cuda_ref, "device_uuid", lambda device: f"GPU-{device.index}")
+    own_first = schema.CudaIpcSupport(enabled=True, host_id="h", device_uuids=["GPU-0", "GPU-1"])
+    assert bound_ipc.same_gpu(own_first, torch.device("cuda", 0))
+    assert not bound_ipc.same_gpu(own_first, torch.device("cuda", 1)), "a peer GPU: the stream waits"
+    assert not bound_ipc.same_gpu(schema.CudaIpcSupport(enabled=False, device_uuids=["GPU-0"]), torch.device("cuda", 0))
+    assert not bound_ipc.same_gpu(None, torch.device("cuda", 0))
+    assert not bound_ipc.same_gpu(own_first, torch.device("cpu"))
+
+    calls = []
+    slabs = SimpleNamespace(synchronize=lambda event: calls.append(("host", event)),
+                            wait=lambda event, device: calls.append(("stream", event)))
+    link = SimpleNamespace(host_wait=True, slabs=slabs, drafts_event="ev", _waited_ns=5, _torch=False,
+                           device=torch.device("cpu"))
+    bound_ipc.IpcLink._arrive(link)
+    assert calls == [("host", "ev")] and link._waited_ns > 5, "the host's wait counts as waiting, not host work"
+    link.host_wait = False
+    bound_ipc.IpcLink._arrive(link)
+    assert calls[-1] == ("stream", "ev")
