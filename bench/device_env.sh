@@ -11,3 +11,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+# describe_device: the machine each record was measured on, into $OUT/gpu.txt and onto stdout (the GPUs,
+# their link matrix when there are several, the date, torch and Triton).
+describe_device() {
+  { nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
+    [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ] && nvidia-smi topo -m
+    date -u +%FT%TZ
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt" 2>&1
+  cat "$OUT/gpu.txt"
+}

@@ -9,9 +9,7 @@
 # the generated tokens must agree) into $OUT/fp32/; E2E_FP32_TIMEOUT (seconds, 150).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"   # OUT, the carried wheels, PYTHONPATH
-{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; date -u +%FT%TZ
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
-cat "$OUT/gpu.txt"
+describe_device
 if [ -n "${E2E_FP32:-}" ]; then
   mkdir -p "$OUT/fp32"
   timeout "${E2E_FP32_TIMEOUT:-150}" python3 -m coordinator.bench.e2e_step --out "$OUT/fp32" --device cuda:0 \

@@ -21,9 +21,7 @@
 # --heads eagle3-8b --ks 3 --batches 1,2,4,8,16,32,64, as bench/run_issue24.sh does) or --no-peer.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"   # OUT, the carried wheels, PYTHONPATH
-{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; date -u +%FT%TZ
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
-cat "$OUT/gpu.txt"
+describe_device
 if [ -z "${SKIP_TESTS:-}" ]; then
   timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu tests/unit/test_triton_kernels.py \
     tests/unit/test_step_kernels.py tests/unit/test_graph_runner.py tests/unit/test_bound.py} > "$OUT/gpu_tests.txt" 2>&1

@@ -8,9 +8,7 @@
 # Writes $OUT/gpu.txt, predraft_target_log.txt, predraft_target.json, predraft_target.md, predraft_servers.log.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"   # OUT, the carried wheels, PYTHONPATH
-{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; nvidia-smi topo -m; date -u +%FT%TZ
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt" 2>&1
-cat "$OUT/gpu.txt"
+describe_device
 timeout "${BENCH_TIMEOUT:-460}" python3 -m coordinator.bench.predraft_target --out "$OUT" "$@" \
   > "$OUT/predraft_target_log.txt" 2>&1
 echo "== bench rc $?"

@@ -13,9 +13,7 @@
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"   # OUT, the carried wheels, PYTHONPATH
 TP=${TP:-1}
-{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv; date -u +%FT%TZ
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$OUT/gpu.txt"
-cat "$OUT/gpu.txt"
+describe_device
 if [ -z "${SKIP_TESTS:-}" ]; then
   # -v -s: each test's name and everything the ranks print reach the file at once (a cut run says
   # where it was); faulthandler dumps a test's stacks at 3/4 of the time left to it
