@@ -201,7 +201,12 @@ class _Doorbell:
 
     def open(self, ctx: zmq.Context, endpoint: str) -> None:
         """The data socket and its thread; and where the Bind asked for one, the doorbell's thread."""
-        super().open(ctx, endpoint)
+        try:
+            super().open(ctx, endpoint)
+        except BaseException:  # the Bind fails: its doorbell goes with it
+            if self._listener is not None:
+                self._listener.close()
+            raise
         if self._listener is not None:
             self._bell_thread = threading.Thread(target=self._serve_doorbell, name=f"bell-{self.bind_id[:8]}",
                                                  daemon=True)
