@@ -2,14 +2,18 @@
 
     client = CudaIpcBoundClient("tcp://127.0.0.1:5555", layout, buffers, max_batch=64, device="cuda:0")
     bufs = client.views                        # the target's persistent buffers: views into one GPU slab
+    client.wake()                              # optional: the drafter's thread wakes while the target fills
     ...                                        # every step the target fills their first rows (its stream)
     drafts = client.step(num_tokens, batch)    # [batch, width] int64 on the host, or
     drafts = client.step_async(num_tokens, batch)  # [batch, width] on the GPU, ordered on the stream
 
 At bind the slab (and this side's "inputs ready" interprocess event) is shared once; the drafter
-shares back its output (drafts, then an error word) and its "drafts ready" event.  A step records
-the inputs event on the current stream, sends the StepHeader alone, waits for StepDone, and makes
-the current stream wait on the drafts event: no tensor bytes cross Python, no host sync.  step()
+shares back its output (drafts, then an error word) and its "drafts ready" event, and the address
+of the binding's doorbell (drafter.wire.doorbell), which the client connects to.  A step records
+the inputs event on the current stream, sends the StepHeader alone (on the doorbell, else on the
+data socket), waits for StepDone, and makes the current stream wait on the drafts event (or, where
+the drafter's engine is on this GPU, same_gpu, waits for it on the host: two contexts time-slicing
+one GPU do better so): no tensor bytes cross Python.  step()
 then reads the drafts and the error word back together (one copy) and raises INVALID_ARGUMENT
 naming the first field the drafter's GPU guard found out of range (drafter.wire.bound.guard_fields);
 step_async() leaves the drafts on the GPU, and check() reads the word when the caller wants it.

@@ -20,7 +20,9 @@
     binding's doorbell (drafter.wire.doorbell: a UNIX-domain SEQPACKET connection the target makes
     after the Bind, its hello the bind id), served by a second thread of the binding: the target's
     send wakes that thread directly, where a ZMQ frame passes two I/O threads first.  The data
-    socket stays open beside it (a target that could not reach the doorbell steps there).
+    socket stays open beside it (a target that could not reach the doorbell steps there).  A
+    target's WAKE (rung before it fills its buffers) has the thread poll for the header awake up
+    to WAKE_SPIN_S; a Bind's spin_us has it poll that long after each reply.
 
 The target reads the drafts and the error word together after its stream waited on the event,
 and turns a set word into INVALID_ARGUMENT naming the first bad field (coordinator.transport.
