@@ -517,6 +517,8 @@ STAGES = (
      if "replay_done" in d else None),
     ("K drafter: pre-draft -> push sent", lambda m, d, n: d["push"] - d["predraft_engine"] if "push" in d
      and "predraft_engine" in d else None),
+    ("R drafter: reply sent -> the event loop's bookkeeping of it (after any pre-draft)",
+     lambda m, d, n: d["loop_done_start"] - d["send"] if "loop_done_start" in d and "send" in d else None),
     ("L push slack: next verify end - push sent (< 0: late)",
      lambda m, d, n: n["verify_end"] - d["push"] if "push" in d and n is not None else None),
     ("L2 bound: fill the slab -> header sent",
@@ -548,8 +550,10 @@ def server_marks(path: str, first: int, last: int) -> dict[int, dict[str, int]]:
             rec = json.loads(line)
         except ValueError:  # the line being written
             continue
-        if first <= rec["request_id"] <= last:
-            out[rec["request_id"]] = {name: ns for name, ns in reversed(rec["marks"])}
+        if first <= rec["request_id"] <= last:  # a call may have several lines (the loop's own marks apart)
+            marks = out.setdefault(rec["request_id"], {})
+            for name, ns in rec["marks"]:
+                marks.setdefault(name, ns)
     return out
 
 

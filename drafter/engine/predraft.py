@@ -79,15 +79,19 @@ def predraft(engine, inp: ProposeInputs,
     default and most: config.predraft_outcomes, which sized the scratch).  The call's own draft
     must have run first: the context's KV below p is read from the pool."""
     cfg = engine.config
-    rows = _drafted_rows(inp, engine.device)
-    drafts = drafts.to(engine.device, torch.long)
-    tables = [t.to(engine.device, torch.long) for t in inp.block_tables]
+    # where the call's tensors are (a server's: the host); the graphs stage them into their buffers
+    # without a host wait, the eager path moves them to the device
+    rows = _drafted_rows(inp, inp.target_hidden_states.device)
+    drafts = drafts.to(rows.positions.device, torch.long)
     budget = min(outcomes or cfg.predraft_outcomes, cfg.predraft_outcomes)
     graphs = graphs_of(engine)
-    out = graphs.run(rows, drafts, tables) if graphs is not None else None
+    out = graphs.run(rows, drafts, inp.block_tables) if graphs is not None else None
     if out is None:  # no graphs, or a batch or table above what they were captured for
-        live = torch.ones_like(rows.positions, dtype=torch.bool)
-        out = _compute(engine, rows, drafts, tables, live, cfg.predraft_outcomes)
+        dev = engine.device
+        on_dev = _Rows(rows.positions.to(dev), rows.next_tokens.to(dev), rows.hidden.to(dev))
+        live = torch.ones_like(on_dev.positions, dtype=torch.bool)
+        out = _compute(engine, on_dev, drafts.to(dev), [t.to(dev, torch.long) for t in inp.block_tables], live,
+                       cfg.predraft_outcomes)
     # the outcomes are ranked: a smaller budget keeps the likeliest (graphs always compute the most)
     accepted, tokens, branch, log_probs = (t[:, :budget] for t in out)
     return PreDrafts(step, inp.block_tables[0][:, 0].to("cpu", torch.long), rows.positions.cpu(), drafts.cpu(),
@@ -157,6 +161,30 @@ def _drafted_rows(inp: ProposeInputs, device) -> _Rows:
     sample = sample.to(inp.target_positions.device, torch.long)
     return _Rows(inp.target_positions[sample].to(device, torch.long), inp.next_token_ids.to(device, torch.long),
                  inp.target_hidden_states[sample.to(inp.target_hidden_states.device)].to(device))
+
+
+class _HostStage:
+    """Host buffers (pinned on a GPU host) beside each static input buffer of the graphs: a call's
+    host tensors are written there and reach the GPU by one asynchronous copy per buffer, queued
+    on the current stream ahead of the replay.  Pageable copies instead (`.to(device)` of the
+    call's tensors) each wait on the host (a cudaMemcpy from pageable memory synchronises), and in
+    `drafter serve` the pre-draft's few such copies took ~5 ms in all (measured on two H200s,
+    bench/results/2026-11-26-h200x2-predraft-stages; the replay itself 2.2 ms).  A buffer is
+    rewritten only by the next call, after this call's outputs were read (a host wait on the
+    stream that ran these copies)."""
+
+    def __init__(self, like: list[torch.Tensor], pin: bool):
+        self.host = [torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin) for t in like]
+
+    def put(self, i: int, dst: torch.Tensor, src: torch.Tensor, rows: int) -> None:
+        """dst[:rows] = src (rows of it; columns past src's zero), through host buffer i."""
+        h = self.host[i][:rows]
+        if src.dim() == 2 and src.shape[1] < h.shape[1]:
+            h.zero_()
+            h[:, : src.shape[1]].copy_(src)
+        else:
+            h.copy_(src)
+        dst[:rows].copy_(h, non_blocking=True)
 
 
 def _target_to_draft(head, vocab: int, device) -> torch.Tensor:  # [target vocab] int64, -1 = not drafted
@@ -295,6 +323,9 @@ class PreDraftGraphs:
                     torch.zeros(m, n, dtype=torch.float32, device=dev))  # log-probability [max batch, B]
         self.replays: dict[int, object] = {}
         self.count = 0  # calls answered by a replay
+        # host inputs go through host buffers (pinned on a GPU): no host wait before the replay
+        self.stage = _HostStage([self.positions, self.next_tokens, self.hidden, self.drafts, *self.tables],
+                                pin=dev.type == "cuda") if m else None
 
     def capture(self) -> None:
         for b in sorted(self.sizes, reverse=True):
@@ -310,22 +341,28 @@ class PreDraftGraphs:
     def run(self, rows: _Rows, drafts: torch.Tensor,  # [batch, k] int64
             tables: list[torch.Tensor]) -> tuple[torch.Tensor, ...] | None:  # per group [batch, width]
         """The four outputs for the real rows (views of the static outputs: read them before the
-        next replay), or None when no graph fits this call."""
+        next replay), or None when no graph fits this call.  Inputs on the host (a server's) go
+        through the host stage, inputs on the device are copied device to device."""
         batch = rows.positions.shape[0]
         fits = [b for b in self.sizes if b >= batch]
         if not fits or any(t.shape[1] > s.shape[1] for t, s in zip(tables, self.tables)):
             return None
         b = min(fits)
+        host = rows.positions.device.type == "cpu" and self.stage is not None
         with torch.inference_mode():
-            for dst, src in ((self.positions, rows.positions), (self.next_tokens, rows.next_tokens),
-                             (self.hidden, rows.hidden), (self.drafts, drafts)):
-                dst[:batch].copy_(src)
+            pairs = [(self.positions, rows.positions), (self.next_tokens, rows.next_tokens), (self.hidden, rows.hidden),
+                     (self.drafts, drafts), *zip(self.tables, tables)]
+            for i, (dst, src) in enumerate(pairs):
+                if host:
+                    self.stage.put(i, dst, src, batch)
+                elif src.dim() == 2 and src.shape[1] < dst.shape[1]:  # a block table narrower than the graph's
+                    dst[:batch].zero_()
+                    dst[:batch, : src.shape[1]].copy_(src)
+                else:
+                    dst[:batch].copy_(src)
                 dst[batch:b].zero_()
             self.live[:batch].fill_(True)
             self.live[batch:b].fill_(False)
-            for dst, src in zip(self.tables, tables):
-                dst[:b].zero_()
-                dst[:batch, : src.shape[1]].copy_(src)
             self.replays[b]()
         self.count += 1
         return tuple(t[:batch] for t in self.out)

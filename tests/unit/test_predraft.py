@@ -384,6 +384,9 @@ def test_predraft_graphs_equal_the_eager_predraft(pair, greedy_runs):
     assert graphs.count == 2 and sorted(graphs.replays) == [1, 2, 4]
     print(f"\n[predraft graphs] batch {inp.batch_size} padded to {min(b for b in graphs.sizes if b >= inp.batch_size)}")
     assert inp.batch_size not in graphs.sizes  # the call pads: padded rows are exercised
+    # host inputs (a server's) went through the graphs' host stage, not a copy per tensor to the device
+    assert torch.equal(graphs.stage.host[0][:3], eager[0].positions)
+    assert torch.equal(graphs.stage.host[3][:3], drafts.to(torch.long))
     for e, g in zip(eager, graphed):
         for name in ("block_ids", "positions", "conditioned_on", "accepted", "next_tokens", "drafts"):
             assert torch.equal(getattr(e, name), getattr(g, name)), name

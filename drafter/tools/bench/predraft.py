@@ -338,6 +338,18 @@ def record_stages(path: str) -> None:
     DraftEngine.predraft, PreDraftService._predraft, PreDraftService.after_batch = engine_predraft, one, after_batch
     PreDraftGraphs.run = replay
 
+    from drafter.service.zmq_server import _ProposeReply
+    plain_done = _ProposeReply.done
+
+    def done(self, result):  # the event loop's bookkeeping after a reply: it runs beside the pre-draft
+        start = probes.now_ns()
+        try:
+            return plain_done(self, result)
+        finally:
+            out.write(json.dumps({"request_id": self.call.request_id,
+                                  "marks": [["loop_done_start", start], ["loop_done", probes.now_ns()]]}) + "\n")
+    _ProposeReply.done = done
+
 
 def serve_main(argv: list[str]) -> int:
     """`drafter serve` with random weights (drafter.tools.bench.remote serve), every call's stages
