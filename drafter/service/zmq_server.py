@@ -18,7 +18,8 @@ under its own lock (ZMQ sockets are not thread-safe; a lock serialises the loop'
 engine thread's replies).  The bookkeeping (metrics, in-flight counts) follows in the event loop,
 off the reply's path; each such reply holds a ticket of metrics.ReplyLedger until its metrics are
 recorded, so a scrape after the reply still counts the call.  Errors are answered from the event
-loop.  Attach, Detach and Info run as tasks, as they await the core.
+loop.  Every other method is decoded and checked in the reader callback too, and Info (and every
+refusal) answered there; only an admitted Attach, Detach or Bind runs as a task, as it awaits the core.
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ from drafter.wire.ipc import DEFAULT_MODE, bind_ipc, unlink_ipc
 from drafter.wire.predraft import push_to_frames
 from drafter.wire.records import Caller
 from drafter.wire.tensors import request_from_frames, result_to_frames
-from drafter.wire.zmqio import NOBLOCK, recv_frames_capped, send_frames
+from drafter.wire.zmqio import NOBLOCK, drop_frames, recv_frames_bounded, send_frames
 
 log = logging.getLogger("drafter.service.zmq")
 
 MAX_FRAMES = 256
 ENVELOPE_SLACK = 64 * 1024  # bytes beyond max_message_bytes a message may carry (delimiter, envelope)
 READ_BURST = 64  # messages read per wake-up before the loop gets a turn for others
+DROP_BURST = 256  # frames of an oversized message released per turn of the loop (its refusal goes first)
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _DECODERS = {m: msgspec.msgpack.Decoder(req) for m, (req, _) in schema.METHODS.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -94,7 +96,7 @@ def _check_frames(rest: list, max_message_bytes: int) -> None:
 class _Endpoint:
     """One bound ROUTER socket and its reader state."""
 
-    __slots__ = ("sock", "label", "endpoint", "fd", "reading", "kicked", "lock", "closed")
+    __slots__ = ("sock", "label", "endpoint", "fd", "reading", "kicked", "lock", "closed", "dropping")
 
     def __init__(self, sock: zmq.Socket, label: str, endpoint: str):
         self.sock, self.label, self.endpoint = sock, label, endpoint
@@ -103,6 +105,7 @@ class _Endpoint:
         self.kicked = False
         self.lock = threading.Lock()  # every use of sock: the event loop reads, the engine thread replies
         self.closed = False
+        self.dropping = False  # frames of a refused oversized message are still to be received and released
 
     def send(self, frames: list) -> None:
         """Send one reply (from either thread).  ROUTER never blocks: a peer that is gone or over its
@@ -280,15 +283,22 @@ class ZmqServer:
                 with ep.lock:
                     if ep.closed:
                         return
+                    if ep.dropping:  # the rest of a refused message, a slice per turn of the loop
+                        ep.dropping = not drop_frames(ep.sock, NOBLOCK, DROP_BURST)
+                        if ep.dropping:
+                            break
+                        continue
                     # capped while receiving: an oversized message is dropped frame by frame, not held
-                    frames, over = recv_frames_capped(ep.sock, NOBLOCK, MAX_FRAMES + 1,
-                                                      self.max_message_bytes + ENVELOPE_SLACK)
+                    frames, over, ep.dropping = recv_frames_bounded(
+                        ep.sock, NOBLOCK, MAX_FRAMES + 1, self.max_message_bytes + ENVELOPE_SLACK, DROP_BURST)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:  # closed under us
                 log.debug("zmq recv failed: %s", exc)
                 return
             self._on_message(ep, frames, over)
+            if ep.dropping:  # refused at once; its remaining frames after the loop's other work
+                break
         self._kick(ep)  # more may be waiting: continue after the loop's other work
 
     def _pause(self) -> None:
@@ -348,11 +358,17 @@ class ZmqServer:
             if env.method == "Propose":
                 self._propose(ep, head, env, rest[1:], probe, caller)
                 return
+            rec, req = self._admit_unary(env, rest[1:], caller)
+            if rec is None:  # answered in this callback (Info)
+                self._send(ep, head + [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method)),
+                                       _ENCODER.encode(req)])
+                self._end()
+                return
         except Exception as exc:  # noqa: BLE001
             self._send_error(ep, head, env, exc)
             self._end()
             return
-        task = self._loop.create_task(self._handle(ep, head, env, rest[1:], caller))
+        task = self._loop.create_task(self._handle(ep, head, env, rec, req, rest[1:], caller))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
@@ -384,21 +400,16 @@ class ZmqServer:
         except BaseException as exc:
             raise self.core.finish(rec, exc) or exc from None
 
-    async def _handle(self, ep: _Endpoint, head: list, env: schema.Envelope, rest: list, caller: Caller) -> None:
-        try:
-            out = await self._dispatch(env, rest, caller)
-            reply = [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method)), _ENCODER.encode(out)]
-        except Exception as exc:  # noqa: BLE001 - every message gets a reply, even after a bug of ours
-            self._send_error(ep, head, env, exc)
-            return
-        self._send(ep, head + reply)
-
-    async def _dispatch(self, env: schema.Envelope, rest: list, caller: Caller):
+    def _admit_unary(self, env: schema.Envelope, rest: list, caller: Caller):
+        """Any method but Propose, in the reader callback: begin the call and decode and check its body
+        here, so a refused message costs no task.  Returns (record, request) for a call that awaits the
+        core (Attach, Detach; Bind with request None), or (None, reply) for one answered here (Info).
+        Raises the refusal (the call already finished) for the caller to answer."""
         method = env.method
-        async with self.core.serving("zmq", method if method in schema.METHODS else "unknown", caller):
-            if method == "Bind":  # bound sessions (drafter.service.bound_sessions): their own data sockets
-                from drafter.service.bound_sessions import BoundPlane
-                return await BoundPlane.of(self).bind(rest, caller)
+        rec = self.core.begin("zmq", method if method in schema.METHODS else "unknown", caller)
+        try:
+            if method == "Bind":  # bound sessions (drafter.service.bound_sessions) decode their own frames
+                return rec, None
             if method not in schema.METHODS:
                 raise invalid("method", f"unknown method {method!r}; one of {sorted(schema.METHODS)}")
             _check_frames(rest, self.max_message_bytes)
@@ -406,11 +417,39 @@ class ZmqServer:
             req = decode_struct(_DECODERS[method], body, "body") if len(body) else schema.METHODS[method][0]()
             if rest[1:]:
                 raise invalid("frames", f"{method} takes no tensor frames")
-            if method == "Attach":
-                return await self.core.attach(req, caller)
-            if method == "Detach":
-                return await self.core.detach(req, caller=caller)
-            return self.core.info(req)
+            if method == "Info":
+                out = self.core.info(req)
+                self.core.finish(rec)
+                return None, out
+            return rec, req
+        except BaseException as exc:
+            raise self.core.finish(rec, exc) or exc from None
+
+    async def _handle(self, ep: _Endpoint, head: list, env: schema.Envelope, rec, req, rest: list,
+                      caller: Caller) -> None:
+        try:
+            try:
+                out = await self._dispatch(env.method, req, rest, caller)
+            except BaseException as exc:
+                err = self.core.finish(rec, exc)
+                if err is None:  # cancelled: no reply
+                    raise
+                raise err from (None if err is exc else exc)
+            self.core.finish(rec)
+            reply = [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method)), _ENCODER.encode(out)]
+        except Exception as exc:  # noqa: BLE001 - every message gets a reply, even after a bug of ours
+            self._send_error(ep, head, env, exc)
+            return
+        self._send(ep, head + reply)
+
+    async def _dispatch(self, method: str, req, rest: list, caller: Caller):
+        """The awaiting part of an admitted Attach, Detach or Bind (checked by _admit_unary)."""
+        if method == "Bind":
+            from drafter.service.bound_sessions import BoundPlane
+            return await BoundPlane.of(self).bind(rest, caller)
+        if method == "Attach":
+            return await self.core.attach(req, caller)
+        return await self.core.detach(req, caller=caller)
 
     # ------------------------------------------------------------------ shutdown
     async def close(self, timeout: float = 5.0) -> None:

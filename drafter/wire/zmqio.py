@@ -34,10 +34,21 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list:
 
 def recv_frames_capped(sock: zmq.Socket, flags: int, max_frames: int, max_bytes: int) -> tuple[list, str]:
     """The next message's frames, keeping at most `max_frames` frames and `max_bytes` bytes (after the
-    first frame, the ROUTER identity).  Frames are taken one at a time; once a cap is crossed, the first
-    three frames (identity, delimiter or envelope, envelope) are kept for the reply, the rest of the
-    message is received and released frame by frame, and the second value says which cap was crossed
-    ("" when none).  libzmq delivers a multipart message only once all of it has arrived, so its own
+    first frame, the ROUTER identity); the second value says which cap was crossed ("" when none).  The
+    rest of an oversized message is received and released here (recv_frames_bounded with no drop limit)."""
+    parts, over, _ = recv_frames_bounded(sock, flags, max_frames, max_bytes, None)
+    return parts, over
+
+
+def recv_frames_bounded(sock: zmq.Socket, flags: int, max_frames: int, max_bytes: int,
+                        drop_most: int | None) -> tuple[list, str, bool]:
+    """recv_frames_capped that releases at most `drop_most` frames of an oversized message (None: all of
+    them); the third value is True when frames of it are left (drop them with drop_frames before the next
+    message), so a caller on an event loop can answer the message and give other work a turn first.
+
+    Frames are taken one at a time; once a cap is crossed, the first three frames (identity, delimiter or
+    envelope, envelope) are kept for the reply and the rest is received and released frame by frame,
+    never collected.  libzmq delivers a multipart message only once all of it has arrived, so its own
     buffer still holds the message until these reads release it; the per-frame size limit is the
     socket's MAXMSGSIZE."""
     frame = _RECV(sock, flags, False, False)
@@ -45,8 +56,6 @@ def recv_frames_capped(sock: zmq.Socket, flags: int, max_frames: int, max_bytes:
     total, over = 0, ""
     while frame.more:  # set by the receive; a getsockopt(RCVMORE) costs ~1.5 us per frame in pyzmq
         frame = _RECV(sock, flags, False, False)
-        if over:
-            continue  # dropped: the frame is released as soon as the next one replaces it
         total += len(frame)
         if len(parts) >= max_frames:
             over = f"more than {max_frames} frames"
@@ -56,4 +65,17 @@ def recv_frames_capped(sock: zmq.Socket, flags: int, max_frames: int, max_bytes:
             parts.append(frame)
             continue
         del parts[3:]
-    return parts, over
+        return parts, over, frame.more and not drop_frames(sock, flags, drop_most)
+    return parts, over, False
+
+
+def drop_frames(sock: zmq.Socket, flags: int, most: int | None) -> bool:
+    """Receive and release the current message's remaining frames, at most `most` of them (None: all);
+    True when its last frame was taken.  Call only while a message is partly received (its remaining
+    frames have arrived with it, so NOBLOCK never finds none)."""
+    n = 0
+    while most is None or n < most:
+        n += 1
+        if not _RECV(sock, flags, False, False).more:
+            return True
+    return False
