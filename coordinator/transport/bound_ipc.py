@@ -604,7 +604,7 @@ def same_gpu(support, device: torch.device) -> bool:
     """Whether the drafter's engine runs on `device` (its CudaIpcSupport names its own GPU first,
     drafter.service.cuda_support.readable_devices): then two contexts time-slice one GPU, and the
     target's host waiting for the drafts beats its stream waiting on the drafter's event
-    (bench/results/2026-11-26-h200x2-bound-doorbell, one/: 1.10-1.22x against 1.39-1.48x)."""
+    (bench/results/2026-11-26-h200x2-bound-doorbell-spin, one/: 1.10-1.22x against 1.39-1.48x)."""
     if device.type != "cuda" or support is None or not support.enabled or not support.device_uuids:
         return False
     return support.device_uuids[0] == cuda_ref.device_uuid(device)
