@@ -3,7 +3,7 @@ attack of tests/support/attacks.py alone in turn; per attack the server's CPU se
 valid clients' p99 step, printed as one JSON line each (and, with --py-spy DIR, a py-spy profile of the
 server per attack, DIR/<attack>.txt, when py-spy is installed).  A probe, not a test:
 
-    python -m tests.support.abuse_probe [--seconds 8] [--only NAME] [--py-spy DIR]
+    python -m tests.support.abuse_probe [--seconds 8] [--only NAME]... [--together] [--py-spy DIR]
 """
 
 from __future__ import annotations
@@ -32,28 +32,30 @@ def _measure(server, tiny_root, expected, seconds: float) -> dict:
             "steps": len(every)}
 
 
-def _attacked(server, tiny_root, expected, seconds: float, name: str, spy: Path | None) -> dict:
-    """`name` alone while the valid clients run; the server profiled meanwhile if asked."""
+def _attacked(server, tiny_root, expected, seconds: float, names: list[str], spy: Path | None) -> dict:
+    """The attacks `names` (at once) while the valid clients run; the server profiled meanwhile if asked
+    (--gil: the samples are of the thread that holds the interpreter lock)."""
     attacker = soak._Attacker(server, tiny_root)
-    attacker.argv = [*attacker.argv, "--only", name]
+    name = "+".join(names) if len(names) < len(ATTACKS) else "all"
+    attacker.argv = [*attacker.argv, *[a for n in names for a in ("--only", n)]]
     prof = None
     with attacker:
         if spy is not None:
             prof = subprocess.Popen(["py-spy", "record", "--pid", str(server.proc.pid), "--duration",
-                                     str(int(seconds)), "--format", "raw", "--threads", "--nonblocking",
+                                     str(int(seconds)), "--format", "raw", "--threads", "--gil",
                                      "-o", str(spy / f"{name}.txt")], stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL)
         out = _measure(server, tiny_root, expected, seconds)
     if prof is not None:
         prof.wait(60)
-    return {"attack": name, **out, "sent": attacker.report["counts"].get(name, 0),
-            "errors": attacker.report["errors"]}
+    return {"attack": name, **out, "sent": attacker.report["counts"], "errors": attacker.report["errors"]}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--only", action="append", choices=ATTACKS)
+    p.add_argument("--together", action="store_true", help="the chosen attacks (default: all) at once, not in turn")
     p.add_argument("--py-spy", type=Path, default=None)
     args = p.parse_args(argv)
     spy = args.py_spy if args.py_spy is not None and shutil.which("py-spy") else None
@@ -68,8 +70,9 @@ def main(argv=None) -> int:
                        **SERVER_SETTINGS) as server:
         _measure(server, root, expected, 2.0)  # warm-up
         print(json.dumps({"attack": "none", **_measure(server, root, expected, args.seconds)}), flush=True)
-        for name in args.only or ATTACKS:
-            print(json.dumps(_attacked(server, root, expected, args.seconds, name, spy)), flush=True)
+        names = list(args.only or ATTACKS)
+        for group in ([names] if args.together else [[n] for n in names]):
+            print(json.dumps(_attacked(server, root, expected, args.seconds, group, spy)), flush=True)
     return 0
 
 
