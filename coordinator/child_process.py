@@ -16,6 +16,8 @@ main thread).
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 
 # argv after "-c": the parent's pid, then the command to become
@@ -29,3 +31,15 @@ def die_with_parent(argv: list[str]) -> list[str]:
     if not sys.platform.startswith("linux"):
         return list(argv)
     return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
+
+
+def stop_child(proc: subprocess.Popen, timeout_s: float = 60.0) -> int:
+    """Stop a child the polite way (SIGTERM: a drafter drains and exits 0), killing it after `timeout_s`;
+    its exit code (the one it already had when it had ended)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

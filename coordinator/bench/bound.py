@@ -60,6 +60,7 @@ from types import SimpleNamespace
 
 import torch
 
+from coordinator.child_process import stop_child
 from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats, _time, buffers, fill, in_process,
                                        start_server)
 
@@ -509,11 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(set(json.dumps(v) for v in bound.values())) > 1:
                 log(f"batch {b}: the bound planes drafted differently: {sorted(bound)}")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_child(proc)
         save()
     print(table(result))
     return 0

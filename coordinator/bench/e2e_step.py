@@ -47,7 +47,6 @@ import datetime
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.child_process import stop_child
 from coordinator.dp_agreement import capture_sizes_up_to
 from coordinator.target.engine import TargetConfig, TargetEngine
 from coordinator.target.request import random_requests
@@ -291,12 +291,7 @@ def start_server(args, setup: Setup, model_dir: str) -> subprocess.Popen:
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_child(proc)
 
 
 def remote_proposer(spec, port: int, args, bound: bool):

@@ -26,7 +26,6 @@ import datetime
 import gc
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from coordinator.child_process import stop_child
 from drafter.tools.bench.grid import decode_call
 from drafter.tools.bench.remote import (HEAD_CONFIG, TINY, WARMUP, _percentiles, _stages, in_process, server_args,
                                         wait_ready)
@@ -130,11 +130,7 @@ def remote(model_dir: str, args, call: dict, log) -> dict:
                     log(f"  {name}: FELL BACK TO BYTES: {client.cuda.reason}")
             client.detach()  # its KV blocks (and shared buffers) go back before the next client attaches
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_child(proc)
     # per-stage breakdown: server probes (written at exit) and this process's client probes
     server = json.loads(probes_out.read_text()) if probes_out.exists() else {}
     client = probes.RECORDER.summary(skip=WARMUP)

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.child_process import die_with_parent
+from coordinator.child_process import die_with_parent, stop_child
 from coordinator.routing import Endpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,11 +125,4 @@ class DrafterProcess:
         return self.start(timeout)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return None if self.proc is None else stop_child(self.proc, timeout)

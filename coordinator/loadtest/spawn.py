@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-from coordinator.child_process import die_with_parent
+from coordinator.child_process import die_with_parent, stop_child
 
 
 class SpawnedServer:
@@ -93,10 +92,4 @@ class SpawnedServer:
     def stop(self, timeout_s: float = 60.0) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # drains and exits 0
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return stop_child(self.proc, timeout_s)
