@@ -290,10 +290,6 @@ def start_server(args, setup: Setup, model_dir: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    stop_child(proc)
-
-
 def remote_proposer(spec, port: int, args, bound: bool):
     """The vLLM plugin's client (drafter_vllm.sources.make_source): RemoteProposer over ServiceTransport."""
     from coordinator.clients import ServiceTransport
@@ -795,7 +791,7 @@ def run(args, argv: list[str]) -> int:
             close()
     finally:
         if server is not None:
-            stop_server(server)
+            stop_child(server)
         save()
     print(table(result))
     return 0
