@@ -269,7 +269,8 @@ class Batcher:
         return fair.take(max_batch, max_tokens), carry
 
     def answer_batch(self, items: list[Pending]) -> None:
-        """Run one collected batch and answer every request of it (replies first, then bookkeeping)."""
+        """Run one collected batch and answer every request of it: replies first, then their bookkeeping
+        (delivered to the event loop), then the pre-drafts of calls that asked (after_batch)."""
         try:
             results = self.runner.run_batch(items)
         except Exception as exc:  # noqa: BLE001 - the worker itself failed; answer everyone
@@ -280,8 +281,10 @@ class Batcher:
                     it.reply(r)
                 except Exception:  # noqa: BLE001 - on_done still runs and answers what was not sent
                     log.exception("reply from the engine thread failed")
+        # each reply's bookkeeping goes to the event loop before any pre-draft runs: its completion
+        # re-arms the connection (the ZMQ reader's kick), so a call arriving meanwhile is read at once
+        deliver_from_thread(items, results)
+        self.runner.flush_records()
         predrafts = getattr(self.runner, "predrafts", None)  # a runner without pre-drafting (test doubles)
         if predrafts is not None:
             predrafts.after_batch(items, results)  # pre-drafts only once every reply is out
-        deliver_from_thread(items, results)
-        self.runner.flush_records()
