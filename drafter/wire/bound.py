@@ -123,6 +123,9 @@ class StepHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     nbytes: int = 0
     bind_id: str = ""  # BindResponse.bind_id: a step for any other binding is refused (FAILED_PRECONDITION)
     accepted_counts: list[int] = []  # [batch] or empty; -1: no report for that row (the acceptance metrics)
+    # after the StepDone, push this step's pre-drafts on the same channel (drafter.wire.predraft.BOUND_PUSH;
+    # a drafter serving --predraft-outcomes, cuda_ipc: drafter.service.predraft.BoundPreDrafts)
+    want_predrafts: bool = False
 
 
 class StepDone(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
