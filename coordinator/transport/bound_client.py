@@ -34,11 +34,13 @@ import torch
 import zmq
 
 from drafter.wire import bound as wb
+from drafter.wire import ring_stream as rs
 from drafter.wire import schema
 from drafter.wire.errors import Code, DrafterError
 from drafter.wire.ipc import check_client_path
 from drafter.wire.tensors import DTYPES
 
+STREAM_CONNECT_S = 0.5  # at least this long for the ring stream's hello to be answered
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _ATTACH = msgspec.msgpack.Decoder(schema.AttachResponse)
 REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)  # the drafter forgot the session: attach again
@@ -96,45 +98,153 @@ class BoundLink:
         self.ring, self.plane = ring, plane
         host = _host(via)
         self.resp = msgspec.structs.replace(resp, endpoint=reachable(resp.endpoint, host),
-                                            store=reachable(resp.store, host) if resp.store else "")
+                                            store=reachable(resp.store, host) if resp.store else "",
+                                            stream=reachable(resp.stream, host) if resp.stream.startswith("tcp://")
+                                            else resp.stream)
         self.width = resp.drafts_width
         self.sock = connect_socket(ctx, self.resp.endpoint, data=True)
         self.channel = None  # gloo_channel: the two-rank process group (this side rank 0)
+        self.conn = None  # the binding's ring stream (drafter.wire.ring_stream), once connect() made it
+        self.stream_reason = ""  # why a ring stream the drafter offered is not used
         self.alive = True
         self._steps = itertools.count(1)
+        self._events: list = []  # CUDA events of the chunks' device-to-host copies, reused
+        # the last step's perf_counter_ns on both sides (one host clock): "sent" (the header's send
+        # began), "pushed" (the prefix handed to the kernel), the drafter's wb.STAMPS and
+        # wb.RING_STAMPS, "answered" (the reply read), "read" (the drafts in a tensor)
+        self.stamps: dict[str, int] = {}
 
     def connect(self, timeout_s: float, channel_timeout_s: float) -> bool:
         """Wait (at most timeout_s) until the data socket is connected, then join the gloo channel
-        (channel_timeout_s bounds the join and each later send); False if it did not connect in time."""
+        (channel_timeout_s bounds the join and each later send) or connect the ring stream the
+        drafter offered; False if the data socket did not connect in time."""
+        deadline = time.monotonic() + timeout_s
         if not self.sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT):  # connected (IMMEDIATE)
             return False
         if self.plane == wb.GLOO_CHANNEL and self.channel is None:
             self.channel = join_channel(self.resp, channel_timeout_s)
+        if self.resp.stream and self.conn is None:
+            self._open_stream(max(deadline - time.monotonic(), STREAM_CONNECT_S))
         return True
+
+    def _open_stream(self, timeout_s: float) -> None:
+        """The ring stream (its hello answered within timeout_s); where it cannot be made the steps
+        keep the data socket (stream_reason says why)."""
+        try:
+            self.conn = rs.connect(self.resp.stream, self.resp.bind_id, timeout_s)
+        except (OSError, ValueError) as exc:
+            self.stream_reason = f"the ring stream {self.resp.stream[:64]} cannot be used: {exc}"
 
     def close(self) -> None:
         self.alive = False
         self.channel = None
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
         if not self.sock.closed:
             self.sock.close(linger=0)
 
     def step(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int,
-             timeout_s: float, accepted_counts: list[int] | None = None) -> torch.Tensor:
+             timeout_s: float, accepted_counts: list[int] | None = None,
+             source: torch.Tensor | None = None) -> torch.Tensor:
         """Draft for the ring's first num_tokens / batch rows: [batch, width] int64 (a new tensor:
         the ring may be refilled at once).  accepted_counts: [batch] (-1: no report) for the
-        drafter's acceptance metrics.  DrafterError: UNAVAILABLE 'data' when the data socket has no
-        live connection (nothing was sent), the drafter's refusal, or DEADLINE_EXCEEDED."""
+        drafter's acceptance metrics.  source: [ring bytes] uint8, the ring's layout on a GPU that
+        holds the step (its used prefix goes to the ring by device-to-host copies first: on the
+        ring stream in chunks, each sent once it landed).  DrafterError: UNAVAILABLE 'data' when
+        the binding has no live connection (the drafter did not run the step), the drafter's
+        refusal, or DEADLINE_EXCEEDED."""
         nbytes = self.ring.step_bytes(num_tokens)
         step = next(self._steps)
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
                              tokens_padded=tokens_padded, nbytes=nbytes, bind_id=self.resp.bind_id,
                              accepted_counts=accepted_counts or [])
+        if self.conn is not None:
+            return self._stream_step(head, source, timeout_s)
+        if source is not None:  # the whole prefix to the host first: one frame
+            self.ring.slab[:nbytes].copy_(source[:nbytes], non_blocking=source.device.type == "cuda")
+            if source.device.type == "cuda":
+                torch.cuda.current_stream(source.device).synchronize()
+        self.stamps = {"sent": time.perf_counter_ns()}
         try:
             self._send(head)
         except zmq.Again:  # no live connection: the drafter (or this binding) went away
             self.close()
             raise DrafterError(Code.UNAVAILABLE, "data", f"no live connection to {self.resp.endpoint}") from None
+        self.stamps["pushed"] = time.perf_counter_ns()
         return self._reply(step, batch, timeout_s)
+
+    # ------------------------------------------------------------------ the ring stream
+    def _stream_step(self, head: wb.StepHeader, source: torch.Tensor | None, timeout_s: float) -> torch.Tensor:
+        """The header and the prefix on the ring stream (chunks of a GPU source sent as each one
+        lands on the host), then the reply within timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        conn = self.conn
+        self.stamps = {"sent": time.perf_counter_ns()}
+        try:
+            conn.settimeout(max(timeout_s, 1e-3))
+            rs.send_message(conn, wb.encode(head), self._chunks(head.nbytes, source), head.nbytes)
+        except TimeoutError:
+            self.close()
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {head.step}: the prefix was not taken "
+                                                           f"in {timeout_s:.3f} s") from None
+        except OSError as exc:  # the drafter (or this binding) went away: it cannot run a step it did not get
+            self.close()
+            raise DrafterError(Code.UNAVAILABLE, "data", f"the ring stream is closed: {exc}") from None
+        self.stamps["pushed"] = time.perf_counter_ns()
+        return self._stream_reply(head, deadline, timeout_s)
+
+    def _chunks(self, nbytes: int, source: torch.Tensor | None):
+        """The prefix's bytes as the stream sends them: the host ring's whole, or from a GPU
+        source each CHUNK once its device-to-host copy (all queued up front) completed."""
+        ring = self.ring
+        if source is None or source.device.type != "cuda":
+            if source is not None:
+                ring.slab[:nbytes].copy_(source[:nbytes])
+            yield ring.bytes[:nbytes]
+            return
+        spans = [(a, min(nbytes, a + rs.CHUNK)) for a in range(0, nbytes, rs.CHUNK)]
+        stream = torch.cuda.current_stream(source.device)
+        while len(self._events) < len(spans):
+            self._events.append(torch.cuda.Event())
+        for (a, z), event in zip(spans, self._events):
+            ring.slab[a:z].copy_(source[a:z], non_blocking=True)
+            event.record(stream)
+        for (a, z), event in zip(spans, self._events):
+            event.synchronize()
+            yield ring.bytes[a:z]
+
+    def _stream_reply(self, head: wb.StepHeader, deadline: float, timeout_s: float) -> torch.Tensor:
+        """The step's StepDone and drafts from the stream; a silent drafter is DEADLINE_EXCEEDED, a
+        closed or garbled stream UNAVAILABLE; either closes the link."""
+        conn = self.conn
+        try:
+            rs.deadline_timeout(conn, deadline)
+            frame, body = rs.read_message(conn, head.batch * self.width * 8)
+        except TimeoutError:
+            self.close()
+            raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {head.step}: no reply in "
+                                                           f"{timeout_s:.3f} s") from None
+        except (OSError, ValueError) as exc:  # Closed, a FrameError: the drafter's side is gone or garbled
+            self.close()
+            raise DrafterError(Code.UNAVAILABLE, "", f"bound step {head.step}: the ring stream failed: {exc}") from None
+        self.stamps["answered"] = time.perf_counter_ns()
+        done = wb.DONE_DECODER.decode(frame)
+        raise_if_refused(done, self.close)
+        if done.step != head.step or len(body) != head.batch * self.width * 8:
+            self.close()
+            raise DrafterError(Code.UNAVAILABLE, "", f"bound step {head.step}: the ring stream answered step "
+                                                     f"{done.step} with {len(body)} bytes")
+        self._stamp(done)
+        drafts = torch.frombuffer(bytearray(body), dtype=torch.int64).view(head.batch, self.width)
+        self.stamps["read"] = time.perf_counter_ns()
+        return drafts
+
+    def _stamp(self, done: wb.StepDone) -> None:
+        """The drafter's stamps into self.stamps (zeros: points its path does not pass)."""
+        for name, ns in zip(wb.STAMPS + wb.RING_STAMPS, done.stamps):
+            if ns:
+                self.stamps[name] = ns
 
     def _send(self, head: wb.StepHeader) -> None:
         """The header, and the ring's prefix as its second frame or down the gloo channel."""
@@ -159,8 +269,11 @@ class BoundLink:
             done = wb.DONE_DECODER.decode(frames[0].buffer)
             if done.step != step:
                 continue  # an answer to a step that already timed out
+            self.stamps["answered"] = time.perf_counter_ns()
             raise_if_refused(done, self.close)
+            self._stamp(done)
             drafts = torch.frombuffer(bytearray(frames[1].buffer), dtype=torch.int64)
+            self.stamps["read"] = time.perf_counter_ns()
             return drafts.view(batch, self.width)
 
 
@@ -168,9 +281,13 @@ class HostRingClient:
     """A target's own bound session: attach, bind and step on one drafter, binding again by itself."""
 
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
-                 max_batch: int, transport: str = "tcp", plane: str = wb.HOST_RING, timeout_s: float = 5.0):
+                 max_batch: int, transport: str = "tcp", plane: str = wb.HOST_RING, timeout_s: float = 5.0,
+                 stream: bool = True):
+        """stream: host_ring steps on the binding's ring stream (drafter.wire.ring_stream) where the
+        drafter offers one and it can be reached, else (and with False) on the ZMQ data socket."""
         self.endpoint, self.layout, self.plane = endpoint, layout, plane
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
+        self.stream = stream and plane == wb.HOST_RING
         self.ring = BoundRing(buffers)
         self.views = self.ring.views
         self.ctx = zmq.Context()
@@ -188,6 +305,10 @@ class HostRingClient:
     def data(self) -> zmq.Socket | None:  # the bound link's data socket, while it lives
         return self.link.sock if self.link is not None and self.link.alive else None
 
+    @property
+    def stamps(self) -> dict[str, int]:  # the last step's perf_counter_ns on both sides (BoundLink.stamps)
+        return self.link.stamps if self.link is not None else {}
+
     # ------------------------------------------------------------------ control
     def _call(self, method: str, body, decoder, deadline: float):
         return control_call(self.control, next(self._calls), method, body, decoder, deadline, self.timeout_s)
@@ -197,9 +318,17 @@ class HostRingClient:
         self.unbind()
         deadline = time.monotonic() + self.timeout_s
         self.session = self._call("Attach", self.layout, _ATTACH, deadline)
-        resp = self._call(wb.BIND_METHOD, wb.BindRequest(
-            session_id=self.session.session_id, epoch=self.session.epoch, transport=self.transport, plane=self.plane,
-            buffers=self.ring.buffers, max_batch=self.max_batch), wb.BIND_RESPONSE_DECODER, deadline)
+        req = wb.BindRequest(session_id=self.session.session_id, epoch=self.session.epoch, transport=self.transport,
+                             plane=self.plane, buffers=self.ring.buffers, max_batch=self.max_batch,
+                             stream=self.stream)
+        try:
+            resp = self._call(wb.BIND_METHOD, req, wb.BIND_RESPONSE_DECODER, deadline)
+        except DrafterError as err:
+            if not (req.stream and knows_no_stream(err)):
+                raise
+            self.stream = False  # a drafter from before the ring stream: the data socket
+            resp = self._call(wb.BIND_METHOD, msgspec.structs.replace(req, stream=False), wb.BIND_RESPONSE_DECODER,
+                              deadline)
         link = BoundLink(self.ctx, self.ring, resp, self.plane, self.endpoint)
         if not link.connect(deadline - time.monotonic(), self.timeout_s):
             link.close()
@@ -233,13 +362,15 @@ class HostRingClient:
 
     # ------------------------------------------------------------------ steps
     def step(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0,
-             accepted_counts: list[int] | None = None) -> torch.Tensor:
-        """Draft for the rows the target wrote into the views' first num_tokens / batch rows;
+             accepted_counts: list[int] | None = None, source: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft for the rows the target wrote into the views' first num_tokens / batch rows (or
+        into source, [ring bytes] uint8: the ring's layout on a GPU, BoundLink.step);
         [batch, width] int64 (a new tensor: the slab may be refilled at once)."""
         if self.data is None:
             self._bind_in_step()
         try:
-            return self.link.step(num_tokens, batch, batch_padded, tokens_padded, self.timeout_s, accepted_counts)
+            return self.link.step(num_tokens, batch, batch_padded, tokens_padded, self.timeout_s, accepted_counts,
+                                  source)
         except DrafterError as exc:
             if exc.code == Code.UNAVAILABLE and exc.field == "data":  # nothing sent: the drafter went away
                 self.unbind()
@@ -293,6 +424,12 @@ def join_channel(resp: wb.BindResponse, timeout_s: float):
         return dist.ProcessGroupGloo(dist.PrefixStore(resp.channel, store), 0, 2, timeout)
     except RuntimeError as exc:
         raise DrafterError(Code.UNAVAILABLE, "store", f"joining the gloo channel at {resp.store}: {exc}") from None
+
+
+def knows_no_stream(err: DrafterError) -> bool:
+    """Whether a Bind refusal is a drafter's that does not know BindRequest.stream (its decoder
+    refuses the unknown field): bind again without it."""
+    return err.code == Code.INVALID_ARGUMENT and err.field == "body" and "stream" in err.message
 
 
 def raise_if_refused(done: wb.StepDone, close) -> None:

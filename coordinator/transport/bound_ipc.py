@@ -591,13 +591,13 @@ class CudaIpcBoundClient:
                                "bound again (the drafter restarted or forgot the session): resend the context")
 
     def _ring_step(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int) -> torch.Tensor:
-        """The fallback: the slab's used prefix to the ring's pinned slab (one copy), then its step."""
-        nbytes = wb.step_bytes(self.slots, num_tokens)
-        pinned = pinned_slab(self.ring)
-        pinned[:nbytes].copy_(self.slab[:nbytes], non_blocking=True)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        return self.ring.step(num_tokens, batch, batch_padded, tokens_padded)
+        """The fallback: the ring's step from the slab (its used prefix to the ring's pinned slab by
+        device-to-host copies, on the ring stream in chunks sent as each lands)."""
+        if self.device.type != "cuda":
+            nbytes = wb.step_bytes(self.slots, num_tokens)
+            pinned_slab(self.ring)[:nbytes].copy_(self.slab[:nbytes])
+            return self.ring.step(num_tokens, batch, batch_padded, tokens_padded)
+        return self.ring.step(num_tokens, batch, batch_padded, tokens_padded, source=self.slab)
 
 
 def same_gpu(support, device: torch.device) -> bool:

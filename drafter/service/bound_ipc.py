@@ -3,16 +3,18 @@
     Bind (plane "cuda_ipc", drafter.service.bound_sessions dispatches here):
         the slab's reference checked (drafter.wire.cuda_slab) and opened on the engine's GPU ONCE
         the target's "inputs ready" event opened, this binding's "drafts ready" event created
-        the step guard (drafter.engine.step_guard) over views of the slab, captured once
+        the step guard (drafter.engine.step_guard) over views of the slab
         the engine bound ONCE: the guard's outputs, the slab's hidden states in place, the drafts
-            at the start of this binding's output buffer, which is shared back with the event
+            at the start of this binding's output buffer, which is shared back with the event;
+            the guard folded into the binding's graphs (captured once: BoundPropose.fold)
     each step ([identity, StepHeader] on the session's data socket), on the data thread holding the
     engine's lock (EngineThread.engine_lock: no hop to the engine thread and back; an executor
     without that lock gets the step submitted instead):
         the sizes checked on the host
         the stream waits for the target's event (no host sync)
-        guard.step: checks and masks every field on the GPU, the error word into the output
-        bound.propose: the replay, drafts into the output
+        bound.propose: the header's sizes stored, ONE replay (drafter.engine.bound.fold): the guard's
+            launches first (every field checked and masked on the GPU, the error word into the
+            output), then the engine's graphs (drafts into the output)
         the "drafts ready" event recorded; [identity, StepDone] at once (no host read), stamped
         with the drafter's perf_counter_ns at wb.STAMPS' and wb.FINE_STAMPS' points (the bench's
         breakdown)
@@ -119,7 +121,6 @@ class _Guarded:
                              num_speculative_tokens=desc.num_speculative_tokens, num_blocks=tuple(s.num_blocks),
                              block_sizes=tuple(s.block_sizes), bases=tuple(s.bases))
         self.guard = StepGuard(self.views, limits, self.error)
-        self.guard.capture()
         o = self.guard.out
         try:
             self.bound = engine.bind(
@@ -132,6 +133,7 @@ class _Guarded:
                 num_rejected_tokens=o.get("num_rejected_tokens"), drafts=self.drafts)
         except InvalidInput as exc:
             raise invalid(exc.field, str(exc)) from None
+        self.bound.fold(self.guard)  # the guard inside the bound graphs: one replay a step
 
     def _check_sizes(self, head: wb.StepHeader) -> None:
         n, b, s = head.num_tokens, head.batch, self.session
@@ -142,12 +144,12 @@ class _Guarded:
                                         f"{min(s.max_num_batched_tokens, self.bound.max_tokens)}]")
 
     def _guard_and_replay(self, head: wb.StepHeader) -> None:
-        """Queued on the stream: the guard, then the bound graphs (drafts into the output)."""
-        self.guard.step(head.num_tokens, head.batch)
+        """Queued on the stream: the bound graphs, the guard folded in (drafts into the output)."""
         self._replay(head)
 
     def _replay(self, head: wb.StepHeader) -> None:
-        """Queued on the stream after the guard: the bound graphs (drafts into the output)."""
+        """Queued on the stream: the bound graphs, which start with the guard (BoundPropose.fold:
+        its sizes from the header the call stores; one replay at a combined decode size)."""
         s = self.session
         s.calls += 1
         s.last_used = time.monotonic()
@@ -176,6 +178,11 @@ class GuardedRingSession(_Guarded, BoundSession):
     def run_step(self, head: wb.StepHeader, nbytes: int) -> bytes:
         return on_engine(self, self.step, head, nbytes)
 
+    def _stage(self, nbytes: int) -> None:
+        """The ring's used prefix to the GPU slab, one copy queued (the ring stream stages it chunk
+        by chunk as it lands instead: drafter.service.ring_stream)."""
+        self.slab[:nbytes].copy_(self.ring[:nbytes], non_blocking=True)
+
     def step(self, head: wb.StepHeader, nbytes: int) -> bytes:
         """The prefix to the GPU, guard, replay, drafts and error word back; the drafts' bytes or
         INVALID_ARGUMENT naming the first field the guard masked."""
@@ -183,7 +190,7 @@ class GuardedRingSession(_Guarded, BoundSession):
         want = wb.step_bytes(self.slots, head.num_tokens)
         if nbytes != want:
             raise invalid("ring", f"{nbytes} bytes for {head.num_tokens} tokens; the layout needs {want}")
-        self.slab[:nbytes].copy_(self.ring[:nbytes], non_blocking=True)
+        self._stage(nbytes)
         self._guard_and_replay(head)
         self._host_out.copy_(self.output, non_blocking=True)
         if self.device.type == "cuda":
@@ -366,12 +373,10 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
             self._events()
         self._wait_inputs()
         waited = time.perf_counter_ns()
-        self.guard.step(head.num_tokens, head.batch)
-        guarded = time.perf_counter_ns()
-        self._replay(head)
+        self._replay(head)  # the guard inside: no call of its own ("guarded" is "waited")
         replayed = time.perf_counter_ns()
         self._record_done()
-        self._fine = (waited, guarded, replayed)
+        self._fine = (waited, waited, replayed)
         return b""
 
     def _events(self) -> None:

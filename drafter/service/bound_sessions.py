@@ -111,10 +111,10 @@ class BoundPlane:
             from drafter.service.bound_ipc import IpcBoundSession as cls
         elif req.plane == wb.NCCL_CHANNEL:  # GPU to GPU over NCCL (drafter.service.bound_channel)
             from drafter.service.bound_channel import ChannelSession as cls
-        elif req.plane == wb.HOST_RING:  # on a GPU: the checks there (drafter.service.bound_ipc)
-            from drafter.service.bound_ipc import ring_session_class
+        elif req.plane == wb.HOST_RING:  # the ring stream beside the data socket; on a GPU the checks there
+            from drafter.service.ring_stream import ring_session_class
 
-            cls = ring_session_class(core.engine) or cls
+            cls = ring_session_class(core.engine)
         b = await loop.run_in_executor(core.executor, cls, self, s, req, slots, total)
         b.open(self.ctx, self._endpoint(req.transport, b.bind_id))
         self.sessions[s.id] = b
@@ -123,7 +123,7 @@ class BoundPlane:
         return wb.BindResponse(bind_id=b.bind_id, endpoint=b.endpoint, ring_bytes=total,
                                drafts_width=b.drafts.shape[1], store=b.store_endpoint, channel=b.bind_id,
                                output=getattr(b, "output_ref", None), drafts_event=getattr(b, "done_handle", b""),
-                               doorbell=getattr(b, "doorbell_address", ""))
+                               doorbell=getattr(b, "doorbell_address", ""), stream=getattr(b, "stream_address", ""))
 
     def close(self) -> None:
         """Stop every data thread and wait for it (its socket closes as it ends)."""

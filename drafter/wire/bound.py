@@ -12,7 +12,9 @@ holds every small buffer whole and the first num_tokens rows of the hidden state
 the step does not need.
 
 Three planes carry the ring's bytes, the same protocol above them: "host_ring" sends them as the
-step's second ZMQ frame; "gloo_channel" sends them by a point-to-point send on a two-rank
+step's second ZMQ frame, or where the Bind asked for it (BindRequest.stream) on the binding's ring
+stream (BindResponse.stream, drafter.wire.ring_stream: header and prefix on one plain tcp or
+same-host UNIX connection, the prefix in chunks straight into the pinned ring); "gloo_channel" sends them by a point-to-point send on a two-rank
 torch.distributed process group (gloo) that the two sides build from a TCPStore the drafter
 hosts (BindResponse.store) under a key prefix of this binding (BindResponse.channel): the target
 is rank 0, the drafter rank 1; the step header and the reply still go over the data socket.
@@ -94,6 +96,8 @@ class BindRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # one can be made
     spin_us: int = 0  # with the doorbell: after each reply the drafter polls it this long for the next header
     # before its thread sleeps (at most MAX_SPIN_US; a core busy meanwhile): for steps that come back to back
+    stream: bool = False  # host_ring: steps by the binding's ring stream (BindResponse.stream, drafter.wire.
+    # ring_stream: the prefix in chunks on a plain connection, straight into the pinned ring) where one can be made
 
 
 class BindResponse(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -108,6 +112,8 @@ class BindResponse(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     drafts_event: bytes = b""  # cuda_ipc: the drafter's "drafts ready" interprocess event
     doorbell: str = ""  # where BindRequest.doorbell asked and the drafter has one: its address
     # (drafter.wire.doorbell), which takes the binding's steps as the data socket does
+    stream: str = ""  # where BindRequest.stream asked: the ring stream's address (drafter.wire.ring_stream),
+    # which takes the binding's steps, header and prefix, as the data socket does
 
 
 class StepHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -209,6 +215,10 @@ STAMPS = ("received", "started", "queued", "replied")  # header read; step began
 # "queued", the stream's wait for the target's event queued, the guard's replay queued, the
 # bound graphs' replay queued (the done event's record follows)
 FINE_STAMPS = ("waited", "guarded", "replayed")
+# after STAMPS in a host_ring step's StepDone.stamps: the prefix whole in the drafter's pinned ring
+# (on the ring stream its last chunk read, "received" being its header's; on the data socket the
+# message received, as "received")
+RING_STAMPS = ("landed",)
 BIND_DECODER = msgspec.msgpack.Decoder(BindRequest)
 BIND_RESPONSE_DECODER = msgspec.msgpack.Decoder(BindResponse)
 

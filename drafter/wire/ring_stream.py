@@ -1,0 +1,238 @@
+"""The host ring's stream: one plain stream connection per binding, the ring's prefix in chunks.
+
+    drafter (Bind):         listener, address = listen(transport, host)  # -> BindResponse.stream
+    drafter (its thread):   conn = accept(listener, bind_id, alive, poll_s, hello_s)
+                            head_len, body_len = read_prefix(conn)       # bounded before anything is read
+                            head = read_exact(conn, head_len)            # a StepHeader
+                            receive_body(conn, ring[:body_len], chunk, landed)   # straight into the pinned ring
+                            send_message(conn, encoded StepDone, [drafts])
+    target:                 conn = connect(address, bind_id, timeout_s)
+                            send_message(conn, encoded StepHeader, [chunk, chunk, ...])
+
+A message is PREFIX (two little-endian u32: the head's and the body's length), the head (a msgpack
+record), then the body.  Why not a ZMQ frame: a ZMQ message of megabytes passes the sender's and
+the receiver's libzmq I/O threads (three wake-ups a way), is delivered only once whole, and pyzmq's
+recv_into copies it once more out of libzmq's message.  Here the target's thread writes the
+kernel socket chunk by chunk as each chunk of its device-to-host copy lands, and the drafter's
+thread reads each chunk straight from the kernel into its pinned ring and can queue that chunk's
+host-to-device copy while the next one is still on the wire: the copies on both ends overlap the
+transfer, and the GPU work starts on the last chunk.
+
+Bounded: the head is at most MAX_HEAD bytes and the body at most the ring (the receiver checks
+both lengths, and the body's against the header's nbytes, before it reads a byte of either:
+FrameError names the field).  A connection first sends the binding's hello (HELLO + the bind id,
+length-prefixed); any other connection is closed unanswered.
+
+Addresses: "tcp://host:port" (the listener on the drafter's host, any port), or on one host
+"@drafter-ring-<24 hex>", a Linux abstract UNIX-domain name (nothing on the file system).  Neither
+is authenticated beyond the hello's 128-bit bind id, as the binding's ZMQ data socket is not:
+the same trust domain.  Neutral: stdlib only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import secrets
+import socket
+import struct
+import time
+from typing import Callable, Iterable
+
+PREFIX = struct.Struct("<II")  # head bytes, body bytes
+MAX_HEAD = 1 << 16  # a StepHeader (sizes, a bind id, up to max_num_seqs accepted counts) or a StepDone
+CHUNK = 1 << 19  # bytes: the sender's device-to-host copies and the receiver's host-to-device copies
+HELLO = b"drafter-ring hello "
+OK = b"drafter-ring ok"
+UNIX_PREFIX = "@drafter-ring-"
+_UNIX = re.compile(r"@drafter-ring-[0-9a-f]{24}")
+SOCKET_BUFFER = 8 << 20  # SO_SNDBUF / SO_RCVBUF asked for (the kernel caps it at its *mem_max)
+
+
+class FrameError(ValueError):
+    """A message this stream cannot take: field names what was wrong ("header", "nbytes")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+class Closed(ConnectionError):
+    """The peer closed the connection (between or inside messages)."""
+
+
+def _tune(sock: socket.socket) -> None:
+    """No Nagle delay (a header must not wait for the next write); large kernel buffers."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+
+
+def listen(transport: str, host: str) -> tuple[socket.socket, str]:
+    """A listener for one binding: tcp on host (any port) or ("ipc") a fresh abstract UNIX name;
+    (socket, wire address).  OSError where it cannot be made."""
+    if transport == "ipc":
+        address = UNIX_PREFIX + secrets.token_hex(12)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        where = "\0" + address[1:]
+    else:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        where = (host, 0)
+    try:
+        sock.bind(where)
+        sock.listen(4)
+    except OSError:
+        sock.close()
+        raise
+    if transport != "ipc":
+        port = sock.getsockname()[1]
+        address = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+    return sock, address
+
+
+def _target(address: str) -> tuple[int, object]:
+    """(family, sockaddr) of a wire address; ValueError for anything else."""
+    if _UNIX.fullmatch(address):
+        return socket.AF_UNIX, "\0" + address[1:]
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://"):].rpartition(":")
+        host = host.strip("[]")
+        if host and port.isdigit():
+            return (socket.AF_INET6 if ":" in host else socket.AF_INET), (host, int(port))
+    raise ValueError(f"not a ring stream address: {address[:80]!r}")
+
+
+def connect(address: str, token: str, timeout_s: float) -> socket.socket:
+    """A connection to a binding's stream, its hello accepted within timeout_s.  OSError (or
+    ValueError for an address that is not a stream's) where it cannot be made."""
+    family, where = _target(address)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(max(timeout_s, 1e-3))
+        sock.connect(where)
+        _tune(sock)
+        send_message(sock, HELLO + token.encode(), [])
+        head, _ = read_message(sock, 0)
+        if head != OK:
+            raise ConnectionRefusedError("the drafter did not accept the ring stream's hello")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def accept(listener: socket.socket, token: str, alive: Callable[[], bool], poll_s: float,
+           hello_s: float) -> socket.socket | None:
+    """The first connection whose hello names `token` within hello_s (each other one is closed);
+    None once alive() turns False or the listener fails.  Looks at alive() every poll_s."""
+    listener.settimeout(poll_s)
+    while alive():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return None
+        if _greeted(conn, token, hello_s):
+            return conn
+        conn.close()
+    return None
+
+
+def _greeted(conn: socket.socket, token: str, hello_s: float) -> bool:
+    try:
+        conn.settimeout(hello_s)
+        want = HELLO + token.encode()
+        head_len, body_len = read_prefix(conn, len(want), 0)
+        if head_len != len(want) or not hmac.compare_digest(read_exact(conn, head_len), want):
+            return False
+        _tune(conn)
+        send_message(conn, OK, [])
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def send_message(sock: socket.socket, head: bytes, body: Iterable, body_len: int | None = None) -> None:
+    """PREFIX, head, then each body part (bytes-like) as it comes: body may be a generator that
+    yields each chunk once it is ready (the sender's device-to-host copies).  body_len: the body's
+    total bytes, needed up front where body is a generator."""
+    parts = body if body_len is not None else list(body)
+    total = body_len if body_len is not None else sum(memoryview(p).nbytes for p in parts)
+    sock.sendall(PREFIX.pack(len(head), total) + head)
+    sent = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        sock.sendall(view)
+        sent += view.nbytes
+    if sent != total:
+        raise ValueError(f"sent {sent} body bytes, announced {total}")
+
+
+def read_prefix(sock: socket.socket, max_head: int = MAX_HEAD, max_body: int | None = None) -> tuple[int, int]:
+    """The next message's (head bytes, body bytes), both checked before anything else is read:
+    FrameError "header" for a head over max_head (or empty), "nbytes" for a body over max_body."""
+    head_len, body_len = PREFIX.unpack(read_exact(sock, PREFIX.size))
+    if not 0 < head_len <= max_head:
+        raise FrameError("header", f"a head of {head_len} bytes (1 to {max_head})")
+    if max_body is not None and body_len > max_body:
+        raise FrameError("nbytes", f"a body of {body_len} bytes; at most {max_body} fit")
+    return head_len, body_len
+
+
+def read_exact(sock: socket.socket, nbytes: int) -> bytes:
+    """nbytes from the stream; Closed where the peer closed first."""
+    buf = bytearray(nbytes)
+    receive_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def receive_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill view from the stream (the kernel copies straight into it); Closed where the peer closed first."""
+    got, size = 0, view.nbytes
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise Closed("the peer closed the ring stream")
+        got += n
+
+
+def receive_body(sock: socket.socket, ring: memoryview, nbytes: int, chunk: int,
+                 landed: Callable[[int, int], None] | None = None) -> None:
+    """The body's nbytes straight into ring[:nbytes] (the caller checked nbytes <= len(ring)),
+    landed(start, end) called as each chunk of `chunk` bytes is whole (the receiver queues its
+    host-to-device copy of that chunk while the next one arrives)."""
+    start = 0
+    while start < nbytes:
+        end = min(nbytes, start + chunk)
+        receive_into(sock, ring[start:end])
+        if landed is not None:
+            landed(start, end)
+        start = end
+
+
+def read_message(sock: socket.socket, max_body: int) -> tuple[bytes, bytes]:
+    """A small whole message (head, body) where the body is at most max_body bytes."""
+    head_len, body_len = read_prefix(sock, MAX_HEAD, max_body)
+    return read_exact(sock, head_len), read_exact(sock, body_len)
+
+
+def wait_readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether the socket has bytes (or the peer's close) to read within timeout_s."""
+    import select
+
+    return bool(select.select([sock], [], [], max(timeout_s, 0.0))[0])
+
+
+def deadline_timeout(sock: socket.socket, deadline: float) -> None:
+    """The socket's timeout set to what is left until deadline (time.monotonic()); TimeoutError
+    where nothing is left."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    sock.settimeout(left)

@@ -1,0 +1,182 @@
+"""The host ring's stream (drafter.wire.ring_stream, drafter.service.ring_stream): header and prefix
+on one plain tcp or same-host UNIX connection, the prefix received in chunks straight into the ring.
+
+A drafter service in this process (tests.integration.test_bound_remote.Drafter, graphs emulated on
+CPU) serves HostRingClients.  Steps over the stream must draft what an in-process engine drafts,
+with the ZMQ data socket closed under them (so the stream carried them), over tcp and ipc, on the
+CPU drafter's session (checks on the host) and the GPU drafter's (bound_ipc.GuardedRingSession,
+forced on CPU) with chunks small enough that a step lands in several, each staged as it lands;
+every step is stamped in order on both sides; a client that asks for no stream steps on the data
+socket, stamped too.  Messages the stream cannot take are refused naming the field before a byte
+of their body is read (and close the stream), or are answered with the body drained (and the
+stream goes on); a connection without the binding's hello is closed unanswered.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from tests.integration.test_bound_remote import PADDING, PLANS, Drafter, Target, _engine, _fill  # noqa: E402
+
+from drafter.service import bound_ipc, ring_stream  # noqa: E402
+from drafter.wire import bound as wb  # noqa: E402
+from drafter.wire import ring_stream as rs  # noqa: E402
+from drafter.wire.errors import Code, DrafterError  # noqa: E402
+
+ORDER = ["sent", "received", "landed", "started", "queued", "replied", "answered", "read"]  # and "pushed"
+# between "sent" and "answered" (the drafter may have the last chunk before the sender returns)
+
+
+def _binding(drafter, target: Target):
+    return drafter.server._bound_plane.sessions[target.client.session.session_id]
+
+
+def _in_order(stamps: dict, names: list[str]) -> None:
+    assert [stamps[k] for k in names] == sorted(stamps[k] for k in names), stamps
+    assert stamps["sent"] <= stamps["pushed"] <= stamps["answered"], stamps
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["host-checks", "gpu-guard"])
+def test_steps_over_the_stream_draft_what_in_process_drafts(tiny_root, monkeypatch, guarded):
+    monkeypatch.setattr(bound_ipc, "GUARDED_RING", guarded)
+    monkeypatch.setattr(rs, "CHUNK", 4096)  # a 13-token EAGLE-3 step's prefix lands in several chunks
+    chunks = []
+    if guarded:
+        landed = ring_stream.GuardedStreamSession._landed
+        monkeypatch.setattr(ring_stream.GuardedStreamSession, "_landed",
+                            lambda self, a, z: (chunks.append((a, z)), landed(self, a, z)))
+    with Drafter(_engine(tiny_root, "eagle3"), ipc_path=None) as drafter:
+        targets = [Target(tiny_root, "eagle3", drafter, seed=1, transport="tcp")]
+        try:
+            targets[0].step(PLANS[0])
+            b = _binding(drafter, targets[0])
+            assert type(b) is (ring_stream.GuardedStreamSession if guarded else ring_stream.RingStreamSession)
+            link = targets[0].client.link
+            assert link.conn is not None and link.resp.stream.startswith("tcp://"), link.stream_reason
+            link.sock.close(linger=0)  # the data socket gone: only the stream can carry the next step
+            targets[0].step(PLANS[1])
+            _in_order(targets[0].client.stamps, ORDER)
+            if guarded:
+                nbytes = wb.step_bytes(b.slots, 13)
+                spans = [c for c in chunks if c[1] == nbytes]
+                assert len(chunks) >= 2 * 3 and spans, "the prefix landed in chunks, each staged"
+                assert b._staged == 0, "the step took what the chunks staged"
+            assert targets[0].client.binds == 1
+        finally:
+            for t in targets:
+                t.close()
+
+
+def test_over_ipc_and_without_a_stream(tiny_root, tmp_path):
+    """transport ipc: the stream is a same-host abstract UNIX name; stream=False: the data socket
+    carries the steps as before, stamped."""
+    with Drafter(_engine(tiny_root, "eagle3"), ipc_path=f"ipc://{tmp_path}/d.sock") as drafter:
+        a = Target(tiny_root, "eagle3", drafter, seed=1, transport="ipc")
+        b = Target(tiny_root, "eagle3", drafter, seed=2, transport="tcp")
+        b.client.stream = False
+        try:
+            a.step(PLANS[0])
+            b.step(PLANS[0])
+            assert a.client.link.resp.stream.startswith(rs.UNIX_PREFIX) and a.client.link.conn is not None
+            assert b.client.link.conn is None and not b.client.link.resp.stream
+            a.client.link.sock.close(linger=0)
+            a.step(PLANS[1])
+            b.step(PLANS[1])
+            _in_order(b.client.stamps, ["sent", "received", "started", "queued", "replied", "answered", "read"])
+        finally:
+            a.close()
+            b.close()
+
+
+def _answer(conn) -> wb.StepDone:
+    frame, _ = rs.read_message(conn, 1 << 16)
+    return wb.DONE_DECODER.decode(frame)
+
+
+def _rebound(t: Target) -> socket.socket:
+    """The step after the drafter closed the stream fails and binds again (FAILED_PRECONDITION:
+    resend the context); the new binding's stream (hello'd), for raw messages."""
+    n, nb = _fill(t.client.views, t.s_remote.call(PLANS[0]).kwargs)
+    for _ in range(2):  # the first send may still be taken by the kernel: its reply is the close
+        try:
+            t.client.step(n, nb, **PADDING)
+        except DrafterError as err:
+            if err.code == Code.FAILED_PRECONDITION:
+                break
+    assert t.client.binds == 2
+    return t.client.link.conn
+
+
+def test_messages_the_stream_cannot_take_are_refused_naming_the_field(tiny_root):
+    """What a buggy or hostile target writes on its own stream: the drafter names the field."""
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = Target(tiny_root, "eagle3", drafter, seed=1)
+        try:
+            t.step(PLANS[0])
+            bad, ring = t.client.link.conn, _binding(drafter, t).ring.numel()
+            # a header that does not decode, then one whose nbytes is not the body's: answered, body drained
+            rs.send_message(bad, b"\xc1 not a header", [bytes(100)])
+            done = _answer(bad)
+            assert (done.code, done.field) == (int(Code.INVALID_ARGUMENT), "header"), done
+            head = wb.StepHeader(step=7, num_tokens=13, batch=3, nbytes=64, bind_id=t.client.link.resp.bind_id)
+            rs.send_message(bad, wb.encode(head), [bytes(128)])
+            done = _answer(bad)
+            assert (done.step, done.code, done.field) == (7, int(Code.INVALID_ARGUMENT), "nbytes"), done
+            t.step(PLANS[1])  # the stream goes on
+            # a body past the ring: refused before a byte of it is read, and the stream closed
+            bad.sendall(rs.PREFIX.pack(len(wb.encode(head)), ring + 1) + wb.encode(head))
+            done = _answer(bad)
+            assert (done.code, done.field) == (int(Code.INVALID_ARGUMENT), "nbytes"), done
+            with pytest.raises((rs.Closed, ConnectionError)):
+                rs.read_message(bad, 0)
+            # a head past MAX_HEAD on the next binding's stream: refused naming the header, closed
+            bad = _rebound(t)
+            bad.sendall(rs.PREFIX.pack(rs.MAX_HEAD + 1, 0))
+            done = _answer(bad)
+            assert (done.code, done.field) == (int(Code.INVALID_ARGUMENT), "header"), done
+            with pytest.raises((rs.Closed, ConnectionError)):
+                rs.read_message(bad, 0)
+        finally:
+            t.close()
+
+
+def test_a_connection_without_the_hello_is_closed_unanswered():
+    listener, address = rs.listen("tcp", "127.0.0.1")
+    family, where = rs._target(address)
+    strangers = [socket.create_connection(where, timeout=10) for _ in range(2)]
+    rs.send_message(strangers[0], rs.HELLO + b"0" * 32, [])
+    strangers[1].sendall(rs.PREFIX.pack(1 << 30, 0))
+    good = []
+    t = __import__("threading").Thread(target=lambda: good.append(rs.connect(address, "f" * 32, 10)))
+    t.start()
+    conn = rs.accept(listener, "f" * 32, lambda: not good, 0.05, 2.0)
+    t.join(10)
+    try:
+        assert conn is not None and good
+        for s in strangers:
+            with pytest.raises((rs.Closed, ConnectionError)):
+                rs.read_message(s, 0)
+    finally:
+        for s in (*strangers, *good, conn, listener):
+            if s is not None:
+                s.close()
+
+
+def test_a_stream_the_drafter_closed_fails_the_step_and_the_client_binds_again(tiny_root):
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = Target(tiny_root, "eagle3", drafter, seed=1)
+        try:
+            t.step(PLANS[0])
+            b = _binding(drafter, t)
+            b.stop()  # the binding ends on the drafter's side (as a detach or a new Bind ends it)
+            b.join()
+            n, nb = _fill(t.client.views, t.s_remote.call(PLANS[1]).kwargs)
+            with pytest.raises(DrafterError) as err:
+                t.client.step(n, nb, **PADDING)
+            assert err.value.code in (Code.UNAVAILABLE, Code.FAILED_PRECONDITION), str(err.value)
+            assert not t.client.link.alive or t.client.binds == 2
+        finally:
+            t.close()
