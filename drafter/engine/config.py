@@ -8,6 +8,11 @@ from dataclasses import dataclass
 import torch
 
 METHODS = ("eagle", "eagle3", "mtp", "deepseek_mtp", "extract_hidden_states")
+MTP_METHODS = ("mtp", "deepseek_mtp")
+# Which MTP layer draft step s runs (docs/vllm-0.32-proposer.md, section 14):
+#   first_layer  layer 0 at every step (vLLM 0.32's V1 EagleProposer, and MRv2's MTPSpeculator)
+#   per_step     layer s mod n, each layer's KV written only by its steps (vLLM's Step3.5 proposer)
+MTP_LAYER_SCHEDULES = ("first_layer", "per_step")
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,9 @@ class EngineConfig:
     # likeliest verification outcomes per request (0 = off), each predraft_tokens long (0 = k).
     predraft_outcomes: int = 0
     predraft_tokens: int = 0
+    # MTP methods only (MTP_LAYER_SCHEDULES); "" = the method's own: deepseek_mtp drafts as vLLM
+    # 0.32's V1 runner does (first_layer), this engine's mtp layout steps through its layers (per_step)
+    mtp_layer_schedule: str = ""
     seed: int = 0
 
     def __post_init__(self):
@@ -119,6 +127,7 @@ class EngineConfig:
                    if self.method == "deepseek_mtp" else "it has no draft head")
             raise ValueError(f"weights='fp8' (--weights fp8) is not supported for method {self.method}: {why}")
         _check_predraft(self)
+        object.__setattr__(self, "mtp_layer_schedule", _mtp_layer_schedule(self.method, self.mtp_layer_schedule))
         object.__setattr__(self, "capture_sizes", _sizes(self.capture_sizes, self.max_num_seqs, "capture_sizes"))
         object.__setattr__(
             self,
@@ -153,6 +162,38 @@ def _check_predraft(cfg: EngineConfig) -> None:
         raise ValueError(f"predraft_outcomes: pre-drafting supports eagle and eagle3, not {cfg.method}")
     if cfg.predraft_outcomes and cfg.speculative_token_tree is not None:
         raise ValueError("predraft_outcomes: pre-drafts are chains; a speculative_token_tree is not supported")
+
+
+def _mtp_layer_schedule(method: str, schedule: str) -> str:
+    """The schedule an MTP method drafts with ("" for other methods); refusals name the key."""
+    if method not in MTP_METHODS:
+        if schedule:
+            raise ValueError(f"mtp_layer_schedule={schedule!r} applies to methods {MTP_METHODS}, not {method}")
+        return ""
+    if not schedule:
+        return "first_layer" if method == "deepseek_mtp" else "per_step"
+    if schedule == "multi_module":
+        raise ValueError("mtp_layer_schedule='multi_module' (vLLM 0.32 Model Runner V2's MultiModuleMTPSpeculator) "
+                         "is not implemented: it re-runs MTP module s over each request's whole query window at "
+                         "unchanged positions, with rows cached across calls; this engine drafts chains "
+                         f"(choose one of {MTP_LAYER_SCHEDULES})")
+    if schedule not in MTP_LAYER_SCHEDULES:
+        raise ValueError(f"mtp_layer_schedule must be one of {MTP_LAYER_SCHEDULES}, got {schedule!r}")
+    return schedule
+
+
+def check_mtp_layers(config: EngineConfig, num_mtp_layers: int) -> None:
+    """What only the head's layer count decides: refuse a deepseek_mtp set-up vLLM 0.32 never drafts."""
+    if config.method != "deepseek_mtp" or num_mtp_layers <= 1:
+        return
+    k = config.num_speculative_tokens
+    if k > num_mtp_layers and k % num_mtp_layers:
+        raise ValueError(f"num_speculative_tokens={k} with {num_mtp_layers} MTP layers (num_nextn_predict_layers): "
+                         "vLLM 0.32 refuses k above the layer count unless divisible by it")
+    if config.mtp_layer_schedule == "per_step" and k > 1:
+        raise ValueError(f"mtp_layer_schedule='per_step' with deepseek_mtp ({num_mtp_layers} MTP layers, k={k}): no "
+                         "vLLM 0.32 runner drafts a DeepSeek checkpoint that way (V1 runs layer 0 at every step: "
+                         "'first_layer'; Model Runner V2 runs its multi-module speculator, not implemented here)")
 
 
 def _sizes(sizes, maximum: int, name: str) -> tuple[int, ...]:

@@ -14,7 +14,7 @@ import torch
 
 from drafter.attention import ReferenceBackend
 from drafter.engine.buffers import StaticBuffers
-from drafter.engine.config import EngineConfig, pad_to_capture_size
+from drafter.engine.config import EngineConfig, check_mtp_layers, pad_to_capture_size
 from drafter.engine.inputs import Limits, as_group_list
 from drafter.engine.inputs import validate as check_inputs
 from drafter.engine.kv_cache import HiddenStateStore, PagedKVCache
@@ -49,6 +49,7 @@ class DraftEngine:
         self.spec = spec
         self.head = head
         self.device = torch.device(config.device)
+        check_mtp_layers(config, spec.num_layers)
         if getattr(head, "shard", SINGLE).world > 1 and config.weights == "fp8":
             raise ValueError("weights='fp8' (--weights fp8) with a tensor-parallel head: per-channel FP8 runs on "
                              "the single-process fused path only; use bf16 or --tensor-parallel-size 1")
@@ -71,7 +72,7 @@ class DraftEngine:
                                      tuple(g.block_size for g in config.kv_groups), self.device, dtype)
         self.proposer = None if head is None else Proposer(
             head, self.kv.layers, self.backend, config.num_speculative_tokens, config.max_model_len,
-            config.speculative_token_tree)
+            config.speculative_token_tree, config.mtp_layer_schedule or "per_step")
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs = None
         # a tensor-parallel head (world > 1) fuses only what is exact on a shard

@@ -12,6 +12,10 @@ where g_i is the head's own hidden output for the previous step.  A step whose p
 reaches max_model_len writes nothing (slot -1), is fed position 0 and sees one key (seq_len 1):
 its draft is garbage the target ignores, and the shapes stay fixed.  A tree replaces the
 chain by top-k children per node; each node attends to the context plus its ancestors.
+
+An MTP head is told which of its layers a step runs through the head's step argument: chain step
+(or tree level) s under the per_step schedule, always 0 under first_layer (vLLM 0.32's V1 runner:
+MTP layer 0 at every step; docs/vllm-0.32-proposer.md, section 14).
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ class Drafts:
 
 class Proposer:
     def __init__(self, head, kv_caches: list[torch.Tensor], backend, num_speculative_tokens: int,
-                 max_model_len: int, token_tree: tuple[tuple[int, ...], ...] | None):
+                 max_model_len: int, token_tree: tuple[tuple[int, ...], ...] | None,
+                 mtp_layer_schedule: str = "per_step"):
         self.head = head
+        # the head's step index per draft step: first_layer pins every step to layer 0
+        self.first_layer_only = mtp_layer_schedule == "first_layer"
         self.kv_caches = kv_caches
         self.backend = backend
         self.k = num_speculative_tokens
@@ -56,19 +63,24 @@ class Proposer:
         return self.head(buf.input_ids[:num_tokens], buf.positions[:num_tokens], hidden, self.kv_caches,
                          buf.first_pass_metadata(num_tokens, batch), self.backend, step=0)
 
+    def head_step(self, step: int) -> int:
+        """The step index the head is given for draft step `step` (picks an MTP head's layer)."""
+        return 0 if self.first_layer_only else step
+
     def _sample(self, hidden, carry, step, temps, generator, want_probs, want_logits=True):
         """(draft ids, probs, logits, the next step's layer input or None).  A fused head may do
         argmax + d2t in one launch (greedy_draft), or also build the next step's layer input in it
         (greedy_next_inputs) when a step follows."""
+        at = self.head_step(step)
         if temps is None and not want_probs and not want_logits:
             next_inputs = getattr(self.head, "greedy_next_inputs", None)
             if next_inputs is not None and step + 1 < self.k:
-                ids, layer_input = next_inputs(hidden, carry, step)
+                ids, layer_input = next_inputs(hidden, carry, at)
                 return ids, None, None, layer_input
             greedy = getattr(self.head, "greedy_draft", None)
             if greedy is not None:
-                return greedy(hidden, step), None, None, None
-        logits = self.head.compute_logits(hidden, step)
+                return greedy(hidden, at), None, None, None
+        logits = self.head.compute_logits(hidden, at)
         ids, probs = sample_drafts(logits, temps, generator, want_probs)
         return self.head.draft_to_target(ids), probs, logits, None
 
@@ -97,8 +109,8 @@ class Proposer:
         for step in range(1, self.k):
             pos, fed_pos, metas = step_inputs[step - 1]
             prepared = {} if layer_input is None else {"layer_input": layer_input}
-            logit_h, carry_h = self.head(ids, fed_pos, carry_h, self.kv_caches, metas, self.backend, step=step,
-                                         **prepared)
+            logit_h, carry_h = self.head(ids, fed_pos, carry_h, self.kv_caches, metas, self.backend,
+                                         step=self.head_step(step), **prepared)
             ids, probs, logits, layer_input = self._sample(logit_h, carry_h, step, temps, generator, want_probs,
                                                            want_logits)
             drafts.append(ids)
@@ -179,8 +191,9 @@ class Proposer:
                 query_start_loc=torch.arange(0, batch * n_level + 1, n_level, dtype=torch.int32, device=base.device),
                 seq_lens=seq_lens, block_table=table, slot_mapping=slots, block_size=bs, tree_mask=mask,
                 tree_depths=depths))
-        logit_h, carry_h = self.head(ids, fed_pos, hidden, self.kv_caches, metas, self.backend, step=level)
-        logits = self.head.compute_logits(logit_h, level).view(batch, n_level, -1)
+        at = self.head_step(level)
+        logit_h, carry_h = self.head(ids, fed_pos, hidden, self.kv_caches, metas, self.backend, step=at)
+        logits = self.head.compute_logits(logit_h, at).view(batch, n_level, -1)
         carry_h = carry_h.view(batch, n_level, -1)
         return ({p: logits[:, j] for j, p in enumerate(level_paths)},
                 {p: carry_h[:, j] for j, p in enumerate(level_paths)})

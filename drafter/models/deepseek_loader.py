@@ -7,7 +7,8 @@ FP8 weights come with `<name>.weight_scale_inv`.  Only the tensors of those laye
 top-level embedding / lm_head) are read, file by file, so the 600+ GB of target layers never
 load.  As vLLM 0.32 does for MTP, the token embedding and lm_head are the target's: from
 target_dir when given, else the checkpoint's top-level model.embed_tokens / lm_head, else the
-MTP layer's own copies (which the release holds, equal to the target's).
+first MTP layer's embedding for every layer and each layer's own shared_head.head (the release
+holds copies equal to the target's).
 """
 
 from __future__ import annotations
@@ -79,10 +80,13 @@ def _target_vocab_weights(target_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _share_vocab(weights: dict, vocab: dict, num_layers: int) -> None:
-    """Put the target's embedding / lm_head in every MTP layer (vLLM shares both for MTP)."""
+    """Put the target's embedding / lm_head in every MTP layer (vLLM shares both for MTP).  Without a
+    top-level embedding every layer takes the first MTP layer's copy: vLLM keeps one embedding for
+    all MTP layers and loads only the first layer's."""
+    embed = vocab.get("embed", weights.get("layers.0.embed_tokens.weight"))
     for i in range(num_layers):
-        if "embed" in vocab:
-            weights[f"layers.{i}.embed_tokens.weight"] = vocab["embed"]
+        if embed is not None:
+            weights[f"layers.{i}.embed_tokens.weight"] = embed
         if "lm_head" in vocab:
             weights[f"layers.{i}.shared_head.head.weight"] = vocab["lm_head"]
         elif "embed" in vocab and f"layers.{i}.shared_head.head.weight" not in weights:

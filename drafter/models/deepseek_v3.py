@@ -8,8 +8,11 @@ position p with the previous hidden state h (the target's, or the previous step'
     y = x + mlp(post_attention_layernorm(x))       MoE with shared experts (dense MLP if the index says so)
     logits = shared_head.head(shared_head.norm(y)); the next step is fed shared_head.norm(y)
 as vLLM 0.32's DeepSeekMTPModel does (it returns the pre-norm y for logits and recycles the
-post-norm one).  Draft step s runs layer s mod num_layers, which keeps Step3.5-style multi-layer
-MTP working.  Every layer owns one KV cache of the shape kv_cache_shape() gives.
+post-norm one).  The head runs layer `step mod num_layers` for the step index it is given, and
+compute_logits uses that layer's shared_head.norm; which index each draft step passes is the
+engine's mtp_layer_schedule (drafter.engine.proposer): 0 at every step as vLLM 0.32's V1 runner
+does (first_layer, the default), or the step itself (per_step).  Every layer owns one KV cache of
+the shape kv_cache_shape() gives; one token embedding and one lm_head (the target's) serve them all.
 """
 
 from __future__ import annotations

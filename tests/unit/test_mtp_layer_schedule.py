@@ -1,0 +1,154 @@
+"""Which MTP layer each draft step runs (EngineConfig.mtp_layer_schedule), against vLLM 0.32's two runners.
+
+vLLM 0.32's V1 runner (vLLM-CPU) drafts a DeepSeek MTP checkpoint with EagleProposer, which never
+passes spec_step_idx: layer 0 at every step ("first_layer").  Model Runner V2 runs a multi-module
+speculator this engine does not implement ("multi_module": refused).  docs/vllm-0.32-proposer.md,
+section 14.  The references here are tests/support/dense_deepseek.py's dense model (written from the
+equations, no code shared with drafter.models) with the step index pinned or passed through.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.engine.config import EngineConfig, KVGroupSpec
+from drafter.engine.engine import DraftEngine
+from drafter.engine.proposer import Proposer
+from drafter.models.deepseek_loader import _share_vocab, load_deepseek_mtp
+from drafter.models.tiny_deepseek import TinyDeepseekSizes, write_tiny_deepseek
+from tests.support.dense_deepseek import DenseDeepseekReference
+from tests.support.mtp_engine import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, EagerMTPEngine, plans
+from tests.support.scenario import Scenario
+
+SIZES = TinyDeepseekSizes(num_mtp_layers=2, fp8_block=None)
+
+
+class _PinnedStep:
+    """A head-like view of the dense model that runs one layer whatever step it is asked for."""
+
+    def __init__(self, head, layer: int):
+        self.head, self.layer = head, layer
+        self.layers = [head.layers[layer]]
+
+    def __call__(self, toks, positions, hid, caches, metas, backend, step: int = 0):
+        return self.head(toks, positions, hid, caches, metas, backend, step=self.layer)
+
+    def compute_logits(self, h, step: int = 0):
+        return self.head.compute_logits(h, self.layer)
+
+    def combine_hidden_states(self, hidden):
+        return self.head.combine_hidden_states(hidden)
+
+    def draft_to_target(self, ids):
+        return ids
+
+
+def _reference(out, k: int, schedule: str) -> DenseDeepseekReference:
+    """first_layer: every step runs layer 0 and only layer 0's history exists (one unit);
+    per_step: step s runs layer s mod n over layer s mod n's own history."""
+    ref = DenseDeepseekReference(out / "head", out / "target", k, MAX_MODEL_LEN)
+    if schedule == "first_layer":
+        ref.head, ref.num_units = _PinnedStep(ref.head, 0), 1
+    return ref
+
+
+def _engine(out, k: int, schedule: str = "") -> DraftEngine:
+    cfg = EngineConfig(method="deepseek_mtp", num_speculative_tokens=k, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                       max_num_batched_tokens=128, kv_groups=(KVGroupSpec(BLOCK_SIZE, NUM_BLOCKS),),
+                       dtype="float32", attention_backend="reference", mtp_layer_schedule=schedule)
+    return DraftEngine.from_dirs(out / "head", out / "target", config=cfg)
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mtp_two_layers")
+    write_tiny_deepseek(out, seed=11, sizes=SIZES)
+    return out
+
+
+# ------------------------------------------------------------------ drafts against the references
+@pytest.mark.parametrize("k", [2, 4], ids=["k<=n", "k>n"])
+def test_deepseek_mtp_drafts_as_vllm_v1_runs_layer_zero_at_every_step(two_layers, k):
+    engine = _engine(two_layers, k)  # the default schedule of deepseek_mtp
+    assert engine.config.mtp_layer_schedule == "first_layer"
+    first, per_step = _reference(two_layers, k, "first_layer"), _reference(two_layers, k, "per_step")
+    scn = Scenario(block_sizes=(BLOCK_SIZE,), num_blocks=(NUM_BLOCKS,), vocab_size=SIZES.vocab_size,
+                   hidden_width=SIZES.hidden_size, k=k, max_model_len=MAX_MODEL_LEN, seed=12)
+    schedules_differ = False
+    for plan in plans(k):
+        call = scn.call(plan)
+        ids = engine.propose(**call.kwargs).draft_token_ids
+        want = first.propose(call)
+        assert torch.equal(ids, want), f"plan {plan}"
+        # the per-step reference sees the same calls: where its drafts differ, the test can tell them apart
+        schedules_differ |= not torch.equal(per_step.propose(call)[:, 1:], want[:, 1:])
+    assert schedules_differ, "layer 1 drafts like layer 0 on every call: the comparison proves nothing"
+
+
+def test_first_layer_writes_only_layer_zero_kv(two_layers):
+    engine = _engine(two_layers, 2)
+    scn = Scenario(block_sizes=(BLOCK_SIZE,), num_blocks=(NUM_BLOCKS,), vocab_size=SIZES.vocab_size,
+                   hidden_width=SIZES.hidden_size, k=2, max_model_len=MAX_MODEL_LEN, seed=13)
+    for plan in ([(0, 9, 0), (1, 3, 0)], [(0, 3, 1), (1, 3, 0)]):
+        engine.propose(**scn.call(plan).kwargs)
+    kv = engine.kv_snapshot()
+    assert kv[0].abs().sum() > 0 and kv[1].abs().sum() == 0
+
+
+def test_the_proposers_per_step_schedule_runs_layer_s_at_step_s(two_layers):
+    """The Proposer's per_step schedule (the engine's own mtp layout's rule; refused for deepseek_mtp
+    by DraftEngine, so driven here directly) against the dense per-step reference."""
+    head = load_deepseek_mtp(two_layers / "head", two_layers / "target", dtype=torch.float32)
+    eager, first = EagerMTPEngine(head, 2), EagerMTPEngine(head, 2)
+    first.proposer = Proposer(head, first.caches, None, 2, MAX_MODEL_LEN, None, "first_layer")
+    ref = _reference(two_layers, 2, "per_step")
+    scn = Scenario(block_sizes=(BLOCK_SIZE,), num_blocks=(NUM_BLOCKS,), vocab_size=SIZES.vocab_size,
+                   hidden_width=SIZES.hidden_size, k=2, max_model_len=MAX_MODEL_LEN, seed=14)
+    differ = False
+    for plan in plans(2):
+        call = scn.call(plan)
+        ids, _ = eager.propose(call.kwargs, True)
+        assert torch.equal(ids, ref.propose(call)), f"plan {plan}"
+        differ |= not torch.equal(first.propose(call.kwargs, True)[0], ids)
+    assert differ
+
+
+# ------------------------------------------------------------------ refusals and defaults
+def test_defaults_per_method():
+    assert EngineConfig(method="deepseek_mtp").mtp_layer_schedule == "first_layer"
+    assert EngineConfig(method="mtp").mtp_layer_schedule == "per_step"
+    assert EngineConfig(method="mtp", mtp_layer_schedule="first_layer").mtp_layer_schedule == "first_layer"
+    assert EngineConfig(method="eagle3").mtp_layer_schedule == ""
+
+
+@pytest.mark.parametrize("method,schedule,words", [
+    ("deepseek_mtp", "multi_module", "MultiModuleMTPSpeculator"),
+    ("mtp", "multi_module", "not implemented"),
+    ("deepseek_mtp", "per_layer", "must be one of"),
+    ("eagle", "first_layer", "applies to methods"),
+])
+def test_config_refusals_name_the_key(method, schedule, words):
+    with pytest.raises(ValueError, match="mtp_layer_schedule") as err:
+        EngineConfig(method=method, mtp_layer_schedule=schedule)
+    assert words in str(err.value)
+
+
+def test_engine_refuses_what_vllm_never_drafts(two_layers):
+    with pytest.raises(ValueError, match="mtp_layer_schedule='per_step'") as err:
+        _engine(two_layers, 2, "per_step")
+    assert "first_layer" in str(err.value)
+    with pytest.raises(ValueError, match="num_speculative_tokens=3"):
+        _engine(two_layers, 3)  # vLLM 0.32: k > n must be a multiple of n
+    assert _engine(two_layers, 1, "per_step").config.mtp_layer_schedule == "per_step"  # one step: no difference
+
+
+def test_without_a_top_level_embedding_every_layer_takes_the_first_layers():
+    weights = {f"layers.{i}.embed_tokens.weight": torch.full((4, 2), float(i)) for i in range(3)}
+    weights.update({f"layers.{i}.shared_head.head.weight": torch.full((4, 2), 10.0 + i) for i in range(3)})
+    _share_vocab(weights, {}, 3)
+    assert all(torch.equal(weights[f"layers.{i}.embed_tokens.weight"], torch.zeros(4, 2)) for i in range(3))
+    assert torch.equal(weights["layers.2.shared_head.head.weight"], torch.full((4, 2), 12.0))
+    target = {"embed": torch.ones(4, 2)}
+    _share_vocab(weights, target, 3)
+    assert torch.equal(weights["layers.1.embed_tokens.weight"], torch.ones(4, 2))
