@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 MiB = 1024 * 1024
+MAX_SWITCH_INTERVAL_US = 100_000  # --gil-switch-interval-us: longer hand-offs only stall the engine thread more
 
 
 def _bool(text: str) -> bool:
@@ -70,6 +71,10 @@ class ServerConfig:
                                              "on CPU); must divide the head's sizes")
     torch_threads: int = _opt(int, 0, "torch CPU threads (0 = torch's default); on a small CPU host 1 avoids "
                                       "OpenMP threads spinning against the transports")
+    gil_switch_interval_us: int = _opt(int, 200, "microseconds a thread waiting for Python's interpreter lock waits "
+                                                 "before the holder is made to hand it over (sys.setswitchinterval; "
+                                                 "Python's own is 5000): the engine thread then waits at most this "
+                                                 "long behind the transports busy with other clients' messages")
     # ---- network
     host: str = _opt(str, "127.0.0.1", "address every port binds to (loopback unless told otherwise)")
     grpc_port: int = _opt(int, 50051, "gRPC port (0 = a free one)")
@@ -244,6 +249,9 @@ class ServerConfig:
         if self.tensor_parallel_size > 1 and self.weights == "fp8":
             raise ValueError("--weights fp8: per-channel FP8 runs on a single-process head; use "
                              "--tensor-parallel-size 1 or --weights bf16")
+        if not 1 <= self.gil_switch_interval_us <= MAX_SWITCH_INTERVAL_US:
+            raise ValueError(f"--gil-switch-interval-us {self.gil_switch_interval_us}: must be 1 to "
+                             f"{MAX_SWITCH_INTERVAL_US} (Python's own is 5000)")
         if self.predraft_outcomes < 0:
             raise ValueError(f"--predraft-outcomes {self.predraft_outcomes}: must be >= 0 (0 = off)")
         if self.predraft_outcomes and self.tensor_parallel_size > 1:

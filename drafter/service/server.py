@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 import threading
 import time
 
@@ -83,6 +84,17 @@ def load_engine(cfg: ServerConfig, engine_cfg: EngineConfig, hold: threading.Eve
                                      "method": engine_cfg.method, "device": engine_cfg.device,
                                      "dtype": engine_cfg.dtype, "kv_groups": [vars(g) for g in engine_cfg.kv_groups]})
     return engine
+
+
+def set_switch_interval(us: int) -> int:
+    """Make a thread that holds the interpreter lock hand it over after `us` microseconds when another
+    thread waits for it (--gil-switch-interval-us); returns the interval now in force, in microseconds.
+
+    Each torch call of the engine thread lets the lock go and takes it back after; while the event
+    loop runs Python (refusing messages, decoding other calls), taking it back waits until the loop
+    is made to let go, Python's 5 ms at most by default, several times a step."""
+    sys.setswitchinterval(us / 1e6)
+    return round(sys.getswitchinterval() * 1e6)
 
 
 class _PauseGate:
@@ -176,6 +188,7 @@ async def _close_opened(opened: list) -> None:
 async def serve(cfg: ServerConfig) -> int:
     cfg.check()
     preflight(cfg)
+    switch_us = set_switch_interval(cfg.gil_switch_interval_us)
     engine_cfg = engine_config(cfg)
     loop = asyncio.get_running_loop()
     metrics = Metrics(method=cfg.method)
@@ -200,13 +213,13 @@ async def serve(cfg: ServerConfig) -> int:
         raise
     if zmq_server is not None and zmq_server.ipc_endpoint:
         ports["zmq_ipc"] = zmq_server.ipc_endpoint
-    event("listening", host=cfg.host, **ports)
+    event("listening", host=cfg.host, gil_switch_interval_us=switch_us, **ports)
     for name in cfg.insecure_transports():  # only reachable through an explicit --insecure-* flag
         log.warning(f"{name} serves unauthenticated clients although the other transport requires auth",
                     extra={"event": "insecure_transport", "transport": name})
     log.info("listening", extra={"event": "listening", "host": cfg.host, **ports,
                                  "grpc_tls": bool(cfg.tls_cert), "grpc_mtls": bool(cfg.tls_client_ca),
-                                 "zmq_curve": bool(cfg.curve_server_cert)})
+                                 "zmq_curve": bool(cfg.curve_server_cert), "gil_switch_interval_us": switch_us})
 
     code = 0
     watchdog = None

@@ -4,6 +4,10 @@ valid clients' p99 step, printed as one JSON line each (and, with --py-spy DIR, 
 server per attack, DIR/<attack>.txt, when py-spy is installed).  A probe, not a test:
 
     python -m tests.support.abuse_probe [--seconds 8] [--only NAME]... [--together] [--py-spy DIR]
+        [--set SETTING=VALUE]...
+
+--set passes a `drafter serve` setting to the server (e.g. gil_switch_interval_us=5000 for Python's own
+hand-off interval); every JSON line names the settings so given.
 """
 
 from __future__ import annotations
@@ -51,13 +55,23 @@ def _attacked(server, tiny_root, expected, seconds: float, names: list[str], spy
     return {"attack": name, **out, "sent": attacker.report["counts"], "errors": attacker.report["errors"]}
 
 
+def _setting(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: SETTING=VALUE, e.g. gil_switch_interval_us=5000")
+    return key.replace("-", "_"), value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--only", action="append", choices=ATTACKS)
     p.add_argument("--together", action="store_true", help="the chosen attacks (default: all) at once, not in turn")
     p.add_argument("--py-spy", type=Path, default=None)
+    p.add_argument("--set", type=_setting, action="append", default=[], metavar="SETTING=VALUE",
+                   help="a drafter serve setting for the server (repeatable)")
     args = p.parse_args(argv)
+    settings = dict(args.set)
     spy = args.py_spy if args.py_spy is not None and shutil.which("py-spy") else None
     if spy is not None:
         spy.mkdir(parents=True, exist_ok=True)
@@ -67,12 +81,14 @@ def main(argv=None) -> int:
     expected = [soak._expected(root, 11 + i) for i in range(3)]
     with DrafterServer(model, "eagle3", log_path=root / "server.log", kv_blocks=8 * SESSION_BLOCKS,
                        block_sizes=16, batch_window_us=500, max_message_bytes=soak.MAX_MESSAGE,
-                       **SERVER_SETTINGS) as server:
+                       **{**SERVER_SETTINGS, **settings}) as server:
         _measure(server, root, expected, 2.0)  # warm-up
-        print(json.dumps({"attack": "none", **_measure(server, root, expected, args.seconds)}), flush=True)
+        print(json.dumps({"attack": "none", "settings": settings, **_measure(server, root, expected, args.seconds)}),
+              flush=True)
         names = list(args.only or ATTACKS)
         for group in ([names] if args.together else [[n] for n in names]):
-            print(json.dumps(_attacked(server, root, expected, args.seconds, group, spy)), flush=True)
+            print(json.dumps({"settings": settings, **_attacked(server, root, expected, args.seconds, group, spy)}),
+                  flush=True)
     return 0
 
 
