@@ -14,7 +14,16 @@ once; a call writes two sizes into the header the captured loader reads, replays
 returns the bound output buffer: no torch or CUDA call but the replay (the previous call's
 graphs mark the header read in the header itself, drafter.kernels.batch_inputs).
 
-Trusted like propose(validate=False): the structure of the buffers is checked at bind time
+A remote caller's buffers are not trusted: the service binds the engine to a step guard's
+outputs (drafter.engine.step_guard) and folds the guard in (fold): on a GPU each captured decode
+graph of the binding then starts with the guard's launches, which take the sizes from the same
+header words, so a guarded step is still one header store and ONE replay (unfolded, the guard
+cost a fill of its own sizes word and a replay of its own graph: two more CUDA calls, 42-45 us
+of host time a step on two H200s).  The graphs are the binding's own (the guard's launches name
+its buffers), captured at fold for the engine's combined decode sizes; other sizes replay the
+guard's own graph (sizes from the header too) before the engine's.
+
+Without a guard, trusted like propose(validate=False): the structure of the buffers is checked at bind time
 (dtypes, layouts, devices, capacities, InvalidInput naming the field) and the sizes of each call
 are checked, but the values the caller writes are not; a malformed step reads or writes the KV
 pool out of range.  Greedy chain or tree drafting at the captured sizes only: a call the graphs
@@ -54,6 +63,21 @@ class BoundPropose:
         self._words = runner.header.describe(self.inputs, drafts, converted=None)
         self._keep = (self.inputs, drafts, [])
         self._plans: dict[tuple[int, int], tuple[int, int, bool]] = {}  # checked sizes -> padded sizes, graphs?
+        self.guard = None  # fold(): the step guard run ahead of every call
+        self._folded: dict[tuple[int, int], object] = {}  # (tokens, batch) padded -> the guard + combined graph
+        self._guard_alone = None  # the guard's graph reading the header's sizes (sizes without a folded graph)
+
+    def fold(self, guard) -> None:
+        """Run `guard` (a drafter.engine.step_guard.StepGuard whose outputs this binding reads) at the
+        start of every call: captured into a graph per combined decode size with the engine's (one
+        replay a step) and alone, reading the sizes each call stores in the header (emulated on
+        CPU: run eagerly first, the same data flow).  Call it once, right after bind, holding the
+        engine (no other call runs meanwhile)."""
+        if self.guard is not None:
+            raise RuntimeError("this binding already has its guard")
+        header = self.runner.header.device  # [header words] int64: words N, B are the call's sizes
+        self._folded, self._guard_alone = self.runner.capture_folded(lambda: guard.launch(header))
+        self.guard = guard
 
     def propose(self, num_tokens: int, batch_size: int, batch_padded: int | None = None,
                 tokens_padded: int | None = None) -> torch.Tensor:
@@ -69,6 +93,8 @@ class BoundPropose:
             plan = self._plan(num_tokens, batch_size, batch_padded, tokens_padded)
         b_pad, t_pad, graphs = plan
         if not graphs:
+            if self.guard is not None:
+                self.guard.step(num_tokens, batch_size)
             return self._eager(num_tokens, batch_size, b_pad, t_pad)
         runner = self.runner
         header = runner.header
@@ -78,6 +104,12 @@ class BoundPropose:
             words = self._words.copy()
             words[0], words[1] = num_tokens, batch_size
             header.store(words, self._keep, owner=self)
+        folded = self._folded.get((t_pad, b_pad))
+        if folded is not None:
+            runner.replay_folded(folded)
+            return self.drafts
+        if self._guard_alone is not None:
+            self._guard_alone()
         runner.replay(t_pad, b_pad)
         return self.drafts
 

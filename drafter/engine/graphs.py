@@ -106,6 +106,7 @@ class GraphRunner:
         self.graphs: list = []  # keeps captured CUDAGraph objects alive
         self.replays = 0  # calls answered by graphs
         self.combined_replays = 0  # of which by one combined graph
+        self.folded_replays = 0  # of which by a combined graph with a bound binding's guard inside (capture_folded)
 
     # ------------------------------------------------------------------ capture
     @property
@@ -140,7 +141,36 @@ class GraphRunner:
         self.capture()
         return self._capture(fn)
 
-    def _capture(self, fn: Callable[[], None]) -> Callable[[], None]:
+    def capture_folded(self, prologue: Callable[[], None]) -> tuple[dict[tuple[int, int], Callable[[], None]],
+                                                                    Callable[[], None]]:
+        """Graphs that run `prologue` (a bound binding's step guard, drafter.engine.bound.fold) at
+        the start of the engine's: one per combined decode pair (prologue + first pass + loop: a
+        bound decode step is then ONE replay), and the prologue alone for the other sizes (its
+        replay, then the first-pass and loop graphs').  prologue reads only the header and tensors
+        allocated before this call.  Captured in this runner's pool on its private stream, with
+        the header cleared first (the warm-up runs read and write nothing through it), in
+        "thread_local" mode: a binding is made while other threads may make CUDA calls of their
+        own (a channel's send, a client in the same process); the caller holds the engine (no
+        replay of these graphs runs meanwhile).  Emulated: the functions, each run once."""
+        self.capture()
+        self.header.wait_until_read()
+        neutralize(self.engine.buffers)
+        self.header.clear()
+        folded = {(t, b): self._capture(lambda t=t, b=b: (prologue(), self._combined(t, b)), "thread_local")
+                  for t, b in reversed(self.combined_sizes)}
+        return folded, self._capture(prologue, "thread_local")
+
+    def replay_folded(self, graph: Callable[[], None]) -> None:
+        """Replay one of capture_folded's combined graphs for a call the header already describes."""
+        graph()
+        self.header.loaded()
+        self.combined_replays += 1
+        self.folded_replays += 1
+        self.replays += 1
+
+    def _capture(self, fn: Callable[[], None], mode: str | None = None) -> Callable[[], None]:
+        """mode: torch.cuda.graph's capture_error_mode (default: "thread_local" for a sharded head,
+        whose watchdog thread queries events meanwhile, else "global")."""
         if self.emulate:
             # a "replay" runs the torch ops again: outside inference mode they would record autograd
             replay = torch.inference_mode()(fn)
@@ -154,7 +184,8 @@ class GraphRunner:
             fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        mode = "thread_local" if self.sharded else "global"
+        if mode is None:
+            mode = "thread_local" if self.sharded else "global"
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=mode):
             fn()
         self.graphs.append(graph)

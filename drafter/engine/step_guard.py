@@ -1,8 +1,12 @@
 """A bound step checked and masked on the device, without a host pass: the cuda_ipc plane's guard.
 
     guard = StepGuard(src, limits, error)     # src: the target's buffers (views of its shared slab)
-    guard.capture()                           # on a GPU: one CUDA graph, captured once per binding
-    guard.step(num_tokens, batch)             # per step: one fill (the sizes) and one replay
+    bound = engine.bind(...guard.out..., target_hidden_states=src[HIDDEN])
+    bound.fold(guard)                         # on a GPU: the guard captured into the bound graphs
+    bound.propose(num_tokens, batch)          # per step: the header's sizes stored, ONE replay
+
+    guard.step(num_tokens, batch)             # alone (tests, the bench): its own sizes, its own graph
+                                              # where capture() made one
 
 The engine is bound to guard.out (the small buffers, the drafter's own) and to the target's hidden
 states in place.  Each step the guard copies every small buffer from the target's slab into its
@@ -23,7 +27,18 @@ So every KV write of the step lands in the session's own blocks (or nowhere), wh
 wrote.  The fields found out of range set bits of one int64 error word (drafter.wire.bound.
 guard_fields order), written to `error`, which the target reads back with the drafts and turns
 into INVALID_ARGUMENT naming the first.  Every op has a static shape and the sizes come from a
-device word, so the same code runs eagerly on CPU tensors (the tests) and captured on a GPU.
+device tensor (`sizes`: [num_tokens, batch]), so the same code runs eagerly on CPU tensors (the
+tests) and captured on a GPU.
+
+Where the sizes come from.  Alone, step() writes them into `sizes` (a host store on CPU, one
+copy on a GPU) before its replay.  Folded (launch(header), drafter.engine.bound.BoundPropose.fold),
+the guard reads them from words N and B of the engine's input header, the pinned words the bound
+call already fills with plain host stores: the Triton kernels load them in place (mapped host
+memory, as the engine's loader does; the read overlaps each kernel's loads of its buffer), the
+torch reference has them copied into `sizes` first (a one-program kernel on a GPU, a copy on CPU).
+Captured with the engine's graphs, a step then costs the host no torch op and no CUDA call for
+the guard at all (on two H200s the guard alone was 42-45 us of the drafter's ~85 us from step
+start to GPU work queued: the sizes' fill and a second replay).
 
 Two implementations of the same rules: run_reference, ~150 torch ops (each a kernel of a few
 microseconds in the captured graph: a few hundred microseconds a step on an H100), and
@@ -40,7 +55,6 @@ import torch
 from drafter.wire.bound import HIDDEN, guard_fields
 
 PADDING_SLOT = -1
-_LOW32 = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,8 @@ class StepGuard:
         self.device = src[HIDDEN].device
         self.fields = guard_fields(limits.groups)
         self.out = {name: torch.zeros_like(t) for name, t in src.items() if name != HIDDEN}
-        self.sizes = torch.zeros(1, dtype=torch.int64, device=self.device)  # [1]: num_tokens | batch << 32
+        self.sizes = torch.zeros(2, dtype=torch.int64, device=self.device)  # [2]: num_tokens, batch
+        self._sizes_host = self.sizes.numpy() if self.device.type == "cpu" else None  # host stores on CPU
         self._rows: dict[int, torch.Tensor] = {}
         self.graph = None
         contiguous = all(t.is_contiguous() for t in src.values())
@@ -78,12 +93,31 @@ class StepGuard:
 
     # ------------------------------------------------------------------ per step
     def step(self, num_tokens: int, batch: int) -> None:
-        """Check and mask the step the target's buffers hold (sizes already checked on the host)."""
-        self.sizes.fill_(num_tokens | batch << 32)
+        """The guard alone: check and mask the step the target's buffers hold (sizes already
+        checked on the host), its sizes written here."""
+        if self._sizes_host is not None:
+            self._sizes_host[0], self._sizes_host[1] = num_tokens, batch
+        else:  # stream-ordered: a replay still queued keeps the sizes it was given
+            self.sizes.copy_(torch.tensor((num_tokens, batch), dtype=torch.int64))
         if self.graph is not None:
             self.graph.replay()
         else:
             self.run()
+
+    def launch(self, header: torch.Tensor) -> None:  # header: [>= 2] int64, words 0, 1: num_tokens, batch
+        """The guard with its sizes read from `header` (the engine's input header: pinned host
+        memory on a GPU): what BoundPropose.fold captures at the start of the bound graphs (and
+        runs eagerly where the graphs are emulated).  No host read, no torch op on the fused path."""
+        if self.fused:
+            self._run_fused(header)
+            return
+        if self.device.type == "cuda":
+            from drafter.kernels.step_guard import copy_sizes_kernel
+
+            copy_sizes_kernel[(1,)](header, self.sizes)
+        else:
+            self.sizes.copy_(header[:2])
+        self.run_reference()
 
     def capture(self) -> None:
         """On a GPU: capture run() once (warmed up on a side stream first)."""
@@ -104,7 +138,7 @@ class StepGuard:
     def run(self) -> None:
         """The whole guard, no host read: the Triton kernels or the torch reference."""
         if self.fused:
-            self._run_fused()
+            self._run_fused(self.sizes)
         else:
             self.run_reference()
 
@@ -120,13 +154,13 @@ class StepGuard:
         if "num_rejected_tokens" in self.src:
             yield "num_rejected_tokens", True, 0, lim.num_speculative_tokens + 1, 0, 0, False
 
-    def _run_fused(self) -> None:
+    def _run_fused(self, sizes: torch.Tensor) -> None:  # sizes: [>= 2] int64: num_tokens, batch
         """drafter.kernels.step_guard: the error word zeroed, then one launch per buffer."""
         import triton
 
         from drafter.kernels import step_guard as k
 
-        src, out, lim, sizes, err = self.src, self.out, self.limits, self.sizes, self.error
+        src, out, lim, err = self.src, self.out, self.limits, self.error
         bit = {name: 1 << i for i, name in enumerate(self.fields)}
         err.zero_()
         hidden = src[HIDDEN]  # [rows, width]
@@ -155,8 +189,7 @@ class StepGuard:
 
     def run_reference(self) -> None:
         """The whole guard in static-shape torch ops (no host read)."""
-        word = self.sizes[0]
-        n, b = word & _LOW32, word >> 32
+        n, b = self.sizes[0], self.sizes[1]
         lim, src, out = self.limits, self.src, self.out
         bad: dict[str, torch.Tensor] = {}
 

@@ -2,8 +2,11 @@
 
 Each kernel checks one buffer of the target's step against the session's limits, writes the
 masked copy the engine reads, and ORs the field's bit (1 << its index in guard_fields) into the error word (zeroed by the caller
-first) when a live row was out of range.  The step's sizes come from the device word
-`num_tokens | batch << 32`, so the launches are fixed and can be captured once.  The rules are
+first) when a live row was out of range.  The step's sizes come from two int64 words
+in memory the device reads (num_tokens, then batch): the guard's own [2] tensor, or words N and B
+of the engine's input header (drafter.kernels.batch_inputs, pinned host memory the host fills with
+plain stores), so the launches are fixed and can be captured once, alone or at the start of the
+engine's bound graphs (drafter.engine.bound.BoundPropose.fold).  The rules are
 StepGuard.run_reference's, value for value: the tests compare both on every corrupt field.
 """
 
@@ -17,8 +20,8 @@ BLOCK = 1024
 
 @triton.jit
 def _sizes(sizes_ptr):
-    word = tl.load(sizes_ptr)
-    return word & 0xFFFFFFFF, word >> 32
+    """(num_tokens, batch): words 0 and 1 (the header's N and B are its first two words)."""
+    return tl.load(sizes_ptr).to(tl.int64), tl.load(sizes_ptr + 1).to(tl.int64)
 
 
 @triton.jit
@@ -110,3 +113,10 @@ def query_start_kernel(src_ptr, out_ptr, length, sizes_ptr, err_ptr, bit, BLOCK:
     value = tl.where(wrong, fixed, tl.where(i <= b, t, n))
     tl.store(out_ptr + i, value.to(out_ptr.dtype.element_ty), mask=inside)
     tl.atomic_or(err_ptr, tl.where(wrong, bit, 0).to(tl.int64))
+
+
+@triton.jit
+def copy_sizes_kernel(src_ptr, dst_ptr):
+    """dst[0:2] = src[0:2] (int64): the header's sizes into the torch reference guard's own."""
+    tl.store(dst_ptr, tl.load(src_ptr))
+    tl.store(dst_ptr + 1, tl.load(src_ptr + 1))
