@@ -170,8 +170,10 @@ STAGES = (  # (name, from stamp, to stamp): a stamped step's path, target -> dra
     ("whole step", "sent", "read"),
     # inside "step start to GPU work queued" where the drafter stamps it (wb.FINE_STAMPS: cuda_ipc)
     ("of which: start to the inputs event's wait queued", "started", "waited"),
-    ("of which: the guard's replay queued", "waited", "guarded"),
-    ("of which: the bound graphs' replay queued", "guarded", "replayed"),
+    # the guard folded into the bound graphs (drafter.engine.bound.fold) has no call of its own: the
+    # drafter stamps "guarded" at "waited"; a drafter before the fold stamped its sizes' fill and replay
+    ("of which: the guard's own calls (0: inside the bound replay)", "waited", "guarded"),
+    ("of which: the bound replay queued (the guard's launches first)", "guarded", "replayed"),
     ("of which: the done event recorded", "replayed", "queued"))
 FINE = {"waited", "guarded", "replayed"}  # stamps an older drafter (or another plane) does not send
 
