@@ -29,6 +29,7 @@ import logging
 import torch
 from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
 
+from drafter_vllm.hidden import bound_hidden_rows, join_layers
 from drafter_vllm.link import DrafterLink, log_serve_flags
 from drafter_vllm.proposer import mirrored_group
 from drafter_vllm.settings import PluginSettings
@@ -121,9 +122,19 @@ class RemoteEagleSpeculator(EagleSpeculator):
         slot_mapping = slot_mappings[self.slot_layer]
         block_table = self.block_tables.input_block_tables[self.kv_cache_gid]
         drafts = self.link.step(k, batch, next_ids, lambda: mrv2_engine_kwargs(
-            input_batch, next_ids, slot_mapping, block_table, last_hidden_states, aux_hidden_states, num_rejected))
+            input_batch, next_ids, slot_mapping, block_table, last_hidden_states, aux_hidden_states, num_rejected,
+            hidden_out=self._bound_hidden(input_batch, aux_hidden_states)))
         out.copy_(drafts)
         return out
+
+    def _bound_hidden(self, input_batch, aux_hidden_states) -> torch.Tensor | None:
+        """EAGLE-3: the rows of the bound session's hidden buffer the layers go straight into
+        (drafter_vllm.hidden); None (torch.cat) where there is none."""
+        if not aux_hidden_states:
+            return None
+        first = aux_hidden_states[0]
+        width = sum(h.shape[-1] for h in aux_hidden_states)
+        return bound_hidden_rows(self.link.source, int(input_batch.num_tokens), width, first.dtype, first.device)
 
     def _facts(self, hidden_width: int) -> TargetFacts:
         sched = self.vllm_config.scheduler_config
@@ -168,7 +179,8 @@ def mrv2_next_token_ids(batch: int, idx_mapping: torch.Tensor, num_sampled: torc
 
 
 def mrv2_engine_kwargs(input_batch, next_ids: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                       last_hidden_states: torch.Tensor, aux_hidden_states, num_rejected: torch.Tensor) -> dict:
+                       last_hidden_states: torch.Tensor, aux_hidden_states, num_rejected: torch.Tensor,
+                       hidden_out: torch.Tensor | None = None) -> dict:
     """MRv2's propose arguments -> DraftEngine.propose's keywords (vLLM's padded drafter batch).
 
     MRv2 keeps every request's whole query (rejected positions included) in the target's buffers, as
@@ -178,10 +190,11 @@ def mrv2_engine_kwargs(input_batch, next_ids: torch.Tensor, slot_mapping: torch.
     [>= num_reqs + 1], seq_lens [>= num_reqs]); next_ids: [num_reqs]; slot_mapping: [>= num_tokens]
     (the mirrored group's layer); block_table: [>= num_reqs, max_blocks] (rows in batch order);
     last_hidden_states: [>= num_tokens, hidden]; aux_hidden_states: EAGLE-3's layers x [>= num_tokens,
-    hidden] or None; num_rejected: [>= num_reqs]."""
+    hidden] or None; num_rejected: [>= num_reqs]; hidden_out: [num_tokens, layers * hidden], the bound
+    buffer's rows EAGLE-3's layers are copied into (drafter_vllm.hidden.join_layers), or None."""
     batch, num_tokens = int(input_batch.num_reqs), int(input_batch.num_tokens)
     if aux_hidden_states:
-        hidden = torch.cat([h[:num_tokens] for h in aux_hidden_states], dim=-1)  # [num_tokens, layers * hidden]
+        hidden = join_layers(aux_hidden_states, num_tokens, hidden_out)  # [num_tokens, layers * hidden]
     else:
         hidden = last_hidden_states[:num_tokens]
     query_start_loc = input_batch.query_start_loc[: batch + 1]

@@ -24,12 +24,18 @@ decode step, drafts on the host:
   * cuda_ipc waits for the drafts as the client decides by itself (bound_ipc.same_gpu: the host
     waits on the drafter's event where both run on one GPU, else the stream);
     cuda_ipc_host_wait: the host always; cuda_ipc_stream_wait: the stream always;
-  * host_ring: the same client forced onto the host ring over tcp;
+  * host_ring: the same client forced onto the host ring over tcp, its steps on the binding's
+    ring stream (drafter.wire.ring_stream: the GPU slab's prefix copied to the pinned ring in
+    chunks, each sent as it lands; the drafter's copy of each chunk to its GPU queued as it
+    lands); host_ring_ipc: the stream on a same-host UNIX name; host_ring_zmq: no stream, the
+    prefix as the ZMQ data socket's second frame after one device-to-host copy (the plane before
+    the stream);
   * unbound, unbound_cuda_ipc: the ZmqDrafterClient encoding tensors per call (the hidden states
     as a per-step CUDA IPC reference for the second).
 
 nccl_channel and cuda_ipc report the target's host time per step (step_async, the wait for the
-reply excluded) and the stages of the step from both sides' perf_counter_ns stamps.
+reply excluded) and the stages of the step from both sides' perf_counter_ns stamps; the host
+ring clients their stages (RING_STAGES).
 
 --targets N (N >= 2) adds the several-targets run: N target processes (this script's `target`
 mode, each on --device, each one bound session over --targets-plane at batch --targets-batch)
@@ -65,12 +71,15 @@ from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats,
                                        start_server)
 
 CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
-           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring", "unbound",
-           "unbound_cuda_ipc")
+           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
+           "host_ring_ipc", "host_ring_zmq", "unbound", "unbound_cuda_ipc")
 BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
-         "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring")
+         "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
+         "host_ring_ipc", "host_ring_zmq")
+RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq")  # the ring stream on tcp, on a same-host UNIX name;
+# the ZMQ data socket on tcp (no stream: the plane as before the stream)
 STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
-           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait")
+           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", *RINGS)
 SPIN_US = 3000  # cuda_ipc_spin's BindRequest.spin_us: covers the bench's back-to-back steps up to batch 64
 NO_DOORBELL = ("cuda_ipc_zmq", "nccl_channel_zmq")  # the header on the ZMQ data socket, to compare
 
@@ -94,17 +103,22 @@ def layout(endpoint: str, args):
 def open_client(endpoint: str, args, batch: int, columns: int, name: str):
     """A bound client of plane `name` (nccl_channel, cuda_ipc, cuda_ipc_host_wait, host_ring),
     bound; RuntimeError where the drafter bound another plane."""
+    from coordinator.transport.bound_client import HostRingClient
     from coordinator.transport.bound_ipc import CudaIpcBoundClient
 
-    plane = {"host_ring": "host_ring", "nccl_channel": "nccl_channel", "nccl_channel_ipc": "nccl_channel",
-             "nccl_channel_zmq": "nccl_channel"}.get(name, "cuda_ipc")
-    client = CudaIpcBoundClient(endpoint, layout(endpoint, args), buffers(args, batch, columns), max_batch=batch,
+    plane = {"nccl_channel": "nccl_channel", "nccl_channel_ipc": "nccl_channel",
+             "nccl_channel_zmq": "nccl_channel", **{r: "host_ring" for r in RINGS}}.get(name, "cuda_ipc")
+    transport = "ipc" if name in ("nccl_channel_ipc", "host_ring_ipc") else "tcp"
+    shape = layout(endpoint, args)
+    client = CudaIpcBoundClient(endpoint, shape, buffers(args, batch, columns), max_batch=batch,
                                 device=args.device, timeout_s=args.timeout_s, allow_fallback=False,
-                                transport="ipc" if name == "nccl_channel_ipc" else "tcp",
-                                force_ring=plane == "host_ring",
+                                transport=transport, force_ring=plane == "host_ring",
                                 host_wait={"cuda_ipc_host_wait": True, "cuda_ipc_stream_wait": False}.get(name),
                                 channel=plane == "nccl_channel", doorbell=name not in NO_DOORBELL,
                                 spin_us=SPIN_US if name == "cuda_ipc_spin" else 0)
+    if plane == "host_ring":  # the ring client the fallback would make, with or without the stream
+        client.ring = HostRingClient(endpoint, shape, client.buffers, max_batch=batch, transport=transport,
+                                     timeout_s=args.timeout_s, stream=name != "host_ring_zmq")
     try:
         got = client.bind()
     except BaseException:
@@ -141,6 +155,9 @@ def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> di
             result["doorbell"] = client.link.bell is not None
             result["doorbell_reason"] = client.link.bell_reason
             result["host_wait"] = getattr(client.link, "host_wait", False)
+        elif client.ring is not None and client.ring.link is not None:  # the host ring: whether the stream carried it
+            result["stream"] = client.ring.link.conn is not None
+            result["stream_reason"] = client.ring.link.stream_reason
         if name in STAMPED:
             result["stages"] = stages(client, step, args.iters)
         if name in ("cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin", "nccl_channel", "nccl_channel_ipc",
@@ -176,6 +193,17 @@ STAGES = (  # (name, from stamp, to stamp): a stamped step's path, target -> dra
     ("of which: the bound replay queued (the guard's launches first)", "guarded", "replayed"),
     ("of which: the done event recorded", "replayed", "queued"))
 FINE = {"waited", "guarded", "replayed"}  # stamps an older drafter (or another plane) does not send
+RING_STAGES = (  # a host_ring step's path (HostRingClient's stamps: BoundLink.stamps)
+    ("target: step called to header sent (data socket: the D2H copy first)", "begin", "sent"),
+    ("target: header sent to the prefix pushed (stream: the chunks' D2H copies inside)", "sent", "pushed"),
+    ("target: header to the drafter's read", "sent", "received"),
+    ("drafter: header read to the prefix landed in the ring", "received", "landed"),
+    ("drafter: landed to step start (lock taken)", "landed", "started"),
+    ("drafter: step start to GPU work queued (H2D rest, guard, graphs)", "started", "queued"),
+    ("drafter: queued to reply encoded (GPU done, drafts read)", "queued", "replied"),
+    ("reply to target", "replied", "answered"),
+    ("target: reply to drafts in a tensor", "answered", "read"),
+    ("whole step", "begin", "read"))
 
 
 def _stepper(client, call: dict, n: int, b: int, name: str):
@@ -194,16 +222,19 @@ def _stepper(client, call: dict, n: int, b: int, name: str):
 
 
 def stages(client, step, iters: int) -> dict:
-    """Medians (and p99) of each stage of a stamped (cuda_ipc, nccl_channel) step from the two sides' stamps."""
-    rows: dict[str, list[float]] = {name: [] for name, _, _ in STAGES}
+    """Medians (and p99) of each stage of a stamped (cuda_ipc, nccl_channel, host_ring) step from
+    the two sides' stamps."""
+    ring = client.plane == "host_ring"
+    plan = RING_STAGES if ring else STAGES
+    rows: dict[str, list[float]] = {name: [] for name, _, _ in plan}
     for _ in range(WARMUP):
         step()
     for _ in range(iters):
         step()
-        st = client.stamps
-        if not all(k in st for _, a, z in STAGES for k in (a, z) if k not in FINE):
+        st = client.ring.stamps if ring else client.stamps
+        if not all(k in st for _, a, z in plan for k in (a, z) if k not in FINE):
             return {"error": f"unstamped reply: {sorted(st)}"}
-        for name, a, z in STAGES:
+        for name, a, z in plan:
             if a in st and z in st:
                 rows[name].append((st[z] - st[a]) / 1e3)
     return {name: _stats(xs) for name, xs in rows.items() if xs}
@@ -246,7 +277,8 @@ def table(result: dict) -> str:
                 continue
             host = r.get("target_host")
             host_text = f"{host['p50_us']:.1f} / {host['p99_us']:.1f}" if host else ""
-            label = name + (" (doorbell)" if r.get("doorbell") else "") + (" (host waits)" if r.get("host_wait") else "")
+            label = name + (" (doorbell)" if r.get("doorbell") else "") + (" (host waits)" if r.get("host_wait") else "") \
+                + (" (stream)" if r.get("stream") else "")
             lines.append(f"| {b} | {label} | {r['rtt']['p50_us']:.0f} | {r['rtt']['p99_us']:.0f} | "
                          f"{r['ratio']:.2f} ({r['ratio_bound']:.2f}) | {host_text} |")
     lines += _guard_lines(result)
@@ -279,7 +311,7 @@ def _stage_lines(result: dict) -> list[str]:
         return []
     out = ["", "Step stages (perf_counter_ns on both sides, one host clock): p50 (p99) us", "",
            "| stage | " + " | ".join(f"batch {key}" for key in rows) + " |", "|---|" + "---|" * len(rows)]
-    for name, _, _ in STAGES:
+    for name in dict.fromkeys(n for n, _, _ in (*STAGES, *RING_STAGES)):
         if not any(name in st for st in rows.values()):
             continue
         out.append(f"| {name} | " + " | ".join(f"{st[name]['p50_us']:.0f} ({st[name]['p99_us']:.0f})" if name in st
@@ -420,8 +452,10 @@ def remote_client(endpoint: str, args, b: int, columns: int, name: str, row: dic
     r["ratio_bound"] = r["rtt"]["p50_us"] / row["in_process"]["bound_propose"]["p50_us"]
     row["remote"][name] = r
     host = r.get("target_host")
-    if r.get("doorbell_reason") and name not in NO_DOORBELL and name != "host_ring":
+    if r.get("doorbell_reason") and name not in NO_DOORBELL and name not in RINGS:
         log(f"batch {b} {name}: no doorbell: {r['doorbell_reason']}")
+    if r.get("stream_reason") and name != "host_ring_zmq":
+        log(f"batch {b} {name}: no ring stream: {r['stream_reason']}")
     log(f"batch {b} {name}: p50 {r['rtt']['p50_us']:.0f} us, p99 {r['rtt']['p99_us']:.0f} us, "
         f"ratio {r['ratio']:.2f} (vs bound {r['ratio_bound']:.2f})"
         + (f", target host time p50 {host['p50_us']:.1f} us p99 {host['p99_us']:.1f} us" if host else ""))

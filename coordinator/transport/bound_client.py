@@ -109,8 +109,9 @@ class BoundLink:
         self.alive = True
         self._steps = itertools.count(1)
         self._events: list = []  # CUDA events of the chunks' device-to-host copies, reused
-        # the last step's perf_counter_ns on both sides (one host clock): "sent" (the header's send
-        # began), "pushed" (the prefix handed to the kernel), the drafter's wb.STAMPS and
+        # the last step's perf_counter_ns on both sides (one host clock): "begin" (step() called),
+        # "sent" (the header's send began: on the data socket after a GPU source's copy to the
+        # host, on the stream before it), "pushed" (the prefix handed to the kernel), the drafter's wb.STAMPS and
         # wb.RING_STAMPS, "answered" (the reply read), "read" (the drafts in a tensor)
         self.stamps: dict[str, int] = {}
 
@@ -154,6 +155,7 @@ class BoundLink:
         ring stream in chunks, each sent once it landed).  DrafterError: UNAVAILABLE 'data' when
         the binding has no live connection (the drafter did not run the step), the drafter's
         refusal, or DEADLINE_EXCEEDED."""
+        self.stamps = {"begin": time.perf_counter_ns()}
         nbytes = self.ring.step_bytes(num_tokens)
         step = next(self._steps)
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
@@ -165,7 +167,7 @@ class BoundLink:
             self.ring.slab[:nbytes].copy_(source[:nbytes], non_blocking=source.device.type == "cuda")
             if source.device.type == "cuda":
                 torch.cuda.current_stream(source.device).synchronize()
-        self.stamps = {"sent": time.perf_counter_ns()}
+        self.stamps["sent"] = time.perf_counter_ns()
         try:
             self._send(head)
         except zmq.Again:  # no live connection: the drafter (or this binding) went away
@@ -180,7 +182,7 @@ class BoundLink:
         lands on the host), then the reply within timeout_s."""
         deadline = time.monotonic() + timeout_s
         conn = self.conn
-        self.stamps = {"sent": time.perf_counter_ns()}
+        self.stamps["sent"] = time.perf_counter_ns()
         try:
             conn.settimeout(max(timeout_s, 1e-3))
             rs.send_message(conn, wb.encode(head), self._chunks(head.nbytes, source), head.nbytes)

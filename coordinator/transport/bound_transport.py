@@ -11,8 +11,11 @@ decode step of every sequence (max_num_seqs * (k + 1)) unless BoundConfig.max_to
 Each step copies the request's tensors into the ring, one copy per tensor (fill_s records the
 host time of those copies), and ships the ring's prefix; no tensor of the caller's is lent to the
 wire, so the caller may refill its buffers as soon as the call returns.  GPU inputs are copied
-into a mirror of the ring on their GPU (device copies, queued), whose used prefix then goes to the
-pinned host ring in one device-to-host copy and one stream sync (fill_through).
+into a mirror of the ring on their GPU (device copies, queued), whose used prefix the link then
+copies to the pinned host ring: on the binding's ring stream in chunks, each sent as it lands
+(BoundLink.step's source), else in one copy and one stream sync.  A caller may write its hidden
+states straight into the buffer a step fills from (hidden_rows; the vLLM plugin's EAGLE-3 layers,
+drafter_vllm.hidden), which saves their copy.
 
 The plane (BoundConfig.plane "auto", the default): cuda_ipc where the caller's tensors are on a
 GPU the drafter advertises CUDA IPC for (this host, that GPU: coordinator.transport.bound_ipc.
@@ -66,7 +69,7 @@ import msgspec
 import torch
 import zmq
 
-from coordinator.transport.bound_client import REBIND, BoundLink, BoundRing, connect_socket
+from coordinator.transport.bound_client import REBIND, BoundLink, BoundRing, connect_socket, knows_no_stream
 from coordinator.transport.bound_channel import REFUSED as CHANNEL_REFUSED
 from coordinator.transport.bound_channel import ChannelLink
 from coordinator.transport.bound_ipc import (ENVIRONMENT, DeviceLink, IpcLink, cannot_share, knows_no_doorbell,
@@ -172,6 +175,7 @@ class BoundTransport:
         self._support = None  # the drafter's CudaIpcSupport (its AttachResponse's, or asked by Info)
         self._doorbell = True  # cuda_ipc and nccl_channel Binds ask for the doorbell (False once a drafter did not
         # know the field)
+        self._stream = True  # host_ring Binds ask for the ring stream (False once a drafter did not know the field)
         self._ipc_refused = ""  # why the drafter refused or could not serve a cuda_ipc binding: host ring since
         self._nccl_refused = ""  # why the drafter refused or could not serve an nccl_channel binding
         self._slabs = None  # the cuda_ipc backend (SLABS or TorchSlabs)
@@ -241,17 +245,40 @@ class BoundTransport:
             return self._ipc_step(request, accepted, deadline)
         t0 = time.perf_counter()
         device = request.inputs.target_hidden_states.device
-        if device.type == "cuda":  # copies on the GPU, then one device-to-host copy of the used prefix
-            if self._mirror is None or self._mirror.buffers != self.ring.buffers or self._mirror.slab.device != device:
-                self._mirror = BoundRing(self.ring.buffers, device=device)
-            n, b = fill_through(self._mirror, self.ring, request.inputs)
+        source = None
+        if device.type == "cuda":  # copies on the GPU; the link copies the used prefix to the host ring
+            n, b = fill(self._mirror_on(device).views, request.inputs)  # (on the ring stream in chunks)
+            source = self._mirror.slab
         else:
             n, b = fill(self.ring.views, request.inputs)
         self.fill_s.append(time.perf_counter() - t0)
         self.steps["bound"] += 1
         drafts = self.link.step(n, b, request.batch_padded, request.tokens_padded,
-                                max(1e-3, deadline - time.monotonic()), accepted)
+                                max(1e-3, deadline - time.monotonic()), accepted, source)
         return DraftOutput(drafts, None, request.batch_padded, request.tokens_padded)
+
+    def _mirror_on(self, device: torch.device) -> BoundRing:
+        """The host ring's layout on the inputs' GPU (kept while the layout and device stay)."""
+        if self._mirror is None or self._mirror.buffers != self.ring.buffers or self._mirror.slab.device != device:
+            self._mirror = BoundRing(self.ring.buffers, device=device)
+        return self._mirror
+
+    def hidden_rows(self, num_tokens: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """[num_tokens, width] rows of the hidden-states buffer the next bound step fills from on
+        `device` (the cuda_ipc or nccl_channel slab, the host ring's GPU mirror, or the host ring),
+        for a caller that writes its hidden states there itself: fill's copy of them then has
+        nothing to do (torch's copy_ leaves a view of the same memory alone).  None where the
+        binding is not live, or the buffer is elsewhere, of another dtype or width, or too short."""
+        if self.link is None or not self.link.alive or self.ring is None:
+            return None
+        if isinstance(self.link, DeviceLink):
+            buf = self._slab
+        else:
+            buf = self._mirror_on(device) if device.type == "cuda" else self.ring
+        view = buf.views[wb.HIDDEN] if buf is not None and buf.slab.device == device else None
+        if view is None or view.dtype != dtype or view.shape[1] != width or not 0 < num_tokens <= view.shape[0]:
+            return None
+        return view[:num_tokens]
 
     def _ipc_step(self, request: ProposeRequest, accepted: list[int] | None, deadline: float) -> DraftOutput:
         """The cuda_ipc (and nccl_channel) step: one device copy per tensor into the shared slab (the
@@ -368,7 +395,8 @@ class BoundTransport:
         self._calls += 1
         body = wb.BindRequest(session_id=session_id, epoch=epoch, plane=plane, transport=transport,
                               buffers=buffers, max_batch=session.max_num_seqs, slab=slab, device_uuid=uuid,
-                              doorbell=plane in (wb.CUDA_IPC, wb.NCCL_CHANNEL) and self._doorbell)
+                              doorbell=plane in (wb.CUDA_IPC, wb.NCCL_CHANNEL) and self._doorbell,
+                              stream=plane == wb.HOST_RING and self._stream)
         env = schema.Envelope(call_id=self._calls, method=wb.BIND_METHOD)
         try:
             self.control.send_multipart([wb.encode(env), wb.encode(body)], flags=zmq.NOBLOCK)
@@ -461,6 +489,9 @@ class BoundTransport:
         elif self._doorbell and knows_no_doorbell(
                 DrafterError(code, error.field, error.message)):  # a drafter from before the doorbell
             self._doorbell = False
+            self._send_bind(pending.session_id, pending.epoch, pending.transport, session, pending.plane)
+        elif self._stream and knows_no_stream(DrafterError(code, error.field, error.message)):  # before the stream
+            self._stream = False
             self._send_bind(pending.session_id, pending.epoch, pending.transport, session, pending.plane)
         elif pending.plane == wb.CUDA_IPC and error.field in ENVIRONMENT:
             self._no_ipc(pending, session, f"the drafter refused {error.field}: {error.message}")

@@ -83,7 +83,7 @@ class _Stream:
             device = getattr(self, "device", None)
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)  # the chunks' copies queue on this thread's current device
-            conn.settimeout(IO_TIMEOUT_S)
+            rs.hold_timeout(conn, IO_TIMEOUT_S)
             ring = memoryview(self.ring.numpy())
             while self._alive():
                 if not rs.wait_readable(conn, POLL_MS / 1e3):

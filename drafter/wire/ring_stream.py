@@ -46,7 +46,6 @@ HELLO = b"drafter-ring hello "
 OK = b"drafter-ring ok"
 UNIX_PREFIX = "@drafter-ring-"
 _UNIX = re.compile(r"@drafter-ring-[0-9a-f]{24}")
-SOCKET_BUFFER = 8 << 20  # SO_SNDBUF / SO_RCVBUF asked for (the kernel caps it at its *mem_max)
 
 
 class FrameError(ValueError):
@@ -62,14 +61,10 @@ class Closed(ConnectionError):
 
 
 def _tune(sock: socket.socket) -> None:
-    """No Nagle delay (a header must not wait for the next write); large kernel buffers."""
+    """No Nagle delay (a header must not wait for the next write).  The kernel buffers are left to
+    tcp's autotuning (setting SO_RCVBUF turns it off and caps the buffer at net.core.rmem_max)."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
-        except OSError:
-            pass
 
 
 def listen(transport: str, host: str) -> tuple[socket.socket, str]:
@@ -195,8 +190,8 @@ def read_exact(sock: socket.socket, nbytes: int) -> bytes:
 def receive_into(sock: socket.socket, view: memoryview) -> None:
     """Fill view from the stream (the kernel copies straight into it); Closed where the peer closed first."""
     got, size = 0, view.nbytes
-    while got < size:
-        n = sock.recv_into(view[got:])
+    while got < size:  # MSG_WAITALL: one call per view on a blocking socket (hold_timeout)
+        n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if n == 0:
             raise Closed("the peer closed the ring stream")
         got += n
@@ -220,6 +215,15 @@ def read_message(sock: socket.socket, max_body: int) -> tuple[bytes, bytes]:
     """A small whole message (head, body) where the body is at most max_body bytes."""
     head_len, body_len = read_prefix(sock, MAX_HEAD, max_body)
     return read_exact(sock, head_len), read_exact(sock, body_len)
+
+
+def hold_timeout(sock: socket.socket, timeout_s: float) -> None:
+    """The socket blocking, the kernel's receive timeout timeout_s (SO_RCVTIMEO): a whole chunk is
+    one recv call (MSG_WAITALL, which a socket in Python's timeout mode cannot use), and a peer
+    that stops inside a message for timeout_s makes it fail (BlockingIOError, an OSError)."""
+    sock.settimeout(None)
+    sec = int(timeout_s)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((timeout_s - sec) * 1e6)))
 
 
 def wait_readable(sock: socket.socket, timeout_s: float) -> bool:

@@ -1,0 +1,287 @@
+"""The host ring's pieces on this host, and the bound they set: where a host_ring step's bytes go.
+
+    python bench/probe_host_ring.py [--batches 1,16,64 --k 3 --width 12288 --steps 30 --out DIR
+        --inprocess-us 730,850,1090]
+
+The bytes of one bound EAGLE-3 step at Llama-3.1-8B shapes (the slab's prefix: --width bf16
+columns of hidden states, 24 KB, per token, batch * (k + 1) tokens, plus SMALL bytes of ids and
+tables), timed piece by piece, p50 / p99 us of --steps each:
+
+  * d2h: a GPU buffer to a pinned host buffer, one copy and a stream sync (no GPU: a host memcpy);
+  * h2d: a pinned host buffer to the GPU, one copy and a sync (no GPU: a host memcpy);
+  * zmq_tcp, zmq_ipc: the ZMQ host ring as the data socket carries it: [header, prefix] from a
+    DEALER (zero-copy frame), received by a child process's ROUTER with recv_into a pinned ring,
+    a small reply back (the round trip);
+  * stream_tcp, stream_unix: the ring stream (drafter.wire.ring_stream): the prefix on one plain
+    connection, received by the child in CHUNK pieces straight into its pinned ring, a small reply;
+    stream_tcp_timeout_mode: the same with the child's socket in Python's timeout mode (a recv
+    call per piece the kernel has, where the drafter's blocking socket takes a chunk per call);
+  * pipelined (GPU only): the whole host_ring data path without an engine: the prefix's D2H copies
+    in chunks each sent as it lands (BoundLink._chunks), the child's H2D copy of each chunk queued
+    as it lands (on its own GPU: --child-device), its sync, the reply.
+
+The bound: the loopback bandwidth of the fastest transfer at the largest size gives the time the
+prefix alone needs at each batch; with the pieces overlapped perfectly a step cannot take less
+than the in-process call plus that (--inprocess-us: the trusted in-process p50 at each batch, r0's
+on two H200s by default), so (in-process + transfer) / in-process is the best ratio the host ring
+can reach over this link.  bound.md / host_ring_probe.json in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the checkout's packages
+from drafter.wire import ring_stream as rs  # noqa: E402
+
+SMALL = 16 << 10  # bytes of the small buffers ahead of the hidden states (ids, positions, tables)
+TOKEN = "probe-ring-binding"
+STREAMS = ("stream_tcp", "stream_unix", "stream_tcp_timeout_mode")  # the last: recv without MSG_WAITALL
+REPLY = b"\x00" * 64
+
+
+def _stats(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"p50_us": xs[len(xs) // 2], "p99_us": xs[min(len(xs) - 1, int(len(xs) * 0.99))], "n": len(xs)}
+
+
+# ---------------------------------------------------------------------- the receiving side (child)
+def child(max_bytes: int, device: str) -> None:
+    """Serve the ZMQ ROUTERs and the streams until stdin closes; print the endpoints first."""
+    pinned = torch.cuda.is_available()
+    ring = torch.zeros(max_bytes, dtype=torch.uint8, pin_memory=pinned)
+    view = memoryview(ring.numpy())
+    slab = torch.zeros(max_bytes, dtype=torch.uint8, device=device) if device else None
+    ctx = zmq.Context()
+    routers, ends = [], {}
+    for name, where in (("zmq_tcp", "tcp://127.0.0.1:*"), ("zmq_ipc", f"ipc:///tmp/probe-ring-{id(ring)}")):
+        r = ctx.socket(zmq.ROUTER)
+        r.setsockopt(zmq.LINGER, 0)
+        r.bind(where)
+        routers.append(r)
+        ends[name] = r.getsockopt_string(zmq.LAST_ENDPOINT)
+    listeners = {}
+    for name, transport in (("stream_tcp", "tcp"), ("stream_unix", "ipc"), ("stream_tcp_timeout_mode", "tcp")):
+        listeners[name], ends[name] = rs.listen(transport, "127.0.0.1")
+    stop = threading.Event()
+    threads = [threading.Thread(target=_serve_zmq, args=(routers, view, stop), daemon=True)]
+    threads += [threading.Thread(target=_serve_stream, args=(lst, view, ring, slab, stop, name != STREAMS[-1]),
+                                 daemon=True) for name, lst in listeners.items()]
+    for t in threads:
+        t.start()
+    print(json.dumps(ends), flush=True)
+    sys.stdin.read()
+    stop.set()
+
+
+def _serve_zmq(routers, view: memoryview, stop: threading.Event) -> None:
+    poller = zmq.Poller()
+    for r in routers:
+        poller.register(r, zmq.POLLIN)
+    while not stop.is_set():
+        for r, _ in poller.poll(100):
+            identity = r.recv()
+            r.recv()  # the header
+            r.recv_into(view)
+            r.send_multipart([identity, REPLY])
+
+
+def _serve_stream(listener, view: memoryview, ring: torch.Tensor, slab, stop: threading.Event, held: bool) -> None:
+    """held: the socket as the drafter's stream thread holds it (blocking, MSG_WAITALL: one recv per
+    chunk); else Python's timeout mode (a recv per what the kernel has, as without hold_timeout)."""
+    conn = rs.accept(listener, TOKEN, lambda: not stop.is_set(), 0.1, 5.0)
+    if conn is None:
+        return
+    if slab is not None:
+        torch.cuda.set_device(slab.device)
+    if held:
+        rs.hold_timeout(conn, 30.0)
+    else:
+        conn.settimeout(30.0)
+
+    def landed(a: int, z: int) -> None:
+        slab[a:z].copy_(ring[a:z], non_blocking=True)
+
+    try:
+        while not stop.is_set():
+            if not rs.wait_readable(conn, 0.1):
+                continue
+            head_len, body_len = rs.read_prefix(conn, rs.MAX_HEAD, len(view))
+            head = rs.read_exact(conn, head_len)
+            h2d = slab is not None and head == b"h2d"
+            rs.receive_body(conn, view, body_len, rs.CHUNK, landed if h2d else None)
+            if h2d:
+                torch.cuda.current_stream(slab.device).synchronize()
+            rs.send_message(conn, REPLY, [])
+    except (OSError, rs.Closed):
+        pass
+
+
+# ---------------------------------------------------------------------- the sending side
+def _time(fn, steps: int, warmup: int = 3) -> dict:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return _stats(times)
+
+
+def _copies(nbytes: int, steps: int) -> dict:
+    """d2h and h2d of nbytes (a host memcpy where there is no GPU)."""
+    cuda = torch.cuda.is_available()
+    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    other = torch.zeros(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    return {"d2h": _time(lambda: (host.copy_(other, non_blocking=cuda), sync()), steps),
+            "h2d": _time(lambda: (other.copy_(host, non_blocking=cuda), sync()), steps)}
+
+
+def _zmq_path(ctx, endpoint: str, payload: memoryview, steps: int) -> dict:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        def one():
+            sock.send_multipart([b"h", payload], copy=False)
+            sock.recv()
+        return _time(one, steps)
+    finally:
+        sock.close(linger=0)
+
+
+def _stream_path(conn: socket.socket, head: bytes, body, steps: int) -> dict:
+    def one():
+        rs.send_message(conn, head, body() if callable(body) else [body],
+                        None if not callable(body) else body.nbytes)
+        rs.read_message(conn, 1 << 10)
+    return _time(one, steps)
+
+
+class _Chunked:
+    """The GPU prefix sent as BoundLink._chunks sends it: D2H copies per CHUNK, each sent once landed."""
+
+    def __init__(self, source: torch.Tensor, ring: torch.Tensor, nbytes: int):
+        self.source, self.ring, self.nbytes = source, ring, nbytes
+        self.view = memoryview(ring.numpy())
+        self.events = [torch.cuda.Event() for _ in range(-(-nbytes // rs.CHUNK))]
+
+    def __call__(self):
+        stream = torch.cuda.current_stream()
+        spans = [(a, min(self.nbytes, a + rs.CHUNK)) for a in range(0, self.nbytes, rs.CHUNK)]
+        for (a, z), ev in zip(spans, self.events):
+            self.ring[a:z].copy_(self.source[a:z], non_blocking=True)
+            ev.record(stream)
+        for (a, z), ev in zip(spans, self.events):
+            ev.synchronize()
+            yield self.view[a:z]
+
+
+def measure(args) -> dict:
+    sizes = {b: SMALL + b * (args.k + 1) * args.width * 2 for b in args.batches}
+    top = max(sizes.values())
+    proc = subprocess.Popen([sys.executable, __file__, "--child", str(top), args.child_device],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        ends = json.loads(proc.stdout.readline())
+        ctx = zmq.Context()
+        conns = {name: rs.connect(ends[name], TOKEN, 10.0) for name in STREAMS}
+        cuda = torch.cuda.is_available()
+        host = torch.zeros(top, dtype=torch.uint8, pin_memory=cuda)
+        gpu = torch.zeros(top, dtype=torch.uint8, device="cuda") if cuda else None
+        out = {}
+        for b, nbytes in sizes.items():
+            row = {"bytes": nbytes, **_copies(nbytes, args.steps)}
+            payload = memoryview(host.numpy())[:nbytes]
+            for name in ("zmq_tcp", "zmq_ipc"):
+                row[name] = _zmq_path(ctx, ends[name], payload, args.steps)
+            for name, conn in conns.items():
+                row[name] = _stream_path(conn, b"h", payload, args.steps)
+            if gpu is not None and args.child_device:
+                chunked = _Chunked(gpu, host, nbytes)
+                chunked.nbytes = nbytes
+                row["pipelined"] = _stream_path(conns["stream_tcp"], b"h2d", chunked, args.steps)
+            out[b] = row
+            print(f"batch {b}: {nbytes / 1e6:.2f} MB " + ", ".join(
+                f"{k} {v['p50_us']:.0f}" for k, v in row.items() if isinstance(v, dict)) + " us p50", flush=True)
+        for c in conns.values():
+            c.close()
+        ctx.term()
+        return {"sizes": sizes, "rows": out}
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+
+
+def bound(result: dict, inprocess: list[float]) -> dict:
+    """Loopback bandwidth (the fastest transport at the largest size) and the best ratio per batch."""
+    rows = result["rows"]
+    top = max(rows, key=lambda b: rows[b]["bytes"])
+    paths = ("zmq_tcp", "stream_tcp")
+    best = min(paths, key=lambda p: rows[top][p]["p50_us"])
+    gbps = rows[top]["bytes"] / rows[top][best]["p50_us"] / 1e3  # GB/s (round trip, tiny reply)
+    out = {"path": best, "gb_per_s": gbps}
+    for b, local in zip(rows, inprocess):
+        transfer = rows[b]["bytes"] / gbps / 1e3
+        out[b] = {"transfer_us": transfer, "inprocess_us": local, "best_ratio": (local + transfer) / local}
+    return out
+
+
+def table(result: dict, limit: dict) -> str:
+    names = [k for k in next(iter(result["rows"].values())) if k != "bytes"]
+    lines = ["| batch | MB | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for b, row in result["rows"].items():
+        lines.append(f"| {b} | {row['bytes'] / 1e6:.2f} | " + " | ".join(
+            f"{row[n]['p50_us']:.0f} / {row[n]['p99_us']:.0f}" for n in names) + " |")
+    lines += ["", f"Loopback bandwidth ({limit['path']}, the largest prefix): {limit['gb_per_s']:.2f} GB/s", "",
+              "| batch | transfer us | in-process us | best ratio over tcp |", "|---|---|---|---|"]
+    for b in result["rows"]:
+        r = limit[b]
+        lines.append(f"| {b} | {r['transfer_us']:.0f} | {r['inprocess_us']:.0f} | {r['best_ratio']:.2f} |")
+    return "p50 / p99 us per piece (round trips carry a 64-byte reply)\n\n" + "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        child(int(argv[1]), argv[2] if len(argv) > 2 else "")
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--width", type=int, default=3 * 4096, help="hidden columns (bf16) per token")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--inprocess-us", default="730,850,1090", help="in-process p50 per batch, for the ratio bound")
+    p.add_argument("--child-device", default="", help="the receiving child's GPU for the pipelined path (cuda:1)")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    inprocess = [float(x) for x in args.inprocess_us.split(",")]
+    if len(inprocess) != len(args.batches):
+        raise SystemExit("--inprocess-us: one figure per batch")
+    result = measure(args)
+    result["bound"] = bound(result, inprocess)
+    text = table(result, result["bound"])
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "host_ring_probe.json").write_text(json.dumps(result, indent=1))
+        (out / "host_ring_probe.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
