@@ -117,9 +117,11 @@ def in_process(model_dir: str, args, log) -> tuple[dict, int]:
 
 def guarded(engine, args, batch: int, want: torch.Tensor) -> dict:  # want: [batch, width] the bound call's drafts
     """The bound call behind the step guard, in this process (a slab laid out as the remote
-    target's; the guard's outputs and the slab's hidden states bound): its time with the drafts
-    on the host, and the guard's replay alone on the GPU (CUDA events, mean of args.iters); its
-    drafts must equal the unguarded bound call's."""
+    target's; the guard's outputs and the slab's hidden states bound, the guard folded into the
+    bound graphs as the service does: one replay a step): its time with the drafts on the host,
+    and the guard's own graph replayed alone on the GPU (CUDA events, mean of args.iters: the
+    GPU time the guard's launches add inside the bound replay); its drafts must equal the
+    unguarded bound call's."""
     from drafter.engine.step_guard import GuardLimits, StepGuard
     from drafter.wire import bound as wb
     from drafter.wire.tensors import DTYPES
@@ -134,7 +136,7 @@ def guarded(engine, args, batch: int, want: torch.Tensor) -> dict:  # want: [bat
                          block_sizes=(engine.config.kv_groups[0].block_size,), bases=(0,))
     error = torch.zeros(1, dtype=torch.int64, device=engine.device)  # [1]
     guard = StepGuard(views, limits, error)
-    guard.capture()
+    guard.capture()  # its own graph, for its GPU time alone below
     o = guard.out
     drafts = torch.zeros(batch, engine.graphs.width, dtype=torch.int64, device=engine.device)  # [batch, width]
     bound = engine.bind(target_token_ids=o["target_token_ids"], target_positions=o["target_positions"],
@@ -142,9 +144,9 @@ def guarded(engine, args, batch: int, want: torch.Tensor) -> dict:  # want: [bat
                         query_start_loc=o["query_start_loc"], seq_lens=o["seq_lens"],
                         block_tables=[o["block_tables[0]"]], slot_mappings=[o["slot_mappings[0]"]],
                         num_rejected_tokens=o["num_rejected_tokens"], drafts=drafts)
+    bound.fold(guard)
 
     def step():
-        guard.step(n, b)
         return bound.propose(n, b)[:b].cpu()
 
     timed = _time(step, args.iters)
