@@ -72,3 +72,24 @@ def test_fused_at_the_edges_of_the_buffers(n, b):
     src["token_indices_to_sample"][:] = 0
     ref, fused = _both(src, n, b)
     _same(ref, fused)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_launch_reads_the_sizes_from_the_header(fused):
+    """launch(header), what BoundPropose.fold captures: the sizes from the header's words 0 and 1
+    (pinned host memory on a GPU, as the engine's input header), nothing from the guard's own
+    sizes (left 0 here: read, they would mask every row); the same word and buffers as step()."""
+    src = _clean()
+    src["seq_lens"][1] = 41
+    src = {k: v.to(DEVICE) for k, v in src.items()}
+    alone = StepGuard(src, LIMITS, torch.full((1,), -7, dtype=torch.int64, device=DEVICE), fused=fused)
+    alone.step(9, 3)
+    header = torch.zeros(33, dtype=torch.int64, pin_memory=DEVICE == "cuda")  # [header words]
+    header[0], header[1] = 9, 3
+    folded = StepGuard(src, LIMITS, torch.full((1,), -7, dtype=torch.int64, device=DEVICE), fused=fused)
+    folded.launch(header if DEVICE == "cuda" else header.to(DEVICE))
+    assert folded.fused == fused
+    assert wb.first_bad_guard_field(folded.error.item(), 2) == "seq_lens"
+    _same(alone, folded)
+    if fused:
+        assert folded.sizes.tolist() == [0, 0], "the fused kernels read the header in place"
