@@ -55,6 +55,9 @@ class ServerConfig:
     capture_sizes: str = _opt(str, "", "batch sizes to pad to / capture (default: powers of two)")
     token_capture_sizes: str = _opt(str, "", "token counts to pad the first pass to")
     padded_drafter_batch: bool = _opt(_bool, True, "keep rejected tokens in the batch (vLLM's default)")
+    mtp_layer_schedule: str = _opt(str, "", "mtp / deepseek_mtp heads of several layers: first_layer (layer 0 at every "
+                                            "draft step, as vLLM 0.32's V1 runner; deepseek_mtp's default) or per_step "
+                                            "(step s runs layer s mod n; mtp's default)")
     attention_backend: str = _opt(str, "auto", "auto | reference | triton", choices=("auto", "reference", "triton"))
     use_cuda_graphs: bool = _opt(_bool, True, "capture the draft loop in CUDA graphs on a GPU")
     skinny_gemm: str = _opt(str, "auto", "step GEMMs of <= 64 rows: drafter's skinny kernel where timed faster "

@@ -50,7 +50,8 @@ def engine_config(cfg: ServerConfig) -> EngineConfig:
         token_capture_sizes=tuple(int(x) for x in cfg.token_capture_sizes.split(",") if x),
         padded_drafter_batch=cfg.padded_drafter_batch, device=cfg.resolved_device(), dtype=cfg.resolved_dtype(),
         use_cuda_graphs=cfg.use_cuda_graphs, attention_backend=cfg.attention_backend, skinny_gemm=cfg.skinny_gemm,
-        predraft_outcomes=cfg.predraft_outcomes, weights=cfg.weights, seed=cfg.seed)
+        predraft_outcomes=cfg.predraft_outcomes, weights=cfg.weights, mtp_layer_schedule=cfg.mtp_layer_schedule,
+        seed=cfg.seed)
 
 
 def load_engine(cfg: ServerConfig, engine_cfg: EngineConfig, hold: threading.Event | None = None):

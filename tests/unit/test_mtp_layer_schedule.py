@@ -152,3 +152,21 @@ def test_without_a_top_level_embedding_every_layer_takes_the_first_layers():
     target = {"embed": torch.ones(4, 2)}
     _share_vocab(weights, target, 3)
     assert torch.equal(weights["layers.1.embed_tokens.weight"], torch.ones(4, 2))
+
+
+# ------------------------------------------------------------------ drafter serve
+def test_serve_flag_and_variable_reach_the_engine_config(two_layers):
+    import argparse
+
+    from drafter.service.config import add_arguments, from_args
+    from drafter.service.server import engine_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--method", "deepseek_mtp", "--model", str(two_layers / "head"), "--device", "cpu"]
+    assert engine_config(from_args(parser.parse_args(base), {})).mtp_layer_schedule == "first_layer"
+    flagged = from_args(parser.parse_args(base + ["--mtp-layer-schedule", "per_step"]), {})
+    assert engine_config(flagged).mtp_layer_schedule == "per_step"
+    from_env = from_args(parser.parse_args(base), {"DRAFTER_MTP_LAYER_SCHEDULE": "multi_module"})
+    with pytest.raises(ValueError, match="mtp_layer_schedule='multi_module'"):
+        engine_config(from_env)

@@ -129,7 +129,8 @@ def _fake_eagle_module():
 
 
 def _config(method="eagle3", additional=None, v2=False):
-    return types.SimpleNamespace(speculative_config=types.SimpleNamespace(method=method),
+    spec = types.SimpleNamespace(method=method, use_multi_module_mtp=lambda: False, use_step3p5_mtp=lambda: False)
+    return types.SimpleNamespace(speculative_config=spec,
                                  additional_config=additional or {}, use_v2_model_runner=v2)
 
 
