@@ -249,3 +249,60 @@ def _send_nowait(client, request: ProposeRequest) -> bool:
         return client.send_nowait(request)
     except Exception:  # noqa: BLE001 - e.g. no session on this client yet
         return False
+
+
+class BoundPreDrafting:
+    """Pushed pre-drafts on a bound session (coordinator.transport.bound_ipc.CudaIpcBoundClient,
+    cuda_ipc; the drafter serving --predraft-outcomes).
+
+        pd = BoundPreDrafting(client)
+        drafts, hit = pd.step(inputs, accepted_counts)   # inputs: the call on the host, the client's block ids
+
+    Each step asks for pre-drafts (StepHeader.want_predrafts) keyed by the binding's step number;
+    the drafter pushes each set on the binding's channel after the StepDone, and the client reads
+    pushes while it waits for a StepDone and here before each pick (up to push_wait_s for the last
+    step's set).  The pick reads each row's outcome off the call (outcomes_of_call) and looks it
+    up in the set of the step before, never any other (PreDraftPicker: older sets dropped, a late
+    one dropped on arrival, all of them on a new binding).  Every row a hit: the step goes out
+    without waiting (step_nowait: the drafter writes the step's KV and pushes the next set) and the
+    pre-drafts are returned, no round trip; otherwise the exact step, a hit's row taking its
+    pre-draft.  The views are written here (coordinator.transport.bound_transport.fill) after
+    settle(), which orders them after the drafter's reads of an unawaited step."""
+
+    def __init__(self, client, push_wait_s: float = 0.0, wait_on_hit: bool = False):
+        self.client, self.push_wait_s, self.wait_on_hit = client, push_wait_s, wait_on_hit
+        self.picker = PreDraftPicker()
+        client.on_push = self.picker.offer
+        self.unawaited = 0  # steps sent without waiting (every row a hit)
+        self._link = None
+
+    def step(self, inputs: ProposeInputs, accepted_counts: torch.Tensor | None,  # [batch] int, -1: none
+             batch_padded: int = 0, tokens_padded: int = 0) -> tuple[torch.Tensor, list[bool]]:
+        """([batch, k] int64 drafts on the host, per row whether it is a pre-draft)."""
+        from coordinator.transport.bound_transport import fill
+
+        client = self.client
+        if client.link is None or client.link is not self._link:
+            self.picker.reset()  # a new binding: its steps count from 1, its KV starts over
+            self._link = client.link
+        last = client.last_step
+        if last:
+            client.poll_pushes(self.push_wait_s, until=lambda: self.picker.has(last))
+            client.poll_pushes(0.0)
+        step = last + 1
+        hits = self.picker.pick(step, inputs, accepted_counts)
+        counts = None if accepted_counts is None else [int(a) for a in accepted_counts.tolist()]
+        client.settle()
+        n, b = fill(client.views, inputs)
+        k = client.width if client.width else None
+        if (not self.wait_on_hit and client.link is self._link and self._link is not None and hits
+                and all(h is not None and (k is None or h.shape[0] >= k) for h in hits)):
+            client.step_nowait(n, b, batch_padded, tokens_padded, counts)
+            self.unawaited += 1
+            return torch.stack([h[:k] for h in hits]), [True] * b
+        exact = client.step(n, b, batch_padded, tokens_padded, counts, want_predrafts=True)
+        if client.link is not self._link:  # bound during the step: the picks were for no binding;
+            self.picker.reset()  # the next pick reads this step's set (the new binding's first)
+            self.picker.floor, self._link = client.last_step, client.link
+            return exact, [False] * b
+        return merge(exact, hits)

@@ -46,6 +46,7 @@ from coordinator.transport.bound_client import _host, connect_socket, control_ca
 from drafter.wire import bound as wb
 from drafter.wire import cuda_ref, cuda_slab, doorbell, schema
 from drafter.wire.errors import Code, DrafterError
+from drafter.wire.predraft import bound_push_from_frame, is_bound_push
 from drafter.wire.tensors import DTYPES
 
 _ATTACH = msgspec.msgpack.Decoder(schema.AttachResponse)
@@ -115,6 +116,14 @@ class DeviceLink:
         # the last step's perf_counter_ns on both sides (CLOCK_MONOTONIC, one host): "sent", the
         # drafter's wb.STAMPS, "answered" (the reply read); CudaIpcBoundClient.step adds "read"
         self.stamps: dict[str, int] = {}
+        # pushed pre-drafts (StepHeader.want_predrafts, drafter.wire.predraft.BOUND_PUSH): each set read
+        # while waiting for a StepDone or in poll_pushes goes to on_push(PreDrafts); a step sent without
+        # waiting (send_nowait) has its StepDone read by settle(), or kept here when a poll read it first
+        self.on_push = None
+        self.session_id = ""  # the session a push must name ("": any; the client that bound sets it)
+        self.last_step = 0  # the last step sent (the next is last_step + 1)
+        self._unawaited = 0  # a step sent by send_nowait whose StepDone settle() has not read yet
+        self._early: dict[int, wb.StepDone] = {}
 
     def connect(self, timeout_s: float, channel_timeout_s: float = 0.0) -> bool:
         """Wait (at most timeout_s) until the data socket is connected; False if it did not in time."""
@@ -152,15 +161,18 @@ class DeviceLink:
             self.sock.close(linger=0)
 
     def exchange(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int, timeout_s: float,
-                 accepted_counts: list[int] | None = None) -> int:
+                 accepted_counts: list[int] | None = None, want_predrafts: bool = False) -> int:
         """The plane's part before the header (_before_send), header sent, StepDone read, the plane's
         part after it (_after_reply), stamps kept; perf_counter_ns at the start.  DrafterError: UNAVAILABLE 'data' when the data socket has no live connection
         (nothing was sent), the drafter's refusal, or DEADLINE_EXCEEDED."""
         start = time.perf_counter_ns()
-        step = next(self._steps)
+        if self._unawaited:
+            self.settle(timeout_s)
+        step = self.last_step = next(self._steps)
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
                              tokens_padded=tokens_padded, nbytes=self._nbytes(num_tokens),
-                             bind_id=self.resp.bind_id, accepted_counts=accepted_counts or [])
+                             bind_id=self.resp.bind_id, accepted_counts=accepted_counts or [],
+                             want_predrafts=want_predrafts)
         self._before_send(head)
         sent = time.perf_counter_ns()
         self._send(wb.encode(head))
@@ -191,6 +203,10 @@ class DeviceLink:
             return self._bell_reply(step, timeout_s)
         deadline = time.monotonic() + timeout_s
         self._waited_ns = 0
+        early = self._early.pop(step, None)
+        if early is not None:  # read by poll_pushes
+            raise_if_refused(early, self.close)
+            return early
         while True:
             left = deadline - time.monotonic()
             t0 = time.perf_counter_ns()
@@ -200,6 +216,9 @@ class DeviceLink:
                 self.close()  # the drafter may still read the slab: this binding is in doubt
                 raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {step}: no reply in {timeout_s:.3f} s")
             frames = self.sock.recv_multipart()
+            if is_bound_push(frames[0]):  # a pushed pre-draft set, read while waiting
+                self._pushed(frames[0])
+                continue
             done = wb.DONE_DECODER.decode(frames[0])
             if done.step != step:
                 continue  # an answer to a step that already timed out
@@ -211,6 +230,10 @@ class DeviceLink:
         doorbell the drafter closed is UNAVAILABLE at once.  Either leaves the link closed."""
         deadline = time.monotonic() + timeout_s
         t0 = time.perf_counter_ns()
+        early = self._early.pop(step, None)
+        if early is not None:  # read by poll_pushes
+            raise_if_refused(early, self.close)
+            return early
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -221,6 +244,9 @@ class DeviceLink:
                 if not frame:
                     self.close()
                     raise DrafterError(Code.UNAVAILABLE, "", f"bound step {step}: the drafter closed the doorbell")
+                if is_bound_push(frame):  # a pushed pre-draft set, read while waiting
+                    self._pushed(frame)
+                    continue
                 done = wb.DONE_DECODER.decode(frame)
                 if done.step == step:
                     raise_if_refused(done, self.close)
@@ -232,17 +258,91 @@ class DeviceLink:
             self._waited_ns = time.perf_counter_ns() - t0
 
     def step_async(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int, timeout_s: float,
-                   accepted_counts: list[int] | None = None) -> torch.Tensor:
+                   accepted_counts: list[int] | None = None, want_predrafts: bool = False) -> torch.Tensor:
         """One step, no host read: [batch, width] int64, a view of the drafter's output on this
         GPU, which the current stream's later work sees (it waits on the drafts event).  The
         view is the next step's output too: copy what must outlive it."""
-        start = self.exchange(num_tokens, batch, batch_padded, tokens_padded, timeout_s, accepted_counts)
+        start = self.exchange(num_tokens, batch, batch_padded, tokens_padded, timeout_s, accepted_counts,
+                              want_predrafts)
         self._arrive()
         drafts = self._drafts_views.get(batch)
         if drafts is None:
             drafts = self._drafts_views[batch] = self.output[:batch * self.width].view(batch, self.width)
         self.host_ns = time.perf_counter_ns() - start - self._waited_ns
         return drafts
+
+    def send_nowait(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int, timeout_s: float,
+                    accepted_counts: list[int] | None = None, want_predrafts: bool = True) -> int:
+        """A step whose drafts the target does not wait for (it verifies pushed pre-drafts): the
+        header sent, nothing read; the drafter still writes the step's KV (and pushes its next
+        pre-drafts).  settle() must run before the target writes its buffers again: it reads
+        the StepDone and orders this side's later work after the drafter's reads of the slab.
+        The step number."""
+        if self._unawaited:
+            self.settle(timeout_s)
+        step = self.last_step = next(self._steps)
+        head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
+                             tokens_padded=tokens_padded, nbytes=self._nbytes(num_tokens),
+                             bind_id=self.resp.bind_id, accepted_counts=accepted_counts or [],
+                             want_predrafts=want_predrafts)
+        self._before_send(head)
+        self._send(wb.encode(head))
+        self._unawaited = step
+        return step
+
+    def settle(self, timeout_s: float) -> None:
+        """The StepDone of a step sent by send_nowait (DrafterError as a step's), then the plane's
+        arrival (the current stream waits for the drafter's output): the target's buffers are its
+        own again.  Nothing when no such step is out."""
+        step, self._unawaited = self._unawaited, 0
+        if step:
+            self._reply(step, timeout_s)
+            self._after_reply(timeout_s)
+            self._arrive()
+
+    def poll_pushes(self, timeout_s: float = 0.0, until=None) -> None:
+        """Read what the drafter pushed (each set to on_push), for at most timeout_s or until
+        until() is true; an unawaited step's StepDone read here is kept for settle()."""
+        deadline = time.monotonic() + timeout_s
+        while self.alive and not (until is not None and until()):
+            left = max(0.0, deadline - time.monotonic())
+            frame = self._next_frame(left)
+            if frame is None:
+                return
+            if is_bound_push(frame):
+                self._pushed(frame)
+                continue
+            done = wb.DONE_DECODER.decode(frame)
+            if done.step == self._unawaited:
+                self._early[done.step] = done
+
+    def _next_frame(self, timeout_s: float):
+        """One frame from the doorbell or the data socket within timeout_s; None when none came
+        (a doorbell the drafter closed leaves the link closed)."""
+        try:
+            if self.bell is not None:
+                frame = doorbell.receive(self.bell, timeout_s if timeout_s > 0 else 1e-6)
+                if frame == b"":
+                    self.close()
+                    return None
+                return frame
+            if not self.sock.poll(int(timeout_s * 1000)):
+                return None
+            return self.sock.recv_multipart()[0]
+        except (OSError, zmq.ZMQError):
+            self.close()
+            return None
+
+    def _pushed(self, frame) -> None:
+        """A pushed set to on_push; one that does not decode, or names another session, is dropped."""
+        if self.on_push is None:
+            return
+        try:
+            pre, session_id, _ = bound_push_from_frame(frame)
+        except DrafterError:
+            return
+        if not self.session_id or session_id == self.session_id:
+            self.on_push(pre)
 
     def _nbytes(self, num_tokens: int) -> int:  # what the header says follows outside the socket
         return 0
@@ -369,6 +469,7 @@ class CudaIpcBoundClient:
         self.width = 0
         self._inputs_event = self._inputs_handle = None
         self._calls = itertools.count(1)
+        self._on_push = None  # pushed pre-drafts (on_push)
         self.host_ns = 0  # the last cuda_ipc step's host time on this side, the wait for the reply excluded
         # the last cuda_ipc step's perf_counter_ns on both sides (CLOCK_MONOTONIC, one host): "sent",
         # the drafter's wb.STAMPS, "answered" (the reply read), and after step() "read" (drafts on the host)
@@ -451,6 +552,7 @@ class CudaIpcBoundClient:
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
         if self.doorbell:
             link.open_doorbell(deadline - time.monotonic())
+        link.on_push, link.session_id = self._on_push, self.session.session_id
         self.link = link
         self.plane = wb.CUDA_IPC
 
@@ -535,30 +637,75 @@ class CudaIpcBoundClient:
         self.ctx.term()
 
     # ------------------------------------------------------------------ steps
-    def step(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0) -> torch.Tensor:
-        """Draft for the rows the target wrote into the views; [batch, width] int64 on the host."""
+    def step(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0,
+             accepted_counts: list[int] | None = None, want_predrafts: bool = False) -> torch.Tensor:
+        """Draft for the rows the target wrote into the views; [batch, width] int64 on the host.
+        accepted_counts: [batch] (-1: none) of the previous step, the drafter's metrics and, with
+        want_predrafts (cuda_ipc, nccl_channel), what its pre-drafts read the outcome from."""
         if not self.plane:
             self._bind_in_step()
         if self.plane == wb.HOST_RING:
             self.stamps = {}
             return self._ring_step(num_tokens, batch, batch_padded, tokens_padded)
-        self.step_async(num_tokens, batch, batch_padded, tokens_padded)  # the host waits in it where host_wait
+        self.step_async(num_tokens, batch, batch_padded, tokens_padded, accepted_counts,
+                        want_predrafts)  # the host waits in it where host_wait
         host = self.link.read_back()  # [max_batch * width + 1]: the drafts and the error word, one copy
         self.stamps["read"] = time.perf_counter_ns()
         self.link.raise_for(int(host[-1]))
         return host[:batch * self.width].view(batch, self.width).clone()  # the buffer is the next step's
 
-    def step_async(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0) -> torch.Tensor:
+    def step_async(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0,
+                   accepted_counts: list[int] | None = None, want_predrafts: bool = False) -> torch.Tensor:
         """The cuda_ipc step without a host read: [batch, width] int64 on the GPU, which the current
         stream's later work sees; check() tells whether the step was in range."""
+        self._device_plane()
+        drafts = self._live(lambda: self.link.step_async(num_tokens, batch, batch_padded, tokens_padded,
+                                                         self.timeout_s, accepted_counts, want_predrafts))
+        self.host_ns, self.stamps = self.link.host_ns, self.link.stamps
+        return drafts
+
+    def _device_plane(self) -> None:
+        """Bound (binding now where not yet) over cuda_ipc or nccl_channel, else FAILED_PRECONDITION."""
         if not self.plane:
             self._bind_in_step()
         if self.plane not in (wb.CUDA_IPC, wb.NCCL_CHANNEL):
             raise DrafterError(Code.FAILED_PRECONDITION, "plane", f"bound over {self.plane}: use step()")
-        drafts = self._live(lambda: self.link.step_async(num_tokens, batch, batch_padded, tokens_padded,
-                                                         self.timeout_s))
-        self.host_ns, self.stamps = self.link.host_ns, self.link.stamps
-        return drafts
+
+    # ------------------------------------------------------------------ pushed pre-drafts (issue 23)
+    @property
+    def on_push(self):
+        """Called with each pushed pre-draft set (drafter.wire.predraft.PreDrafts) of this binding."""
+        return self._on_push
+
+    @on_push.setter
+    def on_push(self, fn) -> None:
+        self._on_push = fn
+        if self.link is not None:
+            self.link.on_push = fn
+
+    def step_nowait(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0,
+                    accepted_counts: list[int] | None = None, want_predrafts: bool = True) -> int:
+        """A step the target does not wait for (DeviceLink.send_nowait): call settle() before
+        writing the views again.  The step's number (the key of the pre-drafts it is pushed)."""
+        self._device_plane()
+        return self._live(lambda: self.link.send_nowait(num_tokens, batch, batch_padded, tokens_padded,
+                                                        self.timeout_s, accepted_counts, want_predrafts))
+
+    def settle(self) -> None:
+        """Before writing the views: the StepDone of a step sent by step_nowait read, and this
+        side's later work ordered after the drafter's reads (DeviceLink.settle)."""
+        if self.link is not None and self.link.alive:
+            self._live(lambda: self.link.settle(self.timeout_s))
+
+    def poll_pushes(self, timeout_s: float = 0.0, until=None) -> None:
+        """Read the pre-draft sets pushed so far (to on_push), waiting at most timeout_s or until until()."""
+        if self.link is not None and self.link.alive:
+            self.link.poll_pushes(timeout_s, until)
+
+    @property
+    def last_step(self) -> int:
+        """The binding's last step number (0 before the first; a new binding counts from 1 again)."""
+        return self.link.last_step if self.link is not None else 0
 
     def _live(self, fn):
         """fn() on the link; a link it left in doubt is dropped, and one whose drafter went away

@@ -19,6 +19,8 @@ never see each other.  Verification decides what is kept, so output is unchanged
 pre-drafts are; how often they are right is what decides whether this pays.
 
     pre = predraft(engine, inputs, drafts, step)   # after engine.draft(inputs) returned `drafts`
+    finish = predraft_queued(engine, inputs, drafts, step)   # the GPU work queued, nothing waited for
+    pre = finish()                                           # later (another lock, another thread): the result
 """
 
 from __future__ import annotations
@@ -71,13 +73,24 @@ def pool_groups(config: EngineConfig) -> tuple[KVGroupSpec, ...]:
 
 
 # --------------------------------------------------------------------------- the algorithm
-@torch.inference_mode()
 def predraft(engine, inp: ProposeInputs,
              drafts: torch.Tensor,  # [batch, k] int: the drafts the target will verify for this call
              step: int, outcomes: int | None = None) -> PreDrafts:
     """The next step's drafts for each request's `outcomes` likeliest outcomes (module docstring;
     default and most: config.predraft_outcomes, which sized the scratch).  The call's own draft
     must have run first: the context's KV below p is read from the pool."""
+    return predraft_queued(engine, inp, drafts, step, outcomes)()
+
+
+@torch.inference_mode()
+def predraft_queued(engine, inp: ProposeInputs,
+                    drafts: torch.Tensor,  # [batch, k] int: the drafts the target will verify for this call
+                    step: int, outcomes: int | None = None):
+    """predraft() with its GPU work queued and its outputs' copies to the host queued behind it,
+    nothing waited for: returns finish() -> PreDrafts, which waits for those copies alone.  A
+    caller that holds the engine's lock queues under it and finishes after releasing it (a bound
+    session's pre-draft: the host never waits for the GPU under the lock).  On a CPU engine the
+    work is done before this returns."""
     cfg = engine.config
     # where the call's tensors are (a server's: the host); the graphs stage them into their buffers
     # without a host wait, the eager path moves them to the device
@@ -94,8 +107,32 @@ def predraft(engine, inp: ProposeInputs,
                        cfg.predraft_outcomes)
     # the outcomes are ranked: a smaller budget keeps the likeliest (graphs always compute the most)
     accepted, tokens, branch, log_probs = (t[:, :budget] for t in out)
-    return PreDrafts(step, inp.block_tables[0][:, 0].to("cpu", torch.long), rows.positions.cpu(), drafts.cpu(),
-                     accepted.cpu(), tokens.cpu(), branch.cpu(), log_probs.float().cpu())
+    parts = [inp.block_tables[0][:, 0].long(), rows.positions.long(), drafts.long(), accepted, tokens, branch,
+             log_probs.float()]
+    host, done = to_host(parts)
+
+    def finish() -> PreDrafts:
+        if done is not None:
+            done.synchronize()
+        return PreDrafts(step, *host)
+    return finish
+
+
+def to_host(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
+    """Copies of `parts` on the host: for GPU tensors, pinned buffers filled by copies queued on the
+    current stream, and the event after them (wait on it before reading); else plain clones."""
+    host, event = [], None
+    for t in parts:
+        if t.device.type == "cuda":
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            host.append(h)
+        else:
+            host.append(t.clone())
+    if any(t.device.type == "cuda" for t in parts):
+        event = torch.cuda.Event()
+        event.record()
+    return host, event
 
 
 def _compute(engine, rows: "_Rows", drafts: torch.Tensor,  # [rows, k] int64

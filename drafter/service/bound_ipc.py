@@ -279,6 +279,7 @@ class _Doorbell:
                 continue
             done, accepted = self._answer(frame, 0, time.perf_counter_ns())
             conn.send(wb.encode(done))
+            self._push(done, conn.send, doorbell.MAX_FRAME)  # pre-drafts the step asked for (issue 23)
             if accepted and not done.code:  # after the reply: off the step's path
                 self.core.metrics.record_acceptance(torch.tensor(accepted), self.core.desc.num_speculative_tokens)
             if self._spin_s:
@@ -294,6 +295,17 @@ class _Doorbell:
             conn.send(wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header",
                                             message=str(exc))))
             return None
+
+
+def _bound_predrafts(session):
+    """The binding's pre-drafter where the drafter pre-drafts (--predraft-outcomes), else None."""
+    from drafter.service.predraft import BoundPreDrafts
+
+    service = getattr(getattr(session.core, "runner", None), "predrafts", None)
+    if service is None or not service.enabled:
+        return None
+    return BoundPreDrafts(service, session.core.engine, session.session, session.views, session.guard.out,
+                          session.drafts, session.device, session.core.epoch)
 
 
 class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
@@ -315,6 +327,7 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         self.done_event, self.done_handle = self.backend.new_event(self.device)
         self._bind_engine(engine, s, req.max_batch)
         self.output_ref = self.backend.share(self.output.view(torch.uint8), self.done_handle)
+        self._predrafts = _bound_predrafts(self)  # StepHeader.want_predrafts (drafter.service.predraft)
         self._wait_inputs = self._record_done = None  # _events(), at the first step
         self._fine: tuple[int, ...] = ()
         self._link_state(req)
@@ -375,9 +388,22 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         waited = time.perf_counter_ns()
         self._replay(head)  # the guard inside: no call of its own ("guarded" is "waited")
         replayed = time.perf_counter_ns()
+        if head.want_predrafts and self._predrafts is not None:  # the rows it drafts from, before the slab goes back
+            self._predrafts.keep(head)
         self._record_done()
         self._fine = (waited, waited, replayed)
         return b""
+
+    def _push(self, done: wb.StepDone, send, limit: int = 0) -> None:
+        """After a StepDone with code 0 whose step asked: pre-draft, push on `send` (frames over
+        `limit` bytes, where one is given, go as an empty set: the doorbell's frames are bounded)."""
+        pre = self._predrafts
+        if pre is None or pre.pending is None:
+            return
+        if done.code:
+            pre.pending = None
+            return
+        pre.after_reply(send, lambda fn, *args: on_engine(self, fn, *args), limit)
 
     def _events(self) -> None:
         """The inputs event's wait and the done event's record on this thread's stream, looked up

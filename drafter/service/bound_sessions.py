@@ -270,6 +270,7 @@ class BoundSession:
                 self._accepted = []
                 done, payload = self._receive_and_run(sock, ring)
                 sock.send_multipart([identity, wb.encode(done), payload], copy=True)
+                self._push(done, lambda frame: sock.send_multipart([identity, frame]))  # pre-drafts it asked for
                 if self._accepted and not done.code:  # after the reply: off the step's path
                     self.core.metrics.record_acceptance(torch.tensor(self._accepted),
                                                         self.core.desc.num_speculative_tokens)
@@ -343,6 +344,9 @@ class BoundSession:
             if len(head.accepted_counts) != head.batch:
                 raise invalid("accepted_counts", f"{len(head.accepted_counts)} counts for a batch of {head.batch}")
             self._accepted = head.accepted_counts
+
+    def _push(self, done: wb.StepDone, send, limit: int = 0) -> None:
+        """After a step's reply: push its pre-drafts where the plane makes them (cuda_ipc: bound_ipc)."""
 
     @staticmethod
     def _refused(head: wb.StepHeader, exc: DrafterError) -> wb.StepDone:

@@ -29,6 +29,7 @@ import torch
 
 from drafter.service.sessions import offset_inputs
 from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call
+from drafter.wire.records import ProposeInputs
 
 log = logging.getLogger("drafter.service.predraft")
 
@@ -126,33 +127,48 @@ class PreDraftService:
     def _predraft(self, it, result, budget: Budget) -> PreDrafts | None:
         call, session = it.call, it.session
         outcomes = outcomes_of_call(call.inputs, call.accepted_counts)
-        late = self._late_rows(session.id, outcomes)
-        if late:
-            budget.late()
-        elif late is not None:
-            budget.in_time()
-        hits = [lookup(self.latest.get(session.id), o) for o in outcomes]
-        self._acceptance(session.id, outcomes)
-        n = budget.take()
-        self.on_budget(n, bool(late))
-        if n == 0:  # the target gets its sets too late: none (the next call's drafts are exact)
-            self.forget(session.id, keep_budget=True)
+        hits, n = self.begin(session.id, outcomes, budget)
+        if n == 0:
             return None
         used, flags = merge(result.draft_token_ids, hits)
         pre = self.engine.predraft(offset_inputs(session, call.inputs), used, call.request_id,
                                    outcomes=n)
         pre = replace(pre, block_ids=pre.block_ids - session.bases[0], log_probs=None)
-        self.latest[session.id] = pre
+        self.keep(session.id, pre, used, flags, outcomes)
+        return pre
+
+    def begin(self, session_id: str, outcomes, budget: Budget) -> tuple[list, int]:
+        """Before a call's pre-draft, from the call's outcomes (outcomes_of_call): late sets seen
+        (the budget halves) or sets in time (it grows), which rows the target verified a pushed
+        pre-draft for (hits, per row [k'] or None), the acceptance metrics, and this call's budget
+        n; at 0 the session's pre-drafts are dropped (the next call's drafts are exact ones)."""
+        late = self._late_rows(session_id, outcomes)
+        if late:
+            budget.late()
+        elif late is not None:
+            budget.in_time()
+        hits = [lookup(self.latest.get(session_id), o) for o in outcomes]
+        self._acceptance(session_id, outcomes)
+        n = budget.take()
+        self.on_budget(n, bool(late))
+        if n == 0:  # the target gets its sets too late: none (the next call's drafts are exact)
+            self.forget(session_id, keep_budget=True)
+        return hits, n
+
+    def keep(self, session_id: str, pre: PreDrafts, used: torch.Tensor,  # [batch, k] the drafts verified
+             flags: list[bool], outcomes) -> None:
+        """After a call's pre-draft (its block ids the client's): the set the next call is read
+        against, which rows verify a pre-draft, and the hit metrics."""
+        self.latest[session_id] = pre
         keys = [(int(b), int(p)) for b, p in zip(pre.block_ids.tolist(), pre.positions.tolist())]
-        self.sources[session.id] = dict(zip(keys, flags))
-        self.believed[session.id] = {key: tuple(used[r].tolist()) for r, key in enumerate(keys) if flags[r]}
+        self.sources[session_id] = dict(zip(keys, flags))
+        self.believed[session_id] = {key: tuple(used[r].tolist()) for r, key in enumerate(keys) if flags[r]}
         rows, got = {}, {}
         for o, hit in zip(outcomes, flags):
             if o is not None:
                 rows[o.accepted] = rows.get(o.accepted, 0) + 1
                 got[o.accepted] = got.get(o.accepted, 0) + int(hit)
         self.on_record(rows, got, int((pre.accepted >= 0).sum()))
-        return pre
 
     def _late_rows(self, session_id: str, outcomes) -> int | None:
         """Rows this side counted as verifying a pre-draft that the target verified other drafts
@@ -194,3 +210,131 @@ class PreDraftService:
         self.sources.pop(session_id, None)
         if not keep_budget:
             self.budgets.pop(session_id, None)
+
+
+class BoundPreDrafts:
+    """Pre-drafts for one cuda_ipc binding's steps that ask (StepHeader.want_predrafts), pushed on
+    the channel the step's StepDone took (drafter.wire.predraft.bound_push_frame).
+
+    Under the engine's lock, queued before the step's "drafts ready" event (keep): the drafted-from
+    rows' hidden states gathered from the target's slab into a buffer of this binding on the
+    engine's device (a device copy: once the event fires the slab is the target's to overwrite).
+    After the StepDone has gone (after_reply, on the thread that sent it): the call's small fields
+    and exact drafts copied to the host (queued under the lock, waited for outside it), its outcomes
+    read and looked up against the last set pushed (PreDraftService.begin: the same late detection,
+    budget and metrics as unbound pushes), the pre-draft queued under the lock
+    (drafter.engine.predraft.predraft_queued) over the kept rows and the guard's outputs (the
+    binding's own buffers: the next step rewrites them only after this), its outcomes read outside
+    it, and the set pushed.  A skipped or failed pre-draft pushes an empty set (`nothing`)."""
+
+    def __init__(self, service: PreDraftService, engine, session, views: dict, guard_out: dict,
+                 drafts: torch.Tensor,  # [max_batch, width] int64: the binding's drafts output
+                 device: torch.device, epoch: int):
+        from drafter.wire.bound import HIDDEN
+
+        self.service, self.engine, self.session, self.epoch = service, engine, session, epoch
+        self.hidden = views[HIDDEN]  # [max_tokens, W]: the target's slab
+        self.out, self.drafts, self.device = guard_out, drafts, device
+        self.groups = len(session.num_blocks)
+        self.k = engine.config.num_speculative_tokens
+        max_batch = drafts.shape[0]
+        self.kept = torch.zeros(max_batch, self.hidden.shape[1], dtype=self.hidden.dtype, device=device)  # [B, W]
+        self.sample = torch.zeros(max_batch, dtype=torch.long, device=device)  # [B] the drafted-from rows
+        self.iota = torch.arange(max_batch + 1, dtype=torch.long, device=device)  # [B + 1]
+        self.pending = None  # the StepHeader of a step whose rows were kept, until after its reply
+        service.forget(session.id)  # a new binding: its steps are counted from 1 again
+
+    def keep(self, head) -> None:
+        """Engine lock held, queued after the step's replay and before its done event: the
+        drafted-from rows' hidden states (as the engine chooses the rows) into `kept`."""
+        b, o = head.batch, self.out
+        sample = o.get("token_indices_to_sample")
+        if sample is not None:
+            self.sample[:b].copy_(sample[:b])
+        else:
+            torch.sub(o["query_start_loc"][1:b + 1], 1, out=self.sample[:b])
+            if "num_rejected_tokens" in o:
+                self.sample[:b].sub_(o["num_rejected_tokens"][:b])
+        torch.index_select(self.hidden, 0, self.sample[:b], out=self.kept[:b])
+        self.pending = head
+
+    def after_reply(self, send: Callable[[bytes], None], on_engine: Callable, limit: int = 0) -> None:
+        """After the StepDone went out: pre-draft (on_engine(fn, *args) runs fn under the engine's
+        lock) and push the set with send(frame); an empty set when none was made, or when the
+        set's frame is longer than `limit` bytes (0: no limit)."""
+        head, self.pending = self.pending, None
+        if head is None:
+            return
+        try:
+            pre = self._predraft(head, on_engine)
+        except Exception:  # noqa: BLE001 - the step was answered; pre-drafts are an extra
+            log.exception("bound pre-drafting failed; an empty set pushed")
+            self.service.forget(self.session.id, keep_budget=True)
+            pre = None
+        if pre is None:
+            pre = nothing(head.step, (head.batch, self.k))
+        from drafter.wire.predraft import bound_push_frame
+
+        frame = bound_push_frame(pre, self.session.id, self.epoch)
+        if limit and len(frame) > limit:
+            self.service.forget(self.session.id, keep_budget=True)  # the next step's drafts are exact ones
+            frame = bound_push_frame(nothing(head.step, (head.batch, self.k)), self.session.id, self.epoch)
+        try:
+            send(frame)
+        except Exception:  # noqa: BLE001 - the target went away: its next step says so
+            log.debug("pushing a bound pre-draft set failed", exc_info=True)
+
+    def _predraft(self, head, on_engine) -> PreDrafts | None:
+        svc, sid = self.service, self.session.id
+        budget = svc.budgets.setdefault(sid, Budget(self.engine.config.predraft_outcomes))
+        if svc.busy():  # unbound work waits for the engine: no pre-drafts this time
+            budget.late()
+            svc.forget(sid, keep_budget=True)
+            svc.on_skip()
+            return None
+        host, done = on_engine(self._fields_to_host, head)
+        if done is not None:
+            done.synchronize()
+        inp, exact = self._host_inputs(head, host)
+        counts = torch.tensor(head.accepted_counts, dtype=torch.long) if head.accepted_counts else None
+        outcomes = outcomes_of_call(inp, counts)
+        hits, n = svc.begin(sid, outcomes, budget)
+        if n == 0:
+            return None
+        used, flags = merge(exact, hits)
+        finish = on_engine(self._queue, head, used, n)
+        pre = finish()
+        pre = replace(pre, block_ids=pre.block_ids - self.session.bases[0], log_probs=None)
+        svc.keep(sid, pre, used, flags, outcomes)
+        return pre
+
+    def _fields_to_host(self, head):
+        """Engine lock held: the step's fields that outcomes_of_call reads, and its exact drafts,
+        copied to the host (queued; the event to wait on, None on a CPU engine)."""
+        from drafter.engine.predraft import to_host
+
+        n, b, o = head.num_tokens, head.batch, self.out
+        rejected = o["num_rejected_tokens"][:b] if "num_rejected_tokens" in o else self.iota[:b] * 0
+        return to_host([o["target_token_ids"][:n], o["target_positions"][:n], o["query_start_loc"][:b + 1],
+                        rejected, o["next_token_ids"][:b], o["block_tables[0]"][:b, :1], self.drafts[:b, :self.k]])
+
+    def _host_inputs(self, head, host) -> tuple[ProposeInputs, torch.Tensor]:
+        """The call as outcomes_of_call reads it (block ids the client's) and its exact drafts [b, k]."""
+        ids, positions, qsl, rejected, nxt, first_block, exact = host
+        b = head.batch
+        empty = torch.zeros(0, dtype=torch.long)
+        inp = ProposeInputs(ids, positions, None, nxt, qsl, empty, [first_block.long() - self.session.bases[0]],
+                            [empty], None, rejected)
+        return inp, exact.long().view(b, self.k)
+
+    def _queue(self, head, used: torch.Tensor, outcomes: int):  # used: [b, k] int64 on the host
+        """Engine lock held: the pre-draft over the kept rows and the guard's outputs, queued."""
+        from drafter.engine.predraft import predraft_queued
+
+        b, o = head.batch, self.out
+        positions = o["target_positions"].index_select(0, self.sample[:b])
+        rows = self.iota[:b]
+        inp = ProposeInputs(positions, positions, self.kept[:b], o["next_token_ids"][:b], self.iota[:b + 1],
+                            o["seq_lens"][:b], [o[f"block_tables[{g}]"][:b] for g in range(self.groups)],
+                            [positions], token_indices_to_sample=rows)
+        return predraft_queued(self.engine, inp, used.to(self.device), head.step, outcomes)

@@ -158,3 +158,60 @@ def push_from_frames(header, frames: list) -> PreDrafts:
     if values["next_tokens"].shape[1] != outcomes or values["drafts"].shape[1] != outcomes:
         raise invalid("drafts", "accepted, next_tokens and drafts must list the same outcomes")
     return PreDrafts(int(header.request_id), **values)
+
+
+# --------------------------------------------------------------------------- on a bound session
+# A bound step that asks (StepHeader.want_predrafts) is followed by one push frame on the channel
+# its StepDone took (the binding's doorbell or data socket): BOUND_PUSH, then the msgpack of a
+# BoundPush, which is the unbound push's PreDraftPush header with its tensor frames carried inline
+# (Tensor.frame indexes BoundPush.frames).  0xc1 begins no msgpack record, so no StepDone frame
+# starts so, and the doorbell's WAKE is that byte alone.
+BOUND_PUSH = b"\xc1P"
+
+
+def _bound_push_type():
+    """BoundPush(push: schema.PreDraftPush, frames: list[bytes]), array-like, unknown fields refused."""
+    import msgspec
+
+    from drafter.wire import schema
+
+    return msgspec.defstruct("BoundPush", [("push", schema.PreDraftPush), ("frames", list[bytes])],
+                             array_like=True, forbid_unknown_fields=True)
+
+
+_BOUND = None
+
+
+def _bound():
+    global _BOUND
+    if _BOUND is None:
+        import msgspec
+
+        cls = _bound_push_type()
+        _BOUND = (cls, msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(cls))
+    return _BOUND
+
+
+def is_bound_push(frame) -> bool:
+    """Whether a frame read where a StepDone may come is a pushed pre-draft set instead."""
+    return bytes(frame[:2]) == BOUND_PUSH
+
+
+def bound_push_frame(pre: PreDrafts, session_id: str, epoch: int) -> bytes:
+    """One frame: BOUND_PUSH + the push header and its tensors' bytes (token ids only)."""
+    cls, enc, _ = _bound()
+    header, frames = push_to_frames(pre, session_id, epoch)
+    return BOUND_PUSH + enc.encode(cls(header, [bytes(memoryview(f)) for f in frames]))
+
+
+def bound_push_from_frame(frame) -> tuple[PreDrafts, str, int]:
+    """(pre-drafts, session id, epoch) of a push frame, every tensor checked as push_from_frames
+    checks them; InvalidInput naming the field (or "push" for a frame that does not decode)."""
+    from drafter.wire.errors import invalid
+
+    _, _, dec = _bound()
+    try:
+        msg = dec.decode(bytes(frame[len(BOUND_PUSH):]))
+    except Exception as exc:  # noqa: BLE001 - msgspec names the path
+        raise invalid("push", str(exc)) from None
+    return push_from_frames(msg.push, msg.frames), msg.push.session_id, int(msg.push.epoch)

@@ -1,0 +1,141 @@
+"""Pre-drafts pushed on a bound session (issue 23): the cuda_ipc plane on CPU (cuda_slab.LocalSlabs,
+as tests/integration/test_bound_ipc.py), a drafter with --predraft-outcomes, the target's side
+coordinator.predraft.BoundPreDrafting over CudaIpcBoundClient.
+
+The target is the bench's simulated one (coordinator.bench.predraft_target.Rows): each step it
+draws the outcome the test asks for (one the pushed set predicted: a hit, or one it did not: a
+miss) and builds the next padded-batch call.  An in-process engine replays every call and
+pre-drafts offline for the drafts the target verified.  Each pushed set must equal that offline
+pre-draft; on a hit the target must verify exactly the offline pre-draft for its outcome, with
+no round trip (the step goes out unawaited); on a miss the exact drafts; a set that arrives after
+the target picked for the next step must be dropped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.test_bound_remote import (MAX_BATCH, PADDING, SESSION_BLOCKS, Drafter,  # noqa: E402
+                                                 _buffers)
+
+from coordinator.bench.predraft_target import Assumptions, Rows, SimConfig  # noqa: E402
+from coordinator.predraft import BoundPreDrafting, call_inputs  # noqa: E402
+from coordinator.transport.bound_ipc import CudaIpcBoundClient  # noqa: E402
+from drafter.engine.graphs import GraphRunner  # noqa: E402
+from drafter.service import bound_ipc  # noqa: E402
+from drafter.wire import bound as wb  # noqa: E402
+from drafter.wire.cuda_slab import LocalSlabs  # noqa: E402
+from drafter.wire.predraft import lookup, merge, outcomes_of_call  # noqa: E402
+from drafter.wire.records import ProposeInputs  # noqa: E402
+from tests.support.engines import build_engine  # noqa: E402
+from tests.support.servers import layout_for  # noqa: E402
+
+K, OUTCOMES, BATCH, MAX_LEN, MAX_TOKENS = 3, 2, 2, 96, 32
+
+
+@pytest.fixture(autouse=True)
+def _local_slabs(monkeypatch):
+    monkeypatch.setattr(bound_ipc, "BACKEND", LocalSlabs())
+
+
+def _engines(root):
+    kw = dict(k=K, max_model_len=MAX_LEN, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS,
+              num_blocks=2 * SESSION_BLOCKS, predraft_outcomes=OUTCOMES, capture_sizes=(MAX_BATCH,))
+    served = build_engine(root, "eagle3", attention_backend="triton", device="cpu", skinny_gemm="off", **kw)
+    served.graphs = GraphRunner(served, emulate=True, combined=False)
+    served.graphs.token_sizes, served.graphs.batch_sizes = [PADDING["tokens_padded"]], [MAX_BATCH]
+    served.graphs.capture()
+    return served, build_engine(root, "eagle3", **kw)
+
+
+def _call(kw: dict) -> ProposeInputs:
+    return ProposeInputs(**{f: kw.get(f) for f in ProposeInputs.__dataclass_fields__})
+
+
+class Offline:
+    """The in-process engine: every call replayed, pre-drafts made offline for the drafts verified."""
+
+    def __init__(self, engine):
+        self.engine, self.sets = engine, {}
+
+    def step(self, step: int, kw: dict, counts, outcomes: int | None) -> torch.Tensor:  # [b, k] used drafts
+        exact = self.engine.propose(**kw).draft_token_ids
+        inp = call_inputs(kw)
+        hits = [lookup(self.sets.get(step - 1), o) for o in outcomes_of_call(inp, counts)]
+        used, _ = merge(exact, hits)
+        if outcomes:
+            self.sets[step] = self.engine.predraft(inp, used, step, outcomes=outcomes)
+        return used
+
+
+def _draw(rows: Rows, pre, hit: list[bool]) -> tuple[list[int], torch.Tensor]:
+    """Per row: a predicted outcome of `pre` (hit), else a = 0 and a b no outcome with a = 0 predicted."""
+    accepted, tokens = [], torch.zeros(rows.cfg.batch, dtype=torch.long)
+    for r in range(rows.cfg.batch):
+        row = pre.row_of(int(rows.tables[r, 0]), int(rows.p[r]))
+        assert row is not None, "the pushed set covers every row"
+        if hit[r]:
+            accepted.append(int(pre.accepted[row, 0]))
+            tokens[r] = pre.next_tokens[row, 0]
+            continue
+        taken = {int(pre.next_tokens[row, i]) for i in range(pre.num_outcomes) if int(pre.accepted[row, i]) == 0}
+        b = 0
+        while b in taken:
+            b += 1
+        accepted.append(0)
+        tokens[r] = b
+    return accepted, tokens
+
+
+def test_bound_pushes_equal_offline_predrafts_and_hits_cost_no_round_trip(tiny_root):
+    served, reference = _engines(tiny_root)
+    with Drafter(served) as drafter:
+        info = drafter.core.info()
+        layout = layout_for(info, SESSION_BLOCKS, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS)
+        client = CudaIpcBoundClient(drafter.endpoint, layout, _buffers(served), max_batch=MAX_BATCH, device="cpu",
+                                    timeout_s=120, allow_fallback=False, slabs=LocalSlabs())
+        pd = BoundPreDrafting(client, push_wait_s=120)  # the test waits for each set: every pick can hit
+        pushed = {}
+        offer = pd.picker.offer
+        client.on_push = lambda pre: (pushed.__setitem__(pre.step, pre), offer(pre))[1]
+        offline = Offline(reference)
+        rows = Rows(SimConfig(BATCH, K, ctx=8, max_len=MAX_LEN, vocab=drafter.core.desc.vocab_size, width=served.spec.hidden_input_width), torch.device("cpu"), torch.float32,
+                    Assumptions())
+        # per step after the first: which rows' outcomes the pushed set predicted
+        plan = [[True, True], [True, True], [False, True], [True, True]]
+        try:
+            kw, counts = rows.call(None, rows._tokens(BATCH), rows.hidden)
+            drafts, pre_rows = pd.step(_call(kw), None, **PADDING)
+            assert client.plane == wb.CUDA_IPC
+            assert torch.equal(drafts, offline.step(1, kw, None, OUTCOMES)), "the first step's exact drafts"
+            rows.set_drafts(drafts, pre_rows)
+            for step, hit in enumerate(plan, start=2):
+                client.poll_pushes(60, until=lambda s=step: (s - 1) in pushed)
+                got = pushed[step - 1]
+                want = offline.sets[step - 1]
+                assert torch.equal(got.block_ids, want.block_ids) and torch.equal(got.positions, want.positions)
+                assert torch.equal(got.conditioned_on, want.conditioned_on)
+                n = got.num_outcomes
+                assert torch.equal(got.accepted, want.accepted[:, :n]), "the outcomes the engine ranks"
+                assert torch.equal(got.next_tokens, want.next_tokens[:, :n])
+                assert torch.equal(got.drafts, want.drafts[:, :n]), "pushed drafts equal the offline pre-drafts"
+                accepted, tokens = _draw(rows, got, hit)
+                kw, counts = rows.call(accepted, tokens, rows.hidden)
+                unawaited = pd.unawaited
+                drafts, pre_rows = pd.step(_call(kw), counts, **PADDING)
+                used = offline.step(step, kw, counts, n)
+                assert pre_rows == hit, (step, pre_rows)
+                assert torch.equal(drafts, used), f"step {step}: the drafts verified are the offline ones"
+                assert pd.unawaited == unawaited + all(hit), "all rows hit: sent without waiting, else waited"
+                rows.set_drafts(drafts, pre_rows)
+            assert pd.picker.stats.hit_rate > 0.8 and pd.picker.stats.late == 0
+            # a set that reaches the target after it picked for the next step is dropped, never used
+            last = client.last_step
+            kw, counts = rows.call([0] * BATCH, rows._tokens(BATCH), rows.hidden)
+            pd.picker.pick(last + 1, _call(kw), counts)  # the target picked before the push was read
+            client.poll_pushes(120, until=lambda: pd.picker.stats.late > 0)
+            assert pd.picker.stats.late == 1 and not pd.picker.has(last), "the late set was dropped"
+            session = drafter.server._bound_plane.sessions[client.session.session_id]
+            assert session._predrafts is not None
+        finally:
+            client.close()
