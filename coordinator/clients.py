@@ -42,7 +42,7 @@ class ServiceTransport:
             max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs,
             max_num_batched_tokens=spec.max_num_batched_tokens,
             kv_groups=[schema.KVGroup(block_size=g.block_size, num_blocks=g.num_blocks) for g in spec.kv_groups],
-            client_name=spec.client)
+            client_name=spec.client, mtp_layer_schedule=spec.mtp_layer_schedule)
         resp = self.client.attach(req, timeout=timeout)
         if self.use_stream and self._stream is None:
             self._stream = self.client.stream()

@@ -62,7 +62,7 @@ class InProcessTransport:
                 method=spec.method, num_speculative_tokens=spec.num_speculative_tokens,
                 max_model_len=spec.max_model_len, max_num_seqs=spec.max_num_seqs,
                 max_num_batched_tokens=spec.max_num_batched_tokens, kv_groups=spec.kv_groups, dtype=spec.dtype,
-                device=self.device, seed=self.seed)
+                mtp_layer_schedule=spec.mtp_layer_schedule, device=self.device, seed=self.seed)
             engine = DraftEngine(self.head, self.head.spec, config)
         except ValueError as e:
             raise DrafterError(Code.INVALID_ARGUMENT, "session", str(e)) from e

@@ -57,6 +57,9 @@ class SessionSpec:
     dtype: str = "float32"
     client: str = ""  # who attaches (logs): e.g. "target/dp1"
     protocol_version: int = PROTOCOL_VERSION
+    # MTP methods: which layer each draft step runs in the target's drafting ("" = not said); the
+    # drafter refuses an attach whose schedule is not its own
+    mtp_layer_schedule: str = ""
 
     @property
     def hidden_width(self) -> int:

@@ -48,6 +48,7 @@ class EngineDescription:
     capture_sizes: tuple[int, ...]
     token_capture_sizes: tuple[int, ...]
     max_message_bytes: int
+    mtp_layer_schedule: str = ""  # MTP methods: which layer each draft step runs (EngineConfig)
 
     @property
     def num_drafts(self) -> int:  # columns of draft_token_ids
@@ -170,6 +171,9 @@ def layout_mismatches(req: schema.AttachRequest, eng: EngineDescription) -> list
         return [_differs("protocol_version", req.protocol_version, PROTOCOL_VERSION)]
     if req.method != eng.method:
         found.append(_differs("method", repr(req.method), repr(eng.method), f"--method {req.method}"))
+    if req.mtp_layer_schedule and req.mtp_layer_schedule != eng.mtp_layer_schedule:
+        found.append(_differs("mtp_layer_schedule", repr(req.mtp_layer_schedule), repr(eng.mtp_layer_schedule),
+                              f"--mtp-layer-schedule {req.mtp_layer_schedule}"))
     tree = tuple(tuple(p.ranks) for p in req.speculative_token_tree) or None
     if tree != eng.speculative_token_tree:
         fix = f"--speculative-token-tree '{[list(p) for p in tree]}'" if tree else "--speculative-token-tree ''"

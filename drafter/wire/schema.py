@@ -93,6 +93,7 @@ class AttachRequest(_Msg):
     kv_groups: Groups = []
     client_name: str = ""
     cuda_ipc_capable: bool = False
+    mtp_layer_schedule: str = ""
 
 
 class Limits(_Msg):
@@ -199,6 +200,7 @@ class InfoResponse(_Msg):
     free_blocks: Sizes = []
     version: str = ""
     cuda_ipc: CudaIpcSupport | None = None
+    mtp_layer_schedule: str = ""
 
 
 # ---------------------------------------------------------------- ZMQ only

@@ -170,3 +170,43 @@ def test_serve_flag_and_variable_reach_the_engine_config(two_layers):
     from_env = from_args(parser.parse_args(base), {"DRAFTER_MTP_LAYER_SCHEDULE": "multi_module"})
     with pytest.raises(ValueError, match="mtp_layer_schedule='multi_module'"):
         engine_config(from_env)
+
+
+# ------------------------------------------------------------------ attach: the target says which schedule it drafts with
+def test_attach_refuses_another_schedule_naming_the_flag(two_layers):
+    from drafter.service.core import describe_engine
+    from drafter.service.sessions import layout_mismatches
+    from drafter.wire import schema
+
+    desc = describe_engine(_engine(two_layers, 2), 1 << 20)
+    assert desc.mtp_layer_schedule == "first_layer"
+    base = dict(protocol_version=1, method="deepseek_mtp", num_speculative_tokens=2, hidden_dtype="float32",
+                hidden_size=SIZES.hidden_size, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_num_batched_tokens=128,
+                kv_groups=[schema.KVGroup(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)])
+    assert layout_mismatches(schema.AttachRequest(**base), desc) == []  # not said: the drafter's own
+    assert layout_mismatches(schema.AttachRequest(**base, mtp_layer_schedule="first_layer"), desc) == []
+    (found,) = layout_mismatches(schema.AttachRequest(**base, mtp_layer_schedule="per_step"), desc)
+    assert found.field == "mtp_layer_schedule" and "--mtp-layer-schedule per_step" in found.text()
+
+
+def test_the_client_sends_the_session_s_schedule():
+    from coordinator.clients import ServiceTransport
+    from coordinator.routing import Endpoint
+    from coordinator.session import SessionSpec
+
+    sent = []
+
+    class Client:
+        def attach(self, req, timeout):
+            sent.append(req)
+            raise RuntimeError("stop after the request")
+
+    transport = ServiceTransport(Endpoint("zmq", "127.0.0.1", 9), stream=False)
+    transport.client.close()
+    transport.client = Client()
+    spec = SessionSpec(method="deepseek_mtp", num_speculative_tokens=2, hidden_size=64, num_aux_layers=0,
+                       max_model_len=96, max_num_seqs=4, max_num_batched_tokens=128,
+                       kv_groups=(KVGroupSpec(16, 64),), mtp_layer_schedule="first_layer")
+    with pytest.raises(RuntimeError, match="stop"):
+        transport.attach(spec, 1.0)
+    assert sent[0].mtp_layer_schedule == "first_layer"
