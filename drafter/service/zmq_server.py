@@ -184,8 +184,11 @@ class ZmqServer:
     def __init__(self, core: ServiceCore, *, host: str, port: int, max_message_bytes: int,
                  heartbeat_s: float = 30.0, heartbeat_timeout_s: float = 10.0,
                  curve_server_cert: str | None = None, curve_clients_dir: str | None = None,
-                 max_inflight: int = 1024, ipc_path: str | None = None, ipc_mode: int = DEFAULT_MODE):
+                 max_inflight: int = 1024, ipc_path: str | None = None, ipc_mode: int = DEFAULT_MODE,
+                 drop_burst: int = DROP_BURST):
+        """drop_burst: frames of a refused oversized message released per turn of the event loop."""
         self.core = core
+        self.drop_burst = drop_burst
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
@@ -284,13 +287,13 @@ class ZmqServer:
                     if ep.closed:
                         return
                     if ep.dropping:  # the rest of a refused message, a slice per turn of the loop
-                        ep.dropping = not drop_frames(ep.sock, NOBLOCK, DROP_BURST)
+                        ep.dropping = not drop_frames(ep.sock, NOBLOCK, self.drop_burst)
                         if ep.dropping:
                             break
                         continue
                     # capped while receiving: an oversized message is dropped frame by frame, not held
                     frames, over, ep.dropping = recv_frames_bounded(
-                        ep.sock, NOBLOCK, MAX_FRAMES + 1, self.max_message_bytes + ENVELOPE_SLACK, DROP_BURST)
+                        ep.sock, NOBLOCK, MAX_FRAMES + 1, self.max_message_bytes + ENVELOPE_SLACK, self.drop_burst)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:  # closed under us

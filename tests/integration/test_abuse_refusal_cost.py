@@ -64,9 +64,9 @@ def _exchange(endpoint: str, messages: list[list[bytes]]) -> list[schema.Envelop
         ctx.destroy(linger=0)
 
 
-def _serve(engine, body):
+def _serve(engine, body, **settings):
     async def run(core):
-        server = zmq_server.ZmqServer(core, host="127.0.0.1", port=0, max_message_bytes=1 << 20)
+        server = zmq_server.ZmqServer(core, host="127.0.0.1", port=0, max_message_bytes=1 << 20, **settings)
         server.start()
         server._loop = counting = _CountingLoop(server._loop)
         try:
@@ -127,3 +127,23 @@ def test_oversized_message_is_released_a_slice_per_turn(engine, monkeypatch):
     _serve(engine, body)
     assert len(slices) >= 10, f"the drop was not sliced: {len(slices)} slices"
     assert slices[-1] > slices[0], "the loop's other work did not run between slices"
+
+
+def test_drop_burst_sets_the_slice(engine, monkeypatch):
+    """drop_burst (serve's hidden --zmq-drop-burst, the probe's A/B) is how many frames one turn releases."""
+    mosts = []
+    drop = zmq_server.drop_frames
+
+    def counted(sock, flags, most):
+        mosts.append(most)
+        return drop(sock, flags, most)
+    monkeypatch.setattr(zmq_server, "drop_frames", counted)
+    burst = 1000
+
+    async def body(loop, server, counting):
+        got = await loop.run_in_executor(None, _exchange, f"tcp://127.0.0.1:{server.port}",
+                                         [[_ENC.encode(schema.Envelope(call_id=1, method="Propose")), b""]
+                                          + [b"z"] * (4 * burst)])
+        assert (Code(got[0].error.code), got[0].error.field) == (Code.INVALID_ARGUMENT, "frames")
+    _serve(engine, body, drop_burst=burst)
+    assert mosts and set(mosts) == {burst} and len(mosts) <= 4, mosts

@@ -41,3 +41,8 @@ def test_set_switch_interval_applies_it():
         assert sys.getswitchinterval() == pytest.approx(300e-6)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_zmq_drop_burst_below_one_is_refused():
+    with pytest.raises(ValueError, match="--zmq-drop-burst"):
+        ServerConfig(**BASE, zmq_drop_burst=0).check()
