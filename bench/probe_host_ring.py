@@ -14,11 +14,13 @@ tables), timed piece by piece, p50 / p99 us of --steps each:
     a small reply back (the round trip);
   * stream_tcp, stream_unix: the ring stream (drafter.wire.ring_stream): the prefix on one plain
     connection, received by the child in CHUNK pieces straight into its pinned ring, a small reply;
-    stream_tcp_timeout_mode: the same with the child's socket in Python's timeout mode (a recv
-    call per piece the kernel has, where the drafter's blocking socket takes a chunk per call);
-  * pipelined (GPU only): the whole host_ring data path without an engine: the prefix's D2H copies
-    in chunks each sent as it lands (BoundLink._chunks), the child's H2D copy of each chunk queued
-    as it lands (on its own GPU: --child-device), its sync, the reply.
+    stream_tcp_4, stream_unix_4: the same striped over four lanes (connections), each lane sent
+    and received by a thread of its own; stream_tcp_timeout_mode: one lane with the child's socket
+    in Python's timeout mode (a recv call per piece the kernel has, where the drafter's blocking
+    socket takes a chunk per call);
+  * pipelined_tcp, pipelined_tcp_4 (GPU, with --child-device): the whole host_ring data path
+    without an engine: the prefix's D2H copies in chunks each sent as it lands (BoundLink._parts),
+    the child's H2D copy of each chunk queued as it lands on its GPU, its sync, the reply.
 
 The bound: the loopback bandwidth of the fastest transfer at the largest size gives the time the
 prefix alone needs at each batch; with the pieces overlapped perfectly a step cannot take less
@@ -31,11 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -46,7 +48,9 @@ from drafter.wire import ring_stream as rs  # noqa: E402
 
 SMALL = 16 << 10  # bytes of the small buffers ahead of the hidden states (ids, positions, tables)
 TOKEN = "probe-ring-binding"
-STREAMS = ("stream_tcp", "stream_unix", "stream_tcp_timeout_mode")  # the last: recv without MSG_WAITALL
+STREAMS = {  # name: (transport, lanes, held: the receiver's sockets as the drafter holds them)
+    "stream_tcp": ("tcp", 1, True), "stream_tcp_4": ("tcp", 4, True), "stream_unix": ("ipc", 1, True),
+    "stream_unix_4": ("ipc", 4, True), "stream_tcp_timeout_mode": ("tcp", 1, False)}
 REPLY = b"\x00" * 64
 
 
@@ -70,13 +74,12 @@ def child(max_bytes: int, device: str) -> None:
         r.bind(where)
         routers.append(r)
         ends[name] = r.getsockopt_string(zmq.LAST_ENDPOINT)
-    listeners = {}
-    for name, transport in (("stream_tcp", "tcp"), ("stream_unix", "ipc"), ("stream_tcp_timeout_mode", "tcp")):
-        listeners[name], ends[name] = rs.listen(transport, "127.0.0.1")
+    listeners = {name: rs.listen(transport, "127.0.0.1") for name, (transport, _, _) in STREAMS.items()}
+    ends.update({name: address for name, (_, address) in listeners.items()})
     stop = threading.Event()
     threads = [threading.Thread(target=_serve_zmq, args=(routers, view, stop), daemon=True)]
-    threads += [threading.Thread(target=_serve_stream, args=(lst, view, ring, slab, stop, name != STREAMS[-1]),
-                                 daemon=True) for name, lst in listeners.items()]
+    threads += [threading.Thread(target=_serve_stream, args=(listeners[name][0], view, ring, slab, stop, lanes, held),
+                                 daemon=True) for name, (_, lanes, held) in STREAMS.items()]
     for t in threads:
         t.start()
     print(json.dumps(ends), flush=True)
@@ -96,33 +99,38 @@ def _serve_zmq(routers, view: memoryview, stop: threading.Event) -> None:
             r.send_multipart([identity, REPLY])
 
 
-def _serve_stream(listener, view: memoryview, ring: torch.Tensor, slab, stop: threading.Event, held: bool) -> None:
-    """held: the socket as the drafter's stream thread holds it (blocking, MSG_WAITALL: one recv per
-    chunk); else Python's timeout mode (a recv per what the kernel has, as without hold_timeout)."""
-    conn = rs.accept(listener, TOKEN, lambda: not stop.is_set(), 0.1, 5.0)
-    if conn is None:
+def _serve_stream(listener, view: memoryview, ring: torch.Tensor, slab, stop: threading.Event, lanes: int,
+                  held: bool) -> None:
+    """As the drafter's stream thread serves a binding: lanes connections, a pool for lanes past the
+    first.  held: the sockets as the drafter holds them (blocking, MSG_WAITALL: one recv per chunk);
+    else Python's timeout mode (a recv per piece the kernel has).  A head of b"h2d" has each chunk's
+    copy to the child's GPU queued as it lands and synchronized before the reply."""
+    conns = rs.accept(listener, TOKEN, lambda: not stop.is_set(), 0.1, 5.0, lanes)
+    if conns is None:
         return
-    if slab is not None:
-        torch.cuda.set_device(slab.device)
-    if held:
-        rs.hold_timeout(conn, 30.0)
-    else:
-        conn.settimeout(30.0)
+    device = slab.device if slab is not None else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    for conn in conns:
+        rs.hold_timeout(conn, 30.0) if held else conn.settimeout(30.0)
+    pool = ThreadPoolExecutor(lanes - 1, initializer=lambda: device and torch.cuda.set_device(device)) \
+        if lanes > 1 else None
+    lock = threading.Lock()
 
     def landed(a: int, z: int) -> None:
-        slab[a:z].copy_(ring[a:z], non_blocking=True)
+        with lock:
+            slab[a:z].copy_(ring[a:z], non_blocking=True)
 
     try:
         while not stop.is_set():
-            if not rs.wait_readable(conn, 0.1):
+            if not rs.wait_readable(conns[0], 0.1):
                 continue
-            head_len, body_len = rs.read_prefix(conn, rs.MAX_HEAD, len(view))
-            head = rs.read_exact(conn, head_len)
-            h2d = slab is not None and head == b"h2d"
-            rs.receive_body(conn, view, body_len, rs.CHUNK, landed if h2d else None)
+            head_len, body_len = rs.read_prefix(conns[0], rs.MAX_HEAD, len(view))
+            h2d = rs.read_exact(conns[0], head_len) == b"h2d" and slab is not None
+            rs.receive_striped(conns, view, body_len, landed if h2d else None, pool)
             if h2d:
-                torch.cuda.current_stream(slab.device).synchronize()
-            rs.send_message(conn, REPLY, [])
+                torch.cuda.current_stream(device).synchronize()
+            rs.send_message(conns[0], REPLY, [])
     except (OSError, rs.Closed):
         pass
 
@@ -162,31 +170,24 @@ def _zmq_path(ctx, endpoint: str, payload: memoryview, steps: int) -> dict:
         sock.close(linger=0)
 
 
-def _stream_path(conn: socket.socket, head: bytes, body, steps: int) -> dict:
+def _stream_path(conns: list, head: bytes, nbytes: int, parts, pool, steps: int) -> dict:
+    """parts() -> part(start, end) per step (rs.send_striped), as BoundLink sends a step."""
     def one():
-        rs.send_message(conn, head, body() if callable(body) else [body],
-                        None if not callable(body) else body.nbytes)
-        rs.read_message(conn, 1 << 10)
+        rs.send_striped(conns, head, nbytes, parts(), pool)
+        rs.read_message(conns[0], 1 << 10)
     return _time(one, steps)
 
 
-class _Chunked:
-    """The GPU prefix sent as BoundLink._chunks sends it: D2H copies per CHUNK, each sent once landed."""
-
-    def __init__(self, source: torch.Tensor, ring: torch.Tensor, nbytes: int):
-        self.source, self.ring, self.nbytes = source, ring, nbytes
-        self.view = memoryview(ring.numpy())
-        self.events = [torch.cuda.Event() for _ in range(-(-nbytes // rs.CHUNK))]
-
-    def __call__(self):
-        stream = torch.cuda.current_stream()
-        spans = [(a, min(self.nbytes, a + rs.CHUNK)) for a in range(0, self.nbytes, rs.CHUNK)]
-        for (a, z), ev in zip(spans, self.events):
-            self.ring[a:z].copy_(self.source[a:z], non_blocking=True)
-            ev.record(stream)
-        for (a, z), ev in zip(spans, self.events):
-            ev.synchronize()
-            yield self.view[a:z]
+def _gpu_parts(source: torch.Tensor, ring: torch.Tensor, nbytes: int, events: list):
+    """BoundLink._parts for a GPU source: every chunk's D2H copy queued with an event after it; a
+    part waits for its own chunk's event."""
+    view = memoryview(ring.numpy())
+    stream = torch.cuda.current_stream()
+    for i in range(-(-nbytes // rs.CHUNK)):
+        a, z = i * rs.CHUNK, min(nbytes, (i + 1) * rs.CHUNK)
+        ring[a:z].copy_(source[a:z], non_blocking=True)
+        events[i].record(stream)
+    return lambda a, z: (events[a // rs.CHUNK].synchronize(), view[a:z])[1]
 
 
 def measure(args) -> dict:
@@ -197,27 +198,32 @@ def measure(args) -> dict:
     try:
         ends = json.loads(proc.stdout.readline())
         ctx = zmq.Context()
-        conns = {name: rs.connect(ends[name], TOKEN, 10.0) for name in STREAMS}
+        conns = {name: [rs.connect(ends[name], TOKEN, 10.0, lane) for lane in range(lanes)]
+                 for name, (_, lanes, _) in STREAMS.items()}
+        pool = ThreadPoolExecutor(max(lanes for _, lanes, _ in STREAMS.values()))
         cuda = torch.cuda.is_available()
         host = torch.zeros(top, dtype=torch.uint8, pin_memory=cuda)
+        view = memoryview(host.numpy())
         gpu = torch.zeros(top, dtype=torch.uint8, device="cuda") if cuda else None
+        events = [torch.cuda.Event() for _ in range(-(-top // rs.CHUNK))] if cuda else []
         out = {}
         for b, nbytes in sizes.items():
             row = {"bytes": nbytes, **_copies(nbytes, args.steps)}
-            payload = memoryview(host.numpy())[:nbytes]
             for name in ("zmq_tcp", "zmq_ipc"):
-                row[name] = _zmq_path(ctx, ends[name], payload, args.steps)
-            for name, conn in conns.items():
-                row[name] = _stream_path(conn, b"h", payload, args.steps)
+                row[name] = _zmq_path(ctx, ends[name], view[:nbytes], args.steps)
+            for name, c in conns.items():
+                row[name] = _stream_path(c, b"h", nbytes, lambda: (lambda a, z: view[a:z]), pool, args.steps)
             if gpu is not None and args.child_device:
-                chunked = _Chunked(gpu, host, nbytes)
-                chunked.nbytes = nbytes
-                row["pipelined"] = _stream_path(conns["stream_tcp"], b"h2d", chunked, args.steps)
+                for name in ("stream_tcp", "stream_tcp_4"):
+                    row["pipelined_" + name[len("stream_"):]] = _stream_path(
+                        conns[name], b"h2d", nbytes, lambda: _gpu_parts(gpu, host, nbytes, events), pool, args.steps)
             out[b] = row
             print(f"batch {b}: {nbytes / 1e6:.2f} MB " + ", ".join(
                 f"{k} {v['p50_us']:.0f}" for k, v in row.items() if isinstance(v, dict)) + " us p50", flush=True)
+        pool.shutdown()
         for c in conns.values():
-            c.close()
+            for conn in c:
+                conn.close()
         ctx.term()
         return {"sizes": sizes, "rows": out}
     finally:
@@ -229,7 +235,7 @@ def bound(result: dict, inprocess: list[float]) -> dict:
     """Loopback bandwidth (the fastest transport at the largest size) and the best ratio per batch."""
     rows = result["rows"]
     top = max(rows, key=lambda b: rows[b]["bytes"])
-    paths = ("zmq_tcp", "stream_tcp")
+    paths = ("zmq_tcp", "stream_tcp", "stream_tcp_4")
     best = min(paths, key=lambda p: rows[top][p]["p50_us"])
     gbps = rows[top]["bytes"] / rows[top][best]["p50_us"] / 1e3  # GB/s (round trip, tiny reply)
     out = {"path": best, "gb_per_s": gbps}

@@ -41,6 +41,7 @@ from drafter.wire.ipc import check_client_path
 from drafter.wire.tensors import DTYPES
 
 STREAM_CONNECT_S = 0.5  # at least this long for the ring stream's hello to be answered
+STREAM_LANES = 4  # the ring stream's connections per binding: one tcp stream is bound by the core that copies it
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _ATTACH = msgspec.msgpack.Decoder(schema.AttachResponse)
 REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)  # the drafter forgot the session: attach again
@@ -92,10 +93,12 @@ class BoundLink:
     `alive` turns False for good after anything that leaves the binding in doubt (a send with no
     live connection, a timeout, a lost session, a failed channel): bind again for a new link."""
 
-    def __init__(self, ctx: zmq.Context, ring: BoundRing, resp: wb.BindResponse, plane: str, via: str):
+    def __init__(self, ctx: zmq.Context, ring: BoundRing, resp: wb.BindResponse, plane: str, via: str,
+                 lanes: int = 1):
         """via: the control endpoint the Bind went to (a drafter listening on every address
-        answers with a wildcard host, which is the control endpoint's host from here)."""
-        self.ring, self.plane = ring, plane
+        answers with a wildcard host, which is the control endpoint's host from here); lanes: the
+        connections to its ring stream (BindRequest.stream_lanes, where the Bind asked for a stream)."""
+        self.ring, self.plane, self.lanes = ring, plane, max(1, lanes)
         host = _host(via)
         self.resp = msgspec.structs.replace(resp, endpoint=reachable(resp.endpoint, host),
                                             store=reachable(resp.store, host) if resp.store else "",
@@ -104,7 +107,9 @@ class BoundLink:
         self.width = resp.drafts_width
         self.sock = connect_socket(ctx, self.resp.endpoint, data=True)
         self.channel = None  # gloo_channel: the two-rank process group (this side rank 0)
-        self.conn = None  # the binding's ring stream (drafter.wire.ring_stream), once connect() made it
+        self.conn = None  # the binding's ring stream (drafter.wire.ring_stream), lane 0, once connect() made it
+        self.conns: list = []  # every lane's connection (conns[0] is conn)
+        self._pool = None  # lanes > 1: a thread per lane past the first, sending its stripe
         self.stream_reason = ""  # why a ring stream the drafter offered is not used
         self.alive = True
         self._steps = itertools.count(1)
@@ -132,16 +137,30 @@ class BoundLink:
         """The ring stream (its hello answered within timeout_s); where it cannot be made the steps
         keep the data socket (stream_reason says why)."""
         try:
-            self.conn = rs.connect(self.resp.stream, self.resp.bind_id, timeout_s)
+            for lane in range(self.lanes):
+                self.conns.append(rs.connect(self.resp.stream, self.resp.bind_id, timeout_s, lane))
         except (OSError, ValueError) as exc:
             self.stream_reason = f"the ring stream {self.resp.stream[:64]} cannot be used: {exc}"
+            self._close_stream()
+            return
+        self.conn = self.conns[0]
+        if self.lanes > 1:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self.lanes - 1, thread_name_prefix="ring-lane")
+
+    def _close_stream(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.conn = [], None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
 
     def close(self) -> None:
         self.alive = False
         self.channel = None
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+        self._close_stream()
         if not self.sock.closed:
             self.sock.close(linger=0)
 
@@ -181,11 +200,12 @@ class BoundLink:
         """The header and the prefix on the ring stream (chunks of a GPU source sent as each one
         lands on the host), then the reply within timeout_s."""
         deadline = time.monotonic() + timeout_s
-        conn = self.conn
+        part = self._parts(head.nbytes, source)
         self.stamps["sent"] = time.perf_counter_ns()
         try:
-            conn.settimeout(max(timeout_s, 1e-3))
-            rs.send_message(conn, wb.encode(head), self._chunks(head.nbytes, source), head.nbytes)
+            for conn in self.conns:
+                conn.settimeout(max(timeout_s, 1e-3))
+            rs.send_striped(self.conns, wb.encode(head), head.nbytes, part, self._pool)
         except TimeoutError:
             self.close()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {head.step}: the prefix was not taken "
@@ -196,25 +216,29 @@ class BoundLink:
         self.stamps["pushed"] = time.perf_counter_ns()
         return self._stream_reply(head, deadline, timeout_s)
 
-    def _chunks(self, nbytes: int, source: torch.Tensor | None):
-        """The prefix's bytes as the stream sends them: the host ring's whole, or from a GPU
-        source each CHUNK once its device-to-host copy (all queued up front) completed."""
+    def _parts(self, nbytes: int, source: torch.Tensor | None):
+        """part(start, end) for rs.send_striped: the host ring's bytes of [start, end) once they are
+        there.  A GPU source's prefix is copied to the host ring chunk by chunk (every copy queued
+        here, an event after each): a part waits for its chunk's event alone."""
         ring = self.ring
         if source is None or source.device.type != "cuda":
             if source is not None:
                 ring.slab[:nbytes].copy_(source[:nbytes])
-            yield ring.bytes[:nbytes]
-            return
-        spans = [(a, min(nbytes, a + rs.CHUNK)) for a in range(0, nbytes, rs.CHUNK)]
+            return lambda a, z: ring.bytes[a:z]
+        chunks = -(-nbytes // rs.CHUNK)
         stream = torch.cuda.current_stream(source.device)
-        while len(self._events) < len(spans):
+        while len(self._events) < chunks:
             self._events.append(torch.cuda.Event())
-        for (a, z), event in zip(spans, self._events):
+        for i in range(chunks):
+            a, z = i * rs.CHUNK, min(nbytes, (i + 1) * rs.CHUNK)
             ring.slab[a:z].copy_(source[a:z], non_blocking=True)
-            event.record(stream)
-        for (a, z), event in zip(spans, self._events):
-            event.synchronize()
-            yield ring.bytes[a:z]
+            self._events[i].record(stream)
+        events = self._events
+
+        def part(a: int, z: int):
+            events[a // rs.CHUNK].synchronize()
+            return ring.bytes[a:z]
+        return part
 
     def _stream_reply(self, head: wb.StepHeader, deadline: float, timeout_s: float) -> torch.Tensor:
         """The step's StepDone and drafts from the stream; a silent drafter is DEADLINE_EXCEEDED, a
@@ -284,12 +308,15 @@ class HostRingClient:
 
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, transport: str = "tcp", plane: str = wb.HOST_RING, timeout_s: float = 5.0,
-                 stream: bool = True):
+                 stream: bool = True, lanes: int = STREAM_LANES):
         """stream: host_ring steps on the binding's ring stream (drafter.wire.ring_stream) where the
-        drafter offers one and it can be reached, else (and with False) on the ZMQ data socket."""
+        drafter offers one and it can be reached, else (and with False) on the ZMQ data socket;
+        lanes: the stream's connections, each prefix striped over them (1 to ring_stream.MAX_LANES)."""
+        if not 1 <= lanes <= rs.MAX_LANES:
+            raise ValueError(f"lanes must lie in [1, {rs.MAX_LANES}], got {lanes}")
         self.endpoint, self.layout, self.plane = endpoint, layout, plane
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
-        self.stream = stream and plane == wb.HOST_RING
+        self.stream, self.lanes = stream and plane == wb.HOST_RING, lanes
         self.ring = BoundRing(buffers)
         self.views = self.ring.views
         self.ctx = zmq.Context()
@@ -322,16 +349,16 @@ class HostRingClient:
         self.session = self._call("Attach", self.layout, _ATTACH, deadline)
         req = wb.BindRequest(session_id=self.session.session_id, epoch=self.session.epoch, transport=self.transport,
                              plane=self.plane, buffers=self.ring.buffers, max_batch=self.max_batch,
-                             stream=self.stream)
+                             stream=self.stream, stream_lanes=self.lanes if self.stream and self.lanes > 1 else 0)
         try:
             resp = self._call(wb.BIND_METHOD, req, wb.BIND_RESPONSE_DECODER, deadline)
         except DrafterError as err:
             if not (req.stream and knows_no_stream(err)):
                 raise
             self.stream = False  # a drafter from before the ring stream: the data socket
-            resp = self._call(wb.BIND_METHOD, msgspec.structs.replace(req, stream=False), wb.BIND_RESPONSE_DECODER,
-                              deadline)
-        link = BoundLink(self.ctx, self.ring, resp, self.plane, self.endpoint)
+            resp = self._call(wb.BIND_METHOD, msgspec.structs.replace(req, stream=False, stream_lanes=0),
+                              wb.BIND_RESPONSE_DECODER, deadline)
+        link = BoundLink(self.ctx, self.ring, resp, self.plane, self.endpoint, lanes=self.lanes)
         if not link.connect(deadline - time.monotonic(), self.timeout_s):
             link.close()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")

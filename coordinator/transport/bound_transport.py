@@ -69,7 +69,8 @@ import msgspec
 import torch
 import zmq
 
-from coordinator.transport.bound_client import REBIND, BoundLink, BoundRing, connect_socket, knows_no_stream
+from coordinator.transport.bound_client import (REBIND, STREAM_LANES, BoundLink, BoundRing, connect_socket,
+                                                knows_no_stream)
 from coordinator.transport.bound_channel import REFUSED as CHANNEL_REFUSED
 from coordinator.transport.bound_channel import ChannelLink
 from coordinator.transport.bound_ipc import (ENVIRONMENT, DeviceLink, IpcLink, cannot_share, knows_no_doorbell,
@@ -396,7 +397,8 @@ class BoundTransport:
         body = wb.BindRequest(session_id=session_id, epoch=epoch, plane=plane, transport=transport,
                               buffers=buffers, max_batch=session.max_num_seqs, slab=slab, device_uuid=uuid,
                               doorbell=plane in (wb.CUDA_IPC, wb.NCCL_CHANNEL) and self._doorbell,
-                              stream=plane == wb.HOST_RING and self._stream)
+                              stream=plane == wb.HOST_RING and self._stream,
+                              stream_lanes=STREAM_LANES if plane == wb.HOST_RING and self._stream else 0)
         env = schema.Envelope(call_id=self._calls, method=wb.BIND_METHOD)
         try:
             self.control.send_multipart([wb.encode(env), wb.encode(body)], flags=zmq.NOBLOCK)
@@ -466,7 +468,8 @@ class BoundTransport:
             return ChannelLink(self.ctx, self._slab.slab.device, resp, self._max_batch, len(self.spec.kv_groups),
                                self._slab.slab, self._slab.slots, via=self.endpoint)
         if pending.plane != wb.CUDA_IPC:
-            return BoundLink(self.ctx, self.ring, resp, pending.plane, self.endpoint)
+            return BoundLink(self.ctx, self.ring, resp, pending.plane, self.endpoint,
+                             lanes=STREAM_LANES if resp.stream else 1)
         device = self._slab.slab.device
         return IpcLink(self.ctx, self._backend(), device, resp, self._max_batch, len(self.spec.kv_groups),
                        self._events[device][0], via=self.endpoint, host_wait=same_gpu(self._support, device))

@@ -3,11 +3,14 @@
     Bind (plane "host_ring", BindRequest.stream): a listener for the binding (drafter.wire.
         ring_stream: tcp on the server's host, or a same-host abstract UNIX name for transport
         "ipc"); its address goes back in BindResponse.stream.  The ZMQ data socket stays open beside it.
-    the stream's thread: the target's connection (its hello the bind id), then each step:
-        PREFIX read and bounded (the head <= MAX_HEAD, the body <= the ring) before anything else
+    the stream's thread: the target's connections, one per lane (BindRequest.stream_lanes; each
+    hello the bind id and its lane), then each step:
+        PREFIX read from lane 0 and bounded (the head <= MAX_HEAD, the body <= the ring) before
+            anything else
         the StepHeader read; its nbytes must equal the body's length ("nbytes")
-        the body received chunk by chunk straight into the pinned ring; on a GPU drafter each
-            chunk's host-to-device copy is queued as it lands (under the engine's lock, taken
+        the body received chunk by chunk straight into the pinned ring, each lane's stripe
+            (ring_stream.stripes) from its own connection by a thread of its own; on a GPU drafter
+            each chunk's host-to-device copy is queued as it lands (under the engine's lock, taken
             without waiting: a chunk it cannot take now is copied with the rest at the step)
         the step as on the data socket (admit, run_step: the sizes, the GPU guard, the replay)
         [StepDone (stamped), drafts]
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -32,7 +36,7 @@ from drafter.service.bound_ipc import GuardedRingSession, ring_session_class as 
 from drafter.service.bound_sessions import POLL_MS, BoundSession
 from drafter.wire import bound as wb
 from drafter.wire import ring_stream as rs
-from drafter.wire.errors import Code, DrafterError
+from drafter.wire.errors import Code, DrafterError, invalid
 
 log = logging.getLogger("drafter.service.bound")
 
@@ -44,9 +48,13 @@ class _Stream:
     """The ring stream of one host-ring binding (a mixin over BoundSession or GuardedRingSession)."""
 
     def _link_state(self, req: wb.BindRequest) -> None:
+        if not 0 <= req.stream_lanes <= rs.MAX_LANES:
+            raise invalid("stream_lanes", f"{req.stream_lanes} must lie in [0, {rs.MAX_LANES}]")
         super()._link_state(req)
         self._started = self._queued = 0  # the running step's stamps (perf_counter_ns)
-        self._staged = 0  # bytes of the running step's prefix already queued to the GPU slab, from its start
+        self._staged: dict[int, int] = {}  # the running step's chunks already queued to the GPU slab: start -> end
+        self._lane_lock = threading.Lock()  # the lanes queue their chunks' copies one at a time
+        self.stream_lanes = max(1, req.stream_lanes)
         self._stream_listener, self.stream_address, self._stream_thread = None, "", None
         if not req.stream:
             return
@@ -74,31 +82,40 @@ class _Stream:
 
     # ------------------------------------------------------------------ the stream's thread
     def _serve_stream(self) -> None:
-        listener, conn = self._stream_listener, None
+        """The stream's thread: its lanes' connections, then their steps until the binding ends or
+        the target hangs up (lanes past the first are received by a pool of their own)."""
+        listener, conns, pool = self._stream_listener, None, None
         try:
-            conn = rs.accept(listener, self.bind_id, self._alive, POLL_MS / 1e3, HELLO_TIMEOUT_S)
+            conns = rs.accept(listener, self.bind_id, self._alive, POLL_MS / 1e3, HELLO_TIMEOUT_S, self.stream_lanes)
             listener.close()
-            if conn is None:
+            if conns is None:
                 return
             device = getattr(self, "device", None)
             if device is not None and device.type == "cuda":
                 torch.cuda.set_device(device)  # the chunks' copies queue on this thread's current device
-            rs.hold_timeout(conn, IO_TIMEOUT_S)
+            for conn in conns:
+                rs.hold_timeout(conn, IO_TIMEOUT_S)
+            if len(conns) > 1:
+                pool = ThreadPoolExecutor(len(conns) - 1, thread_name_prefix=f"lane-{self.bind_id[:8]}",
+                                          initializer=_on_device, initargs=(device,))
             ring = memoryview(self.ring.numpy())
             while self._alive():
-                if not rs.wait_readable(conn, POLL_MS / 1e3):
+                if not rs.wait_readable(conns[0], POLL_MS / 1e3):
                     continue
-                if not self._stream_step(conn, ring):
+                if not self._stream_step(conns, ring, pool):
                     return
         except (OSError, rs.Closed) as exc:
             log.debug("ring stream ended: %s", exc)
         finally:
             listener.close()
-            if conn is not None:
+            for conn in conns or ():
                 conn.close()
+            if pool is not None:
+                pool.shutdown(wait=False)
 
-    def _stream_step(self, conn, ring: memoryview) -> bool:
-        """One message in, its answer out; False where the connection cannot go on."""
+    def _stream_step(self, conns: list, ring: memoryview, pool) -> bool:
+        """One message in, its answer out; False where the connections cannot go on."""
+        conn = conns[0]
         received = time.perf_counter_ns()
         self._accepted = []
         try:
@@ -109,8 +126,8 @@ class _Stream:
             return False
         frame = rs.read_exact(conn, head_len)
         head, refused = self._decode(frame, body_len)
-        self._staged, self._started, self._queued = 0, 0, 0
-        rs.receive_body(conn, ring, body_len, rs.CHUNK, None if refused else self._landed)
+        self._staged, self._started, self._queued = {}, 0, 0
+        rs.receive_striped(conns, ring, body_len, None if refused else self._landed, pool)
         landed = time.perf_counter_ns()
         if refused is None:
             refused, payload = self._run_received(head, body_len)
@@ -155,7 +172,7 @@ class _Stream:
     # ------------------------------------------------------------------ stamps (either socket)
     def _receive_and_run(self, sock, ring):
         received = time.perf_counter_ns()
-        self._staged, self._started, self._queued = 0, 0, 0
+        self._staged, self._started, self._queued = {}, 0, 0
         done, payload = super()._receive_and_run(sock, ring)
         if not done.code:
             done.stamps = [received, self._started, self._queued, time.perf_counter_ns(), received]
@@ -177,27 +194,44 @@ class GuardedStreamSession(_Stream, GuardedRingSession):
     copy to the GPU slab queued as it lands."""
 
     def _landed(self, start: int, end: int) -> None:
-        """Queue the chunk's copy to the slab where it is the next one and the engine's lock is free
-        (a copy must not be queued while another thread captures a graph); else the step copies it."""
+        """Queue the chunk's copy to the slab where the engine's lock is free (a copy must not be
+        queued while another thread captures a graph); else the step copies it.  The lanes take
+        turns (_lane_lock: each holds it for the few microseconds of queueing one copy)."""
         lock = getattr(self.core.executor, "engine_lock", None)
-        if start != self._staged or (lock is not None and not lock.acquire(blocking=False)):
-            return
-        try:
-            self.slab[start:end].copy_(self.ring[start:end], non_blocking=True)
-            self._staged = end
-        finally:
-            if lock is not None:
-                lock.release()
+        with self._lane_lock:
+            if lock is not None and not lock.acquire(blocking=False):
+                return
+            try:
+                self.slab[start:end].copy_(self.ring[start:end], non_blocking=True)
+                self._staged[start] = end
+            finally:
+                if lock is not None:
+                    lock.release()
 
     def _stage(self, nbytes: int) -> None:
-        """What the chunks did not queue yet (all of it on the data socket)."""
-        start, self._staged = min(self._staged, nbytes), 0
-        if start < nbytes:
-            self.slab[start:nbytes].copy_(self.ring[start:nbytes], non_blocking=True)
+        """The chunks the lanes did not queue yet (all of them on the data socket), in runs."""
+        staged, self._staged = self._staged, {}
+        run = None  # the start of a run of chunks still to copy
+        for a in range(0, nbytes, rs.CHUNK):
+            z = min(nbytes, a + rs.CHUNK)
+            if staged.get(a) == z:
+                if run is not None:
+                    self.slab[run:a].copy_(self.ring[run:a], non_blocking=True)
+                run = None
+            elif run is None:
+                run = a
+        if run is not None:
+            self.slab[run:nbytes].copy_(self.ring[run:nbytes], non_blocking=True)
 
     def _guard_and_replay(self, head: wb.StepHeader) -> None:
         super()._guard_and_replay(head)
         self._queued = time.perf_counter_ns()
+
+
+def _on_device(device) -> None:
+    """A lane thread's current device: the engine's, where the chunks' copies queue."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def ring_session_class(engine) -> type:

@@ -98,6 +98,8 @@ class BindRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # before its thread sleeps (at most MAX_SPIN_US; a core busy meanwhile): for steps that come back to back
     stream: bool = False  # host_ring: steps by the binding's ring stream (BindResponse.stream, drafter.wire.
     # ring_stream: the prefix in chunks on a plain connection, straight into the pinned ring) where one can be made
+    stream_lanes: int = 0  # with stream: the connections the target makes to it and stripes each prefix over
+    # (0 or 1: one; more than ring_stream.MAX_LANES is refused naming stream_lanes)
 
 
 class BindResponse(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

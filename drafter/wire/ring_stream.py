@@ -1,16 +1,20 @@
 """The host ring's stream: one plain stream connection per binding, the ring's prefix in chunks.
 
     drafter (Bind):         listener, address = listen(transport, host)  # -> BindResponse.stream
-    drafter (its thread):   conn = accept(listener, bind_id, alive, poll_s, hello_s)
-                            head_len, body_len = read_prefix(conn)       # bounded before anything is read
-                            head = read_exact(conn, head_len)            # a StepHeader
-                            receive_body(conn, ring[:body_len], chunk, landed)   # straight into the pinned ring
-                            send_message(conn, encoded StepDone, [drafts])
-    target:                 conn = connect(address, bind_id, timeout_s)
-                            send_message(conn, encoded StepHeader, [chunk, chunk, ...])
+    drafter (its thread):   conns = accept(listener, bind_id, alive, poll_s, hello_s, lanes)
+                            head_len, body_len = read_prefix(conns[0])   # bounded before anything is read
+                            head = read_exact(conns[0], head_len)        # a StepHeader
+                            receive_striped(conns, ring, body_len, landed, pool)  # straight into the pinned ring
+                            send_message(conns[0], encoded StepDone, [drafts])
+    target:                 conns = [connect(address, bind_id, timeout_s, lane) for lane in range(lanes)]
+                            send_striped(conns, encoded StepHeader, nbytes, part, pool)
 
 A message is PREFIX (two little-endian u32: the head's and the body's length), the head (a msgpack
-record), then the body.  Why not a ZMQ frame: a ZMQ message of megabytes passes the sender's and
+record), then the body, on the first connection (lane 0).  A binding may stripe the body over
+several connections (lanes, at most MAX_LANES): each lane carries one contiguous span of whole
+chunks (stripes(), which both ends compute from the body's length), lane 0 the first, so the
+kernel's copies of a large body run on as many cores on each side (one tcp stream is bound by the
+one core that copies it).  Replies come on lane 0 alone.  Why not a ZMQ frame: a ZMQ message of megabytes passes the sender's and
 the receiver's libzmq I/O threads (three wake-ups a way), is delivered only once whole, and pyzmq's
 recv_into copies it once more out of libzmq's message.  Here the target's thread writes the
 kernel socket chunk by chunk as each chunk of its device-to-host copy lands, and the drafter's
@@ -41,7 +45,8 @@ from typing import Callable, Iterable
 
 PREFIX = struct.Struct("<II")  # head bytes, body bytes
 MAX_HEAD = 1 << 16  # a StepHeader (sizes, a bind id, up to max_num_seqs accepted counts) or a StepDone
-CHUNK = 1 << 19  # bytes: the sender's device-to-host copies and the receiver's host-to-device copies
+CHUNK = 1 << 18  # bytes: the sender's device-to-host copies and the receiver's host-to-device copies
+MAX_LANES = 8  # connections a binding's stream may stripe a body over
 HELLO = b"drafter-ring hello "
 OK = b"drafter-ring ok"
 UNIX_PREFIX = "@drafter-ring-"
@@ -102,16 +107,20 @@ def _target(address: str) -> tuple[int, object]:
     raise ValueError(f"not a ring stream address: {address[:80]!r}")
 
 
-def connect(address: str, token: str, timeout_s: float) -> socket.socket:
-    """A connection to a binding's stream, its hello accepted within timeout_s.  OSError (or
-    ValueError for an address that is not a stream's) where it cannot be made."""
+def _hello(token: str, lane: int) -> bytes:
+    return HELLO + token.encode() + (b"/%d" % lane if lane else b"")
+
+
+def connect(address: str, token: str, timeout_s: float, lane: int = 0) -> socket.socket:
+    """A connection to a binding's stream (lane `lane` of its lanes), its hello accepted within
+    timeout_s.  OSError (or ValueError for an address that is not a stream's) where it cannot be made."""
     family, where = _target(address)
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.settimeout(max(timeout_s, 1e-3))
         sock.connect(where)
         _tune(sock)
-        send_message(sock, HELLO + token.encode(), [])
+        send_message(sock, _hello(token, lane), [])
         head, _ = read_message(sock, 0)
         if head != OK:
             raise ConnectionRefusedError("the drafter did not accept the ring stream's hello")
@@ -122,35 +131,101 @@ def connect(address: str, token: str, timeout_s: float) -> socket.socket:
 
 
 def accept(listener: socket.socket, token: str, alive: Callable[[], bool], poll_s: float,
-           hello_s: float) -> socket.socket | None:
-    """The first connection whose hello names `token` within hello_s (each other one is closed);
-    None once alive() turns False or the listener fails.  Looks at alive() every poll_s."""
+           hello_s: float, lanes: int = 1) -> list[socket.socket] | None:
+    """One connection per lane whose hello names `token` and that lane within hello_s (any other
+    connection, or a lane's second, is closed unanswered), in lane order; None once alive() turns
+    False or the listener fails.  Looks at alive() every poll_s."""
     listener.settimeout(poll_s)
+    conns: dict[int, socket.socket] = {}
     while alive():
+        if len(conns) == lanes:
+            return [conns[i] for i in range(lanes)]
         try:
             conn, _ = listener.accept()
         except TimeoutError:
             continue
         except OSError:
-            return None
-        if _greeted(conn, token, hello_s):
-            return conn
+            break
+        lane = _greeted(conn, token, hello_s, lanes, conns)
+        if lane is None:
+            conn.close()
+        else:
+            conns[lane] = conn
+    for conn in conns.values():
         conn.close()
     return None
 
 
-def _greeted(conn: socket.socket, token: str, hello_s: float) -> bool:
+def _greeted(conn: socket.socket, token: str, hello_s: float, lanes: int, taken) -> int | None:
+    """The lane a connection's hello names (answered OK), or None (not answered)."""
     try:
         conn.settimeout(hello_s)
-        want = HELLO + token.encode()
-        head_len, body_len = read_prefix(conn, len(want), 0)
-        if head_len != len(want) or not hmac.compare_digest(read_exact(conn, head_len), want):
-            return False
+        longest = len(_hello(token, lanes))
+        head_len, _ = read_prefix(conn, longest, 0)
+        got = read_exact(conn, head_len)
+        lane = next((i for i in range(lanes) if i not in taken and hmac.compare_digest(got, _hello(token, i))), None)
+        if lane is None:
+            return None
         _tune(conn)
         send_message(conn, OK, [])
-        return True
+        return lane
     except (OSError, ValueError):
-        return False
+        return None
+
+
+def stripes(nbytes: int, lanes: int, chunk: int) -> list[tuple[int, int]]:
+    """Each lane's contiguous span [start, end) of a body of nbytes: whole chunks (the last one
+    short), lane 0 first; the lanes past the last chunk get an empty span.  Both ends compute it."""
+    chunks = -(-nbytes // chunk)
+    per = -(-chunks // lanes) * chunk  # bytes per lane: whole chunks
+    return [(min(nbytes, i * per), min(nbytes, (i + 1) * per)) for i in range(lanes)]
+
+
+def send_striped(conns: list[socket.socket], head: bytes, nbytes: int, part: Callable[[int, int], object],
+                 pool=None) -> None:
+    """PREFIX and head on conns[0], then each lane's stripe (stripes) on its own connection,
+    chunk by chunk: part(start, end) gives the bytes of [start, end) once they are ready (it may
+    block until then).  pool: an executor with a worker per lane past the first (lanes > 1)."""
+    spans = stripes(nbytes, len(conns), CHUNK)
+    conns[0].sendall(PREFIX.pack(len(head), nbytes) + head)
+
+    def lane(i: int) -> None:
+        start, end = spans[i]
+        for a in range(start, end, CHUNK):
+            conns[i].sendall(memoryview(part(a, min(end, a + CHUNK))).cast("B"))
+
+    futures = [pool.submit(lane, i) for i in range(1, len(conns)) if spans[i][0] < spans[i][1]]
+    try:
+        lane(0)
+    finally:
+        errors = [f.exception() for f in futures]
+    if any(errors):
+        raise next(e for e in errors if e)
+
+
+def receive_striped(conns: list[socket.socket], ring: memoryview, nbytes: int,
+                    landed: Callable[[int, int], None] | None = None, pool=None) -> None:
+    """A body of nbytes (its PREFIX and head read from conns[0]) straight into ring[:nbytes], each
+    lane's stripe from its own connection, landed(start, end) called as each chunk is whole."""
+    spans = stripes(nbytes, len(conns), CHUNK)
+    futures = [pool.submit(receive_span, conns[i], ring, *spans[i], landed)
+               for i in range(1, len(conns)) if spans[i][0] < spans[i][1]]
+    try:
+        receive_span(conns[0], ring, *spans[0], landed)
+    finally:
+        errors = [f.exception() for f in futures]
+    if any(errors):
+        raise next(e for e in errors if e)
+
+
+def receive_span(sock: socket.socket, ring: memoryview, start: int, end: int,
+                 landed: Callable[[int, int], None] | None = None) -> None:
+    """ring[start:end] from the stream, chunk by chunk (CHUNK from start), landed(a, z) after each."""
+    for a in range(start, end, CHUNK):
+        z = min(end, a + CHUNK)
+        receive_into(sock, ring[a:z])
+        if landed is not None:
+            landed(a, z)
 
 
 def send_message(sock: socket.socket, head: bytes, body: Iterable, body_len: int | None = None) -> None:
@@ -195,20 +270,6 @@ def receive_into(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise Closed("the peer closed the ring stream")
         got += n
-
-
-def receive_body(sock: socket.socket, ring: memoryview, nbytes: int, chunk: int,
-                 landed: Callable[[int, int], None] | None = None) -> None:
-    """The body's nbytes straight into ring[:nbytes] (the caller checked nbytes <= len(ring)),
-    landed(start, end) called as each chunk of `chunk` bytes is whole (the receiver queues its
-    host-to-device copy of that chunk while the next one arrives)."""
-    start = 0
-    while start < nbytes:
-        end = min(nbytes, start + chunk)
-        receive_into(sock, ring[start:end])
-        if landed is not None:
-            landed(start, end)
-        start = end
 
 
 def read_message(sock: socket.socket, max_body: int) -> tuple[bytes, bytes]:

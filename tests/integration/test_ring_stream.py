@@ -15,6 +15,8 @@ stream goes on); a connection without the binding's hello is closed unanswered.
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -39,35 +41,74 @@ def _in_order(stamps: dict, names: list[str]) -> None:
     assert stamps["sent"] <= stamps["pushed"] <= stamps["answered"], stamps
 
 
-@pytest.mark.parametrize("guarded", [False, True], ids=["host-checks", "gpu-guard"])
-def test_steps_over_the_stream_draft_what_in_process_drafts(tiny_root, monkeypatch, guarded):
+@pytest.mark.parametrize("guarded,lanes", [(False, 1), (True, 4)], ids=["host-checks-1-lane", "gpu-guard-4-lanes"])
+def test_steps_over_the_stream_draft_what_in_process_drafts(tiny_root, monkeypatch, guarded, lanes):
     monkeypatch.setattr(bound_ipc, "GUARDED_RING", guarded)
-    monkeypatch.setattr(rs, "CHUNK", 4096)  # a 13-token EAGLE-3 step's prefix lands in several chunks
-    chunks = []
+    monkeypatch.setattr(rs, "CHUNK", 2048)  # a 13-token EAGLE-3 step's prefix lands in several chunks
+    chunks, copies, busy = [], [], []  # busy: the chunk start whose landing finds the engine's lock taken
     if guarded:
         landed = ring_stream.GuardedStreamSession._landed
-        monkeypatch.setattr(ring_stream.GuardedStreamSession, "_landed",
-                            lambda self, a, z: (chunks.append((a, z)), landed(self, a, z)))
+        monkeypatch.setattr(ring_stream.GuardedStreamSession, "_landed", lambda self, a, z: (
+            chunks.append((a, z)), _busy(self.core.executor.engine_lock, landed, self, a, z) if a in busy
+            else landed(self, a, z)))
     with Drafter(_engine(tiny_root, "eagle3"), ipc_path=None) as drafter:
-        targets = [Target(tiny_root, "eagle3", drafter, seed=1, transport="tcp")]
+        t = Target(tiny_root, "eagle3", drafter, seed=1, transport="tcp")
+        t.client.lanes = lanes
         try:
-            targets[0].step(PLANS[0])
-            b = _binding(drafter, targets[0])
+            t.step(PLANS[0])
+            b = _binding(drafter, t)
             assert type(b) is (ring_stream.GuardedStreamSession if guarded else ring_stream.RingStreamSession)
-            link = targets[0].client.link
+            link = t.client.link
             assert link.conn is not None and link.resp.stream.startswith("tcp://"), link.stream_reason
+            assert len(link.conns) == lanes == b.stream_lanes
             link.sock.close(linger=0)  # the data socket gone: only the stream can carry the next step
-            targets[0].step(PLANS[1])
-            _in_order(targets[0].client.stamps, ORDER)
+            if guarded:  # the chunks the lanes could not stage (the engine busy) are copied at the step
+                stage = ring_stream.GuardedStreamSession._stage
+                monkeypatch.setattr(ring_stream.GuardedStreamSession, "_stage", lambda self, n: (
+                    copies.append(dict(self._staged)), stage(self, n)))
+                busy.append(rs.CHUNK)
+            chunks.clear()
+            t.step(PLANS[1])
+            _in_order(t.client.stamps, ORDER)
             if guarded:
                 nbytes = wb.step_bytes(b.slots, 13)
-                spans = [c for c in chunks if c[1] == nbytes]
-                assert len(chunks) >= 2 * 3 and spans, "the prefix landed in chunks, each staged"
-                assert b._staged == 0, "the step took what the chunks staged"
-            assert targets[0].client.binds == 1
+                assert sorted(chunks) == [(a, min(nbytes, a + rs.CHUNK)) for a in range(0, nbytes, rs.CHUNK)]
+                assert len(chunks) >= lanes, "every lane carried a stripe"
+                assert rs.CHUNK not in copies[-1] and len(copies[-1]) == len(chunks) - 1, \
+                    "the chunk landed while the engine was busy was left to the step"
+            assert t.client.binds == 1
         finally:
-            for t in targets:
-                t.close()
+            t.close()
+
+
+def _busy(lock, landed, session, a: int, z: int) -> None:
+    """landed() while another thread holds the engine's lock (a replay, a capture)."""
+    taken = threading.Event()
+    done = threading.Event()
+
+    def hold():
+        with lock:
+            taken.set()
+            done.wait(10)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(10)
+    try:
+        landed(session, a, z)
+    finally:
+        done.set()
+        holder.join(10)
+
+
+def test_stripes_split_a_body_into_whole_chunks_lane_0_first():
+    assert rs.stripes(0, 4, 8) == [(0, 0)] * 4
+    assert rs.stripes(5, 4, 8) == [(0, 5), (5, 5), (5, 5), (5, 5)]
+    assert rs.stripes(70, 4, 8) == [(0, 24), (24, 48), (48, 70), (70, 70)]
+    assert rs.stripes(64, 2, 8) == [(0, 32), (32, 64)]
+    for n in range(0, 200, 7):
+        spans = rs.stripes(n, 3, 16)
+        assert spans[0][0] == 0 and spans[-1][1] == n and all(a % 16 == 0 for a, z in spans if a < z)
+        assert all(spans[i][1] == spans[i + 1][0] for i in range(2))
 
 
 def test_over_ipc_and_without_a_stream(tiny_root, tmp_path):
@@ -141,6 +182,14 @@ def test_messages_the_stream_cannot_take_are_refused_naming_the_field(tiny_root)
                 rs.read_message(bad, 0)
         finally:
             t.close()
+        many = Target(tiny_root, "eagle3", drafter, seed=2)
+        many.client.lanes = rs.MAX_LANES + 1
+        try:
+            with pytest.raises(DrafterError) as err:
+                many.client.bind()
+            assert (err.value.code, err.value.field) == (Code.INVALID_ARGUMENT, "stream_lanes"), str(err.value)
+        finally:
+            many.close()
 
 
 def test_a_connection_without_the_hello_is_closed_unanswered():
@@ -150,19 +199,20 @@ def test_a_connection_without_the_hello_is_closed_unanswered():
     rs.send_message(strangers[0], rs.HELLO + b"0" * 32, [])
     strangers[1].sendall(rs.PREFIX.pack(1 << 30, 0))
     good = []
-    t = __import__("threading").Thread(target=lambda: good.append(rs.connect(address, "f" * 32, 10)))
+    t = threading.Thread(target=lambda: good.extend(rs.connect(address, "f" * 32, 10, lane) for lane in (1, 0)))
     t.start()
-    conn = rs.accept(listener, "f" * 32, lambda: not good, 0.05, 2.0)
+    until = time.monotonic() + 30
+    conns = rs.accept(listener, "f" * 32, lambda: time.monotonic() < until, 0.05, 2.0, lanes=2)
     t.join(10)
     try:
-        assert conn is not None and good
+        assert conns is not None and len(good) == 2
+        assert [c.getpeername() for c in conns] == [good[1].getsockname(), good[0].getsockname()], "in lane order"
         for s in strangers:
             with pytest.raises((rs.Closed, ConnectionError)):
                 rs.read_message(s, 0)
     finally:
-        for s in (*strangers, *good, conn, listener):
-            if s is not None:
-                s.close()
+        for s in (*strangers, *good, *(conns or ()), listener):
+            s.close()
 
 
 def test_a_stream_the_drafter_closed_fails_the_step_and_the_client_binds_again(tiny_root):
