@@ -19,14 +19,16 @@ tables), timed piece by piece, p50 / p99 us of --steps each:
     in Python's timeout mode (a recv call per piece the kernel has, where the drafter's blocking
     socket takes a chunk per call);
   * pipelined_tcp, pipelined_tcp_4 (GPU, with --child-device): the whole host_ring data path
-    without an engine: the prefix's D2H copies in chunks each sent as it lands (BoundLink._parts),
+    without an engine: the prefix's D2H copies in pieces, each chunk sent as its piece lands
+    (bound_client.device_parts, as BoundLink sends a GPU source),
     the child's H2D copy of each chunk queued as it lands on its GPU, its sync, the reply.
 
 The bound: the loopback bandwidth of the fastest transfer at the largest size gives the time the
 prefix alone needs at each batch; with the pieces overlapped perfectly a step cannot take less
 than the in-process call plus that (--inprocess-us: the trusted in-process p50 at each batch, r0's
 on two H200s by default), so (in-process + transfer) / in-process is the best ratio the host ring
-can reach over this link.  bound.md / host_ring_probe.json in --out.
+can reach over this link (--inprocess-json: read them from a bound bench's bound.json).
+host_ring_probe.md / host_ring_probe.json in --out.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import torch
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the checkout's packages
+from coordinator.transport.bound_client import D2H_PIECES, device_parts  # noqa: E402
 from drafter.wire import ring_stream as rs  # noqa: E402
 
 SMALL = 16 << 10  # bytes of the small buffers ahead of the hidden states (ids, positions, tables)
@@ -178,18 +181,6 @@ def _stream_path(conns: list, head: bytes, nbytes: int, parts, pool, steps: int)
     return _time(one, steps)
 
 
-def _gpu_parts(source: torch.Tensor, ring: torch.Tensor, nbytes: int, events: list):
-    """BoundLink._parts for a GPU source: every chunk's D2H copy queued with an event after it; a
-    part waits for its own chunk's event."""
-    view = memoryview(ring.numpy())
-    stream = torch.cuda.current_stream()
-    for i in range(-(-nbytes // rs.CHUNK)):
-        a, z = i * rs.CHUNK, min(nbytes, (i + 1) * rs.CHUNK)
-        ring[a:z].copy_(source[a:z], non_blocking=True)
-        events[i].record(stream)
-    return lambda a, z: (events[a // rs.CHUNK].synchronize(), view[a:z])[1]
-
-
 def measure(args) -> dict:
     sizes = {b: SMALL + b * (args.k + 1) * args.width * 2 for b in args.batches}
     top = max(sizes.values())
@@ -205,7 +196,7 @@ def measure(args) -> dict:
         host = torch.zeros(top, dtype=torch.uint8, pin_memory=cuda)
         view = memoryview(host.numpy())
         gpu = torch.zeros(top, dtype=torch.uint8, device="cuda") if cuda else None
-        events = [torch.cuda.Event() for _ in range(-(-top // rs.CHUNK))] if cuda else []
+        events = [torch.cuda.Event() for _ in range(D2H_PIECES)] if cuda else []
         out = {}
         for b, nbytes in sizes.items():
             row = {"bytes": nbytes, **_copies(nbytes, args.steps)}
@@ -216,7 +207,7 @@ def measure(args) -> dict:
             if gpu is not None and args.child_device:
                 for name in ("stream_tcp", "stream_tcp_4"):
                     row["pipelined_" + name[len("stream_"):]] = _stream_path(
-                        conns[name], b"h2d", nbytes, lambda: _gpu_parts(gpu, host, nbytes, events), pool, args.steps)
+                        conns[name], b"h2d", nbytes, lambda: device_parts(gpu, host, view, nbytes, events), pool, args.steps)
             out[b] = row
             print(f"batch {b}: {nbytes / 1e6:.2f} MB " + ", ".join(
                 f"{k} {v['p50_us']:.0f}" for k, v in row.items() if isinstance(v, dict)) + " us p50", flush=True)
@@ -270,11 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=3 * 4096, help="hidden columns (bf16) per token")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--inprocess-us", default="730,850,1090", help="in-process p50 per batch, for the ratio bound")
+    p.add_argument("--inprocess-json", default="", help="a coordinator.bench.bound bound.json: its trusted in-process "
+                                                       "p50 per batch instead of --inprocess-us")
     p.add_argument("--child-device", default="", help="the receiving child's GPU for the pipelined path (cuda:1)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
     inprocess = [float(x) for x in args.inprocess_us.split(",")]
+    if args.inprocess_json and Path(args.inprocess_json).exists():
+        rows = json.loads(Path(args.inprocess_json).read_text())["batches"]
+        inprocess = [rows[str(b)]["in_process"]["trusted_propose"]["p50_us"] for b in args.batches]
     if len(inprocess) != len(args.batches):
         raise SystemExit("--inprocess-us: one figure per batch")
     result = measure(args)

@@ -42,6 +42,7 @@ from drafter.wire.tensors import DTYPES
 
 STREAM_CONNECT_S = 0.5  # at least this long for the ring stream's hello to be answered
 STREAM_LANES = 4  # the ring stream's connections per binding: one tcp stream is bound by the core that copies it
+D2H_PIECES = 8  # a GPU source's prefix goes to the host ring in at most this many copies (device_parts)
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _ATTACH = msgspec.msgpack.Decoder(schema.AttachResponse)
 REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)  # the drafter forgot the session: attach again
@@ -225,20 +226,9 @@ class BoundLink:
             if source is not None:
                 ring.slab[:nbytes].copy_(source[:nbytes])
             return lambda a, z: ring.bytes[a:z]
-        chunks = -(-nbytes // rs.CHUNK)
-        stream = torch.cuda.current_stream(source.device)
-        while len(self._events) < chunks:
+        while len(self._events) < D2H_PIECES:
             self._events.append(torch.cuda.Event())
-        for i in range(chunks):
-            a, z = i * rs.CHUNK, min(nbytes, (i + 1) * rs.CHUNK)
-            ring.slab[a:z].copy_(source[a:z], non_blocking=True)
-            self._events[i].record(stream)
-        events = self._events
-
-        def part(a: int, z: int):
-            events[a // rs.CHUNK].synchronize()
-            return ring.bytes[a:z]
-        return part
+        return device_parts(source, ring.slab, ring.bytes, nbytes, self._events)
 
     def _stream_reply(self, head: wb.StepHeader, deadline: float, timeout_s: float) -> torch.Tensor:
         """The step's StepDone and drafts from the stream; a silent drafter is DEADLINE_EXCEEDED, a
@@ -453,6 +443,28 @@ def join_channel(resp: wb.BindResponse, timeout_s: float):
         return dist.ProcessGroupGloo(dist.PrefixStore(resp.channel, store), 0, 2, timeout)
     except RuntimeError as exc:
         raise DrafterError(Code.UNAVAILABLE, "store", f"joining the gloo channel at {resp.store}: {exc}") from None
+
+
+def device_parts(source: torch.Tensor, slab: torch.Tensor, view: memoryview, nbytes: int, events: list):
+    """A GPU source's prefix to the pinned host slab in at most D2H_PIECES copies of whole chunks,
+    all queued now on the current stream with an event after each; part(start, end) (a chunk of
+    rs.send_striped's) waits for its own piece's event and gives view[start:end].
+
+    source: [>= nbytes] uint8 on a GPU; slab: [>= nbytes] uint8 pinned, view its bytes; events:
+    at least D2H_PIECES CUDA events.  Fewer, larger copies than chunks: each copy queued costs
+    microseconds of host time before the first chunk can go."""
+    per_piece = -(-nbytes // D2H_PIECES)
+    piece = max(1, -(-per_piece // rs.CHUNK)) * rs.CHUNK  # whole chunks per copy
+    stream = torch.cuda.current_stream(source.device)
+    for i, a in enumerate(range(0, nbytes, piece)):
+        z = min(nbytes, a + piece)
+        slab[a:z].copy_(source[a:z], non_blocking=True)
+        events[i].record(stream)
+
+    def part(a: int, z: int):
+        events[a // piece].synchronize()
+        return view[a:z]
+    return part
 
 
 def knows_no_stream(err: DrafterError) -> bool:
