@@ -24,6 +24,10 @@ hidden states kept on its device.  Three ways to get drafts for it:
                  without waiting; otherwise it waits for the exact drafts as above
   (predraft_nowait: the same, but a step whose rows mostly hit goes without waiting, its missed
                  rows verifying no drafts)
+  bound pre-draft the exact bound session asking for pre-drafts (predraft_bound): the drafter
+                 pushes each set on the binding's doorbell after the StepDone; the target picks
+                 locally (coordinator.predraft.BoundPreDrafting) and, when every row hits, sends
+                 the header without waiting (step_nowait); otherwise the exact bound step
 
 Where each step's time goes: the target stamps each timed step (verify end, outcome drawn, call
 built, sent, drafts in hand) and the served drafter (`python -m drafter.tools.bench.predraft
@@ -418,6 +422,53 @@ class ExactBound:
             self.client.close()
 
 
+class PreDraftBound(PreDraft):
+    """Pushed pre-drafts on the bound session (cuda_ipc): each step asks for them; the drafter
+    pushes each set on the binding's channel after the StepDone; the target picks locally and,
+    when every row hits, sends the step's header without waiting for its reply (no round trip),
+    else takes the exact bound step (coordinator.predraft.BoundPreDrafting).  Outcomes are drawn
+    as for `predraft` (PreDraft.outcomes), keyed by the binding's step numbers."""
+
+    name = "predraft_bound"
+
+    def __init__(self, client):
+        from coordinator.predraft import BoundPreDrafting
+
+        self.client = client
+        self.steps = 0
+        self.sent_ns, self.waited = 0, True
+        self.pd = BoundPreDrafting(client)
+        self.picker = self.pd.picker
+        self.unawaited = 0
+        self.late_wait_s = 0.5
+        self.missing = 0
+        self.last_stamps: dict = {}
+
+    @property
+    def last_step(self) -> int:  # the binding's last step: the key of the set the next pick reads
+        return self.client.last_step
+
+    def hidden(self, rows: Rows) -> torch.Tensor:
+        return rows.hidden  # on the target's device: the slab is filled there
+
+    def draft(self, step: int, kw: dict, accepted_counts) -> tuple[torch.Tensor, list[bool]]:
+        inputs = ProposeInputs(**{f: kw.get(f) for f in ProposeInputs.__dataclass_fields__})
+        self.sent_ns = time.perf_counter_ns()
+        before = self.pd.unawaited
+        drafts, pre = self.pd.step(inputs, accepted_counts)
+        self.waited = self.pd.unawaited == before
+        self.unawaited += int(not self.waited)
+        self.last_stamps = dict(self.client.stamps) if self.waited else {}
+        return drafts, pre
+
+    def close(self) -> None:
+        try:
+            self.client.settle()
+            self.client.detach()
+        finally:
+            self.client.close()
+
+
 def bound_client(endpoint: str, batch: int, k: int, args):
     """A bound session of the product's client for the bench's calls (plane: cuda_ipc where the
     drafter can read the target's GPU, else the host ring)."""
@@ -692,8 +743,9 @@ def prime(endpoint: str, k: int, args, target, assume: Assumptions, verify: Veri
 def table(results: list[dict], verify_ms, batches) -> list[str]:
     lines = ["| V ms | batch | in-process best (k) | exact remote best (k) | exact bound best (k) | pre-draft k=3 (hit) | "
              "pre-draft best (k, hit) | pre k=3 / in-proc best | pre best / in-proc best | pre k=3 / in-proc k=3 | "
-             "no-wait best (k, hit) | no-wait best / in-proc best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "no-wait best (k, hit) | no-wait best / in-proc best | bound pre-draft k=3 (hit) | "
+             "bound pre-draft best (k, hit) | bound pre k=3 / in-proc k=3 | bound pre best / in-proc best |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in verify_ms:
         for b in batches:
             mine = [r for r in results if r["verify_ms"] == v and r["batch"] == b]
@@ -709,6 +761,7 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
             ip, ex, pb, p3, ip3 = best("in_process"), best("exact_remote"), best("predraft"), at("predraft", 3), \
                 at("in_process", 3)
             nw, eb = best("predraft_nowait"), best("exact_bound")
+            bp, bp3 = best("predraft_bound"), at("predraft_bound", 3)
 
             def cell(r, hit=False):
                 if r is None:
@@ -718,7 +771,8 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
             def ratio(x, y):
                 return f"{x['tokens_per_s'] / y['tokens_per_s']:.3f}" if x and y else "-"
             lines.append(f"| {v:g} | {b} | {cell(ip)} | {cell(ex)} | {cell(eb)} | {cell(p3, True)} | {cell(pb, True)} | "
-                         f"{ratio(p3, ip)} | {ratio(pb, ip)} | {ratio(p3, ip3)} | {cell(nw, True)} | {ratio(nw, ip)} |")
+                         f"{ratio(p3, ip)} | {ratio(pb, ip)} | {ratio(p3, ip3)} | {cell(nw, True)} | {ratio(nw, ip)} | "
+                         f"{cell(bp3, True)} | {cell(bp, True)} | {ratio(bp3, ip3)} | {ratio(bp, ip)} |")
     return lines
 
 
@@ -799,8 +853,8 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         if mode == "in_process":
                             drafter = InProcess(engine)
-                        elif mode == "exact_bound":
-                            drafter = ExactBound(bound_client(servers[k][1], b, k, args))
+                        elif mode in ("exact_bound", "predraft_bound"):
+                            drafter = REMOTE[mode](bound_client(servers[k][1], b, k, args))
                         else:
                             drafter = REMOTE[mode](attach(servers[k][1], b, args))
                         sessions += 1
@@ -847,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 REMOTE = {"exact_remote": ExactRemote, "exact_bound": ExactBound, "predraft": PreDraft,
-          "predraft_nowait": PreDraftNoWait}
+          "predraft_nowait": PreDraftNoWait, "predraft_bound": PreDraftBound}
 
 
 def _log_run(r: dict) -> None:

@@ -337,4 +337,6 @@ class BoundPreDrafts:
         inp = ProposeInputs(positions, positions, self.kept[:b], o["next_token_ids"][:b], self.iota[:b + 1],
                             o["seq_lens"][:b], [o[f"block_tables[{g}]"][:b] for g in range(self.groups)],
                             [positions], token_indices_to_sample=rows)
+        if self.device.type == "cuda":  # a pageable copy would wait for the stream (the step's replay)
+            used = used.pin_memory().to(self.device, non_blocking=True)
         return predraft_queued(self.engine, inp, used.to(self.device), head.step, outcomes)

@@ -18,7 +18,7 @@ import torch
 from tests.integration.test_bound_remote import (MAX_BATCH, PADDING, SESSION_BLOCKS, Drafter,  # noqa: E402
                                                  _buffers)
 
-from coordinator.bench.predraft_target import Assumptions, Rows, SimConfig  # noqa: E402
+from coordinator.bench.predraft_target import Assumptions, PreDraftBound, Rows, SimConfig, Verify, run  # noqa: E402
 from coordinator.predraft import BoundPreDrafting, call_inputs  # noqa: E402
 from coordinator.transport.bound_ipc import CudaIpcBoundClient  # noqa: E402
 from drafter.engine.graphs import GraphRunner  # noqa: E402
@@ -38,6 +38,12 @@ def _local_slabs(monkeypatch):
     monkeypatch.setattr(bound_ipc, "BACKEND", LocalSlabs())
 
 
+@pytest.fixture(scope="module")
+def engines(tiny_root):
+    """(the served engine with emulated graphs, the in-process reference), built once for the module."""
+    return _engines(tiny_root)
+
+
 def _engines(root):
     kw = dict(k=K, max_model_len=MAX_LEN, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS,
               num_blocks=2 * SESSION_BLOCKS, predraft_outcomes=OUTCOMES, capture_sizes=(MAX_BATCH,))
@@ -50,6 +56,12 @@ def _engines(root):
 
 def _call(kw: dict) -> ProposeInputs:
     return ProposeInputs(**{f: kw.get(f) for f in ProposeInputs.__dataclass_fields__})
+
+
+def _client(drafter, served) -> CudaIpcBoundClient:
+    layout = layout_for(drafter.core.info(), SESSION_BLOCKS, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS)
+    return CudaIpcBoundClient(drafter.endpoint, layout, _buffers(served), max_batch=MAX_BATCH, device="cpu",
+                              timeout_s=120, allow_fallback=False, slabs=LocalSlabs())
 
 
 class Offline:
@@ -87,13 +99,10 @@ def _draw(rows: Rows, pre, hit: list[bool]) -> tuple[list[int], torch.Tensor]:
     return accepted, tokens
 
 
-def test_bound_pushes_equal_offline_predrafts_and_hits_cost_no_round_trip(tiny_root):
-    served, reference = _engines(tiny_root)
+def test_bound_pushes_equal_offline_predrafts_and_hits_cost_no_round_trip(engines):
+    served, reference = engines
     with Drafter(served) as drafter:
-        info = drafter.core.info()
-        layout = layout_for(info, SESSION_BLOCKS, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS)
-        client = CudaIpcBoundClient(drafter.endpoint, layout, _buffers(served), max_batch=MAX_BATCH, device="cpu",
-                                    timeout_s=120, allow_fallback=False, slabs=LocalSlabs())
+        client = _client(drafter, served)
         pd = BoundPreDrafting(client, push_wait_s=120)  # the test waits for each set: every pick can hit
         pushed = {}
         offer = pd.picker.offer
@@ -139,3 +148,24 @@ def test_bound_pushes_equal_offline_predrafts_and_hits_cost_no_round_trip(tiny_r
             assert session._predrafts is not None
         finally:
             client.close()
+
+
+def test_the_benchs_bound_predraft_mode_runs_its_loop(engines):
+    """coordinator.bench.predraft_target's predraft_bound mode (its GPU record's code path) over the
+    same plane: every step's set is pushed and read (on this CPU each comes after the simulated
+    1 ms verify, so the bench counts it late and the step waits: never used for a later step)."""
+    served, _ = engines
+    with Drafter(served) as drafter:
+        client = _client(drafter, served)
+        mode = PreDraftBound(client)
+        rows = Rows(SimConfig(BATCH, K, ctx=8, max_len=MAX_LEN, vocab=drafter.core.desc.vocab_size,
+                              width=served.spec.hidden_input_width, seed=3), torch.device("cpu"), torch.float32,
+                    Assumptions())
+        try:
+            out = run(rows, mode, Verify(torch.device("cpu"), 1.0), steps=2, warmup=0)
+            assert client.plane == wb.CUDA_IPC
+            assert out["steps"] == 2 and out["tokens_per_step"] >= 1.0
+            assert out["sets"] + out["late_sets"] >= 2, out  # each timed step found the previous step's set
+            assert out["unawaited"] == sum(not m["waited"] for m in out["marks"])
+        finally:
+            mode.close()
