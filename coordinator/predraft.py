@@ -171,7 +171,7 @@ class PushedPreDrafting:
     step) and the pre-drafts are returned at once; otherwise it waits as before and a hit's row
     gets its pre-draft.  A drafter that later answers an unawaited call with an error may lack that
     call's KV: `generation` then moves on, so the target resends every context (as after a restart).
-    Pushes travel on the unbound Propose path: bound sessions push nothing (no hits, exact drafts).
+    Pushes travel on the unbound Propose path here (a bound session's pushes: BoundPreDrafting).
     """
 
     def __init__(self, proposer, *, wait_on_hit: bool = False, push_wait_s: float = 0.0):
