@@ -206,7 +206,8 @@ def bound_push_frame(pre: PreDrafts, session_id: str, epoch: int) -> bytes:
 
 def bound_push_from_frame(frame) -> tuple[PreDrafts, str, int]:
     """(pre-drafts, session id, epoch) of a push frame, every tensor checked as push_from_frames
-    checks them; InvalidInput naming the field (or "push" for a frame that does not decode)."""
+    checks them; DrafterError INVALID_ARGUMENT naming the field (or "push" for a frame that does not
+    decode)."""
     from drafter.wire.errors import invalid
 
     _, _, dec = _bound()
