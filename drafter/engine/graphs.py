@@ -141,6 +141,7 @@ class GraphRunner:
         self.capture()
         return self._capture(fn)
 
+    @torch.inference_mode()
     def capture_folded(self, prologue: Callable[[], None]) -> tuple[dict[tuple[int, int], Callable[[], None]],
                                                                     Callable[[], None]]:
         """Graphs that run `prologue` (a bound binding's step guard, drafter.engine.bound.fold) at
@@ -151,14 +152,17 @@ class GraphRunner:
         the header cleared first (the warm-up runs read and write nothing through it), in
         "thread_local" mode: a binding is made while other threads may make CUDA calls of their
         own (a channel's send, a client in the same process); the caller holds the engine (no
-        replay of these graphs runs meanwhile).  Emulated: the functions, each run once."""
+        replay of these graphs runs meanwhile).  The runner keeps no reference to them: they live
+        as long as the returned replays (the binding's), so a binding gone frees its graphs.
+        Emulated: the functions, each run once."""
         self.capture()
         self.header.wait_until_read()
         neutralize(self.engine.buffers)
         self.header.clear()
-        folded = {(t, b): self._capture(lambda t=t, b=b: (prologue(), self._combined(t, b)), "thread_local")
+        folded = {(t, b): self._capture(lambda t=t, b=b: (prologue(), self._combined(t, b)), "thread_local",
+                                        keep=False)
                   for t, b in reversed(self.combined_sizes)}
-        return folded, self._capture(prologue, "thread_local")
+        return folded, self._capture(prologue, "thread_local", keep=False)
 
     def replay_folded(self, graph: Callable[[], None]) -> None:
         """Replay one of capture_folded's combined graphs for a call the header already describes."""
@@ -168,9 +172,10 @@ class GraphRunner:
         self.folded_replays += 1
         self.replays += 1
 
-    def _capture(self, fn: Callable[[], None], mode: str | None = None) -> Callable[[], None]:
+    def _capture(self, fn: Callable[[], None], mode: str | None = None, keep: bool = True) -> Callable[[], None]:
         """mode: torch.cuda.graph's capture_error_mode (default: "thread_local" for a sharded head,
-        whose watchdog thread queries events meanwhile, else "global")."""
+        whose watchdog thread queries events meanwhile, else "global"); keep: the runner keeps the
+        graph alive (else the returned replay alone does)."""
         if self.emulate:
             # a "replay" runs the torch ops again: outside inference mode they would record autograd
             replay = torch.inference_mode()(fn)
@@ -188,7 +193,8 @@ class GraphRunner:
             mode = "thread_local" if self.sharded else "global"
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode=mode):
             fn()
-        self.graphs.append(graph)
+        if keep:
+            self.graphs.append(graph)
         # the C++ replay itself where torch exposes it: the Python override adds a per-call check
         native = getattr(torch._C._CUDAGraph, "replay", None)
         return native.__get__(graph) if native is not None else graph.replay
