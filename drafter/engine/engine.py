@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,22 +82,38 @@ class DraftEngine:
         # CUDA graphs capture a sharded step with its collectives inside (drafter.engine.graphs)
         sharded = getattr(head, "shard", SINGLE).world > 1
         if head is not None and self.backend.name == "triton":  # imported here: these need triton
-            from drafter.engine.graphs import GraphRunner
-            from drafter.models.fusion import fuse_head
-            from drafter.models.shard_fusion import fuse_sharded_head
-
-            # one q/k/v GEMM, rotary + KV write and norms in fused kernels; skinny GEMMs where faster
-            if spec.method != "deepseek_mtp":
-                (fuse_sharded_head if sharded else fuse_head)(head, config.skinny_gemm)
-            if config.use_cuda_graphs and self.device.type == "cuda":
-                # the draft loop as CUDA graphs: the Triton path never reads device values on the host
-                self.graphs = GraphRunner(self)
+            with self.on_device():  # fusion times its kernel candidates on the engine's GPU
+                self._fuse_and_graph(spec, config, sharded)
         span = config.num_tree_nodes or config.num_speculative_tokens - 1
         self.limits = Limits(
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=spec.vocab_size,
             hidden_width=spec.hidden_input_width, num_blocks=tuple(g.num_blocks for g in config.kv_groups),
             block_sizes=tuple(g.block_size for g in config.kv_groups), draft_span=span)
+
+    def _fuse_and_graph(self, spec: ModelSpec, config: EngineConfig, sharded: bool) -> None:
+        """The Triton path's fused head and, on a GPU, its CUDA graph runner."""
+        from drafter.engine.graphs import GraphRunner
+        from drafter.models.fusion import fuse_head
+        from drafter.models.shard_fusion import fuse_sharded_head
+
+        # one q/k/v GEMM, rotary + KV write and norms in fused kernels; skinny GEMMs where faster
+        if spec.method != "deepseek_mtp":
+            (fuse_sharded_head if sharded else fuse_head)(self.head, config.skinny_gemm)
+        if config.use_cuda_graphs and self.device.type == "cuda":
+            # the draft loop as CUDA graphs: the Triton path never reads device values on the host
+            self.graphs = GraphRunner(self)
+
+    def on_device(self):
+        """The engine's GPU as the current device for the calls below it, when another one is current:
+        Triton launches and torch's default streams follow the current device, not the tensors', so an
+        engine on cuda:1 called from a thread whose current device is cuda:0 would launch its kernels
+        on the wrong GPU.  A no-op (one cheap query) when the engine's GPU is already current, and on
+        the CPU.  CUDA graph replays set their own device."""
+        d = self.device
+        if d.type != "cuda" or d.index is None or d.index == torch.cuda.current_device():
+            return nullcontext()
+        return torch.cuda.device(d)
 
     @classmethod
     def from_dirs(cls, head_dir: str | Path, target_dir: str | Path | None = None,
@@ -150,6 +167,11 @@ class DraftEngine:
               ) -> DraftOutput:
         """propose() on a typed record (the service's engine thread calls this): block_tables and
         slot_mappings already one tensor per KV group."""
+        with self.on_device():
+            return self._draft(inp, return_probs, return_logits, batch_padded, tokens_padded, validate)
+
+    def _draft(self, inp: ProposeInputs, return_probs: bool, return_logits: bool, batch_padded, tokens_padded,
+               validate: bool) -> DraftOutput:
         if validate:
             groups = len(self.config.kv_groups)
             as_group_list("block_tables", inp.block_tables, groups)
@@ -180,7 +202,8 @@ class DraftEngine:
         if drafts.dim() != 2 or drafts.shape[0] != inp.batch_size or drafts.shape[1] != self.config.num_speculative_tokens:
             raise InvalidInput("drafts", f"expected [{inp.batch_size}, {self.config.num_speculative_tokens}], "
                                f"got {tuple(drafts.shape)}")
-        return predraft(self, inp, drafts, step, outcomes)
+        with self.on_device():
+            return predraft(self, inp, drafts, step, outcomes)
 
     def bind(
         self,
@@ -212,7 +235,8 @@ class DraftEngine:
             token_indices_to_sample, num_rejected_tokens)
         if drafts is None and self.graphs is not None:
             drafts = torch.empty(self.config.max_num_seqs, self.graphs.width, dtype=torch.int64, device=self.device)
-        return BoundPropose(self, inp, drafts)
+        with self.on_device():  # the first binding captures the graphs
+            return BoundPropose(self, inp, drafts)
 
     def _padded_sizes(self, inp: ProposeInputs, batch_padded, tokens_padded) -> tuple[int, int]:
         return self.padded_sizes(inp.next_token_ids.shape[0], inp.target_token_ids.shape[0], batch_padded,
