@@ -7,10 +7,15 @@
 
 The buffers are described to the drafter once (drafter.wire.bound.BindRequest); both ends lay
 them out identically in one contiguous slab (BoundRing), so a step sends a StepHeader and the
-slab's used prefix as one zero-copy frame, which the drafter receives straight into its own ring.
-No per-tensor work on either side.  On a GPU target the slab is pinned (a device-to-host copy
-fills it).  With plane="gloo_channel" the prefix goes by a point-to-point send on a two-rank gloo
-process group instead of the second frame (drafter.wire.bound).
+slab's used prefix, which the drafter receives straight into its own ring.  No per-tensor work on
+either side.  The host ring's steps go on the binding's ring stream (drafter.wire.ring_stream:
+STREAM_LANES plain tcp connections, or same-host UNIX ones for transport "ipc", the prefix striped
+over them in chunks, each lane sent by a thread of its own), else (a drafter that offers none) as
+the second, zero-copy frame of a ZMQ message on the data socket.  On a GPU target the slab is
+pinned and a step may name the GPU buffer that holds it (step(source=...)): on the stream its
+prefix is copied to the host in a few pieces and each chunk sent as soon as its piece landed
+(device_parts), on the data socket in one copy before the frame.  With plane="gloo_channel" the
+prefix goes by a point-to-point send on a two-rank gloo process group instead (drafter.wire.bound).
 
 Two layers: BoundLink is one binding's data path (the data socket, the gloo channel, one step's
 send and reply); HostRingClient adds a control socket that attaches and binds, and binds again by
