@@ -17,7 +17,7 @@ hidden states kept on its device.  Three ways to get drafts for it:
                  the host and sent as bytes), the target waiting for the reply
   exact bound    the same server through the product's bound client (cuda_ipc: the call copied
                  into a slab on the target's GPU, a header-only step; what a RemoteProposer runs
-                 once bound), the target waiting; bound steps carry no pre-drafts
+                 once bound), the target waiting; these steps ask for no pre-drafts
   pre-draft      the same server with --predraft-outcomes B: it pushes the next step's drafts for
                  the likeliest outcomes while the target verifies; the target picks locally
                  (coordinator.predraft.PreDraftPicker) and, when every row hits, sends the call
@@ -389,8 +389,8 @@ class ExactBound:
     product's bound client (coordinator.transport.bound_ipc.CudaIpcBoundClient) over cuda_ipc
     between two GPUs of one host (the host ring on a CPU), the call's tensors copied into the
     session's slab on the target's device by the product's fill, a header-only step, the target
-    waiting for the drafts.  Bound steps ask for no pre-drafts (they are pushed after unbound
-    replies only), so this is exact remote drafting at the bound path's cost."""
+    waiting for the drafts.  Its steps ask for no pre-drafts (predraft_bound's do), so this is exact
+    remote drafting at the bound path's cost."""
 
     name = "exact_bound"
 

@@ -17,6 +17,10 @@ means the set reached the target after it had picked (late): the budget halves, 
 `probe_every` calls.  Sets in time grow it by one per call up to the most.  While a request waits
 for the engine no pre-draft is made at all (exact drafting is never delayed by it) and the
 session's budget halves too.
+
+Bound cuda_ipc sessions (BoundPreDrafts, one per binding) pre-draft for steps whose header asks
+(StepHeader.want_predrafts) with the same bookkeeping (begin / keep) and push on the binding's
+own channel after the StepDone (docs/predraft.md, "On bound sessions").
 """
 
 from __future__ import annotations
