@@ -62,7 +62,7 @@ class BoundPropose:
         # header) wrote the header last; otherwise a call rewrites just the sizes
         self._words = runner.header.describe(self.inputs, drafts, converted=None)
         self._keep = (self.inputs, drafts, [])
-        self._plans: dict[tuple[int, int], tuple[int, int, bool]] = {}  # checked sizes -> padded sizes, graphs?
+        self._plans: dict[tuple, tuple[int, int, bool]] = {}  # checked sizes (and agreed ones) -> padded sizes, graphs?
         self.guard = None  # fold(): the step guard run ahead of every call
         self._folded: dict[tuple[int, int], object] = {}  # (tokens, batch) padded -> the guard + combined graph
         self._guard_alone = None  # the guard's graph reading the header's sizes (sizes without a folded graph)
@@ -87,10 +87,8 @@ class BoundPropose:
         with the GPU: write the buffers for the next call only after this call's graphs have
         read them (work queued later on the same stream is), and read the drafts before the next
         bound call overwrites them."""
-        if batch_padded is None and tokens_padded is None:
-            plan = self._plans.get((num_tokens, batch_size)) or self._remembered_plan(num_tokens, batch_size)
-        else:  # agreed sizes are checked on every call
-            plan = self._plan(num_tokens, batch_size, batch_padded, tokens_padded)
+        key = (num_tokens, batch_size, batch_padded, tokens_padded)
+        plan = self._plans.get(key) or self._remembered_plan(key)
         b_pad, t_pad, graphs = plan
         if not graphs:
             if self.guard is not None:
@@ -118,13 +116,15 @@ class BoundPropose:
         b_pad, t_pad = self._sizes(num_tokens, batch_size, batch_padded, tokens_padded)
         return b_pad, t_pad, b_pad in self.runner.loop_graphs and t_pad in self.runner.first_graphs
 
-    def _remembered_plan(self, num_tokens: int, batch_size: int) -> tuple[int, int, bool]:
-        """_plan of a call without agreed sizes, kept for the next call of the same sizes (their
-        checks depend on nothing else; a refused call raises and is not kept), a bounded number."""
-        plan = self._plan(num_tokens, batch_size, None, None)
+    def _remembered_plan(self, key: tuple) -> tuple[int, int, bool]:
+        """_plan of a call's (num_tokens, batch_size, batch_padded, tokens_padded), kept for the next
+        call of the same four (their checks depend on nothing else: a remote step's agreed sizes
+        are checked as before, once per distinct four; a refused call raises and is not kept), a
+        bounded number."""
+        plan = self._plan(*key)
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
-        self._plans[(num_tokens, batch_size)] = plan
+        self._plans[key] = plan
         return plan
 
     def _sizes(self, num_tokens: int, batch_size: int, batch_padded, tokens_padded) -> tuple[int, int]:
@@ -152,7 +152,7 @@ class BoundPropose:
         return self.drafts
 
 
-_MAX_PLANS = 4096  # distinct (num_tokens, batch_size) remembered: decode steps use a handful
+_MAX_PLANS = 4096  # distinct sizes remembered: decode steps use a handful
 
 
 def _rows(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
