@@ -111,9 +111,10 @@ def test_stripes_split_a_body_into_whole_chunks_lane_0_first():
         assert all(spans[i][1] == spans[i + 1][0] for i in range(2))
 
 
-def test_over_ipc_and_without_a_stream(tiny_root, tmp_path):
-    """transport ipc: the stream is a same-host abstract UNIX name; stream=False: the data socket
-    carries the steps as before, stamped."""
+def test_over_ipc_and_without_a_stream(tiny_root, tmp_path, monkeypatch):
+    """transport ipc: the stream is a same-host abstract UNIX name (4 lanes, the prefix in several
+    chunks); stream=False: the data socket carries the steps as before, stamped."""
+    monkeypatch.setattr(rs, "CHUNK", 2048)
     with Drafter(_engine(tiny_root, "eagle3"), ipc_path=f"ipc://{tmp_path}/d.sock") as drafter:
         a = Target(tiny_root, "eagle3", drafter, seed=1, transport="ipc")
         b = Target(tiny_root, "eagle3", drafter, seed=2, transport="tcp")
@@ -121,7 +122,7 @@ def test_over_ipc_and_without_a_stream(tiny_root, tmp_path):
         try:
             a.step(PLANS[0])
             b.step(PLANS[0])
-            assert a.client.link.resp.stream.startswith(rs.UNIX_PREFIX) and a.client.link.conn is not None
+            assert a.client.link.resp.stream.startswith(rs.UNIX_PREFIX) and len(a.client.link.conns) == 4
             assert b.client.link.conn is None and not b.client.link.resp.stream
             a.client.link.sock.close(linger=0)
             a.step(PLANS[1])
