@@ -106,6 +106,8 @@ class _Stream:
                     return
         except (OSError, rs.Closed) as exc:
             log.debug("ring stream ended: %s", exc)
+        except Exception:  # noqa: BLE001 - a chunk's copy failed (a bug of ours): the stream ends, the drafter serves on
+            log.exception("ring stream failed", extra={"event": "bound_stream_failed"})
         finally:
             listener.close()
             for conn in conns or ():
