@@ -10,9 +10,10 @@ config.json is written; each process builds the weights on its GPU):
   * in_process: per batch, in this process on the target's GPU, the trusted
     `propose(validate=False)` on GPU inputs and the in-process bound call (engine.bind, then
     bound.propose), each with the drafts copied to the host; and the bound call behind the step
-    guard (drafter.engine.step_guard captured over a device slab laid out as the remote
-    target's, the engine bound to its outputs) with the guard's replay alone (CUDA events): what
-    the guard adds without any second process;
+    guard (drafter.engine.step_guard over a device slab laid out as the remote target's, the
+    engine bound to its outputs, the guard folded into the bound graphs as the service does) with
+    the guard's own graph replayed alone (CUDA events): what the guard adds without any second
+    process;
   * start_server: one `drafter serve` process on the drafter's GPU (CUDA IPC allowed) with every
     batch captured, which the clients then attach to.
 """
