@@ -210,3 +210,34 @@ def test_the_client_sends_the_session_s_schedule():
     with pytest.raises(RuntimeError, match="stop"):
         transport.attach(spec, 1.0)
     assert sent[0].mtp_layer_schedule == "first_layer"
+
+
+# ------------------------------------------------------------------ the engine's own mtp layout, first_layer
+def test_mtp_first_layer_drafts_as_a_one_layer_head(tmp_path):
+    """first_layer on the mtp layout = per_step on the same head cut to its layer 0 (whose only layer
+    every step runs); per_step on both layers drafts otherwise."""
+    from drafter.models.loader import load_head
+    from drafter.models.tiny import write_tiny
+
+    assert write_tiny("mtp-multi", tmp_path, seed=5) == "mtp"
+
+    def engine(schedule: str, cut: bool = False) -> DraftEngine:
+        head = load_head(tmp_path / "head", "mtp", tmp_path / "target", device="cpu", dtype=torch.float32,
+                         max_model_len=MAX_MODEL_LEN)
+        if cut:
+            del head.layers[1:]
+        cfg = EngineConfig(method="mtp", num_speculative_tokens=3, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                           max_num_batched_tokens=128, kv_groups=(KVGroupSpec(BLOCK_SIZE, NUM_BLOCKS),) * 2,
+                           dtype="float32", attention_backend="reference", mtp_layer_schedule=schedule)
+        return DraftEngine(head, head.spec, cfg)
+
+    first, one_layer, per_step = engine("first_layer"), engine("per_step", cut=True), engine("per_step")
+    scn = Scenario(block_sizes=(BLOCK_SIZE, BLOCK_SIZE), num_blocks=(NUM_BLOCKS, NUM_BLOCKS), vocab_size=512,
+                   hidden_width=64, k=3, max_model_len=MAX_MODEL_LEN, seed=15)
+    differ = False
+    for plan in plans(3):
+        call = scn.call(plan)
+        ids = first.propose(**call.kwargs).draft_token_ids
+        assert torch.equal(ids, one_layer.propose(**call.kwargs).draft_token_ids), f"plan {plan}"
+        differ |= not torch.equal(ids, per_step.propose(**call.kwargs).draft_token_ids)
+    assert differ
