@@ -232,6 +232,7 @@ class DeviceLink:
         t0 = time.perf_counter_ns()
         early = self._early.pop(step, None)
         if early is not None:  # read by poll_pushes
+            self._waited_ns = 0
             raise_if_refused(early, self.close)
             return early
         try:
