@@ -162,10 +162,10 @@ def test_the_benchs_bound_predraft_mode_runs_its_loop(engines):
                               width=served.spec.hidden_input_width, seed=3), torch.device("cpu"), torch.float32,
                     Assumptions())
         try:
-            out = run(rows, mode, Verify(torch.device("cpu"), 1.0), steps=2, warmup=0)
+            out = run(rows, mode, Verify(torch.device("cpu"), 1.0), steps=1, warmup=0)
             assert client.plane == wb.CUDA_IPC
-            assert out["steps"] == 2 and out["tokens_per_step"] >= 1.0
-            assert out["sets"] + out["late_sets"] >= 2, out  # each timed step found the previous step's set
+            assert out["steps"] == 1 and out["tokens_per_step"] >= 1.0
+            assert out["sets"] + out["late_sets"] >= 1, out  # the timed step found the previous step's set
             assert out["unawaited"] == sum(not m["waited"] for m in out["marks"])
         finally:
             mode.close()
