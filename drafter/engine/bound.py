@@ -76,7 +76,8 @@ class BoundPropose:
         if self.guard is not None:
             raise RuntimeError("this binding already has its guard")
         header = self.runner.header.device  # [header words] int64: words N, B are the call's sizes
-        self._folded, self._guard_alone = self.runner.capture_folded(lambda: guard.launch(header))
+        with self.engine.on_device():  # captured on the engine's GPU, whichever is current (as bind's capture)
+            self._folded, self._guard_alone = self.runner.capture_folded(lambda: guard.launch(header))
         self.guard = guard
 
     def propose(self, num_tokens: int, batch_size: int, batch_padded: int | None = None,
