@@ -231,3 +231,37 @@ def test_a_stream_the_drafter_closed_fails_the_step_and_the_client_binds_again(t
             assert not t.client.link.alive or t.client.binds == 2
         finally:
             t.close()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "data-socket"])
+def test_the_cuda_ipc_clients_ring_fallback_stamps_every_stage_the_bench_reads(tiny_root, stream):
+    """CudaIpcBoundClient forced onto the host ring with its ring client made first, as
+    coordinator.bench.bound opens host_ring and host_ring_zmq: it drafts what in-process drafts and
+    its ring's stamps cover every RING_STAGES point."""
+    from coordinator.bench.bound import RING_STAGES
+    from coordinator.transport.bound_client import HostRingClient
+    from coordinator.transport.bound_ipc import CudaIpcBoundClient
+    from drafter.wire.cuda_slab import LocalSlabs
+    from tests.integration.test_bound_remote import MAX_BATCH, _buffers
+
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        ref = Target(tiny_root, "eagle3", drafter, seed=1)  # its reference engine and scenario drive the client
+        shape = Target._layout(drafter)
+        client = CudaIpcBoundClient(drafter.endpoint, shape, _buffers(drafter.engine), max_batch=MAX_BATCH,
+                                    device="cpu", timeout_s=60, allow_fallback=False, force_ring=True,
+                                    slabs=LocalSlabs())
+        client.ring = HostRingClient(drafter.endpoint, shape, client.buffers, max_batch=MAX_BATCH, timeout_s=60,
+                                     stream=stream)
+        try:
+            assert client.bind() == wb.HOST_RING
+            assert (client.ring.link.conn is not None) == stream
+            for plan in PLANS:
+                expected = ref.ref.propose(**ref.s_ref.call(plan).kwargs).draft_token_ids
+                n, b = _fill(client.views, ref.s_remote.call(plan).kwargs)
+                assert torch.equal(client.step(n, b, **PADDING), expected)
+            stamps = client.ring.stamps
+            assert all(k in stamps for _, a, z in RING_STAGES for k in (a, z)), sorted(stamps)
+        finally:
+            client.detach()
+            client.close()
+            ref.close()
