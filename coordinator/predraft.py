@@ -269,8 +269,11 @@ class BoundPreDrafting:
     pre-draft.  The views are written here (coordinator.transport.bound_transport.fill) after
     settle(), which orders them after the drafter's reads of an unawaited step."""
 
-    def __init__(self, client, push_wait_s: float = 0.0, wait_on_hit: bool = False):
-        self.client, self.push_wait_s, self.wait_on_hit = client, push_wait_s, wait_on_hit
+    def __init__(self, client, push_wait_s: float = 0.0, wait_on_hit: bool = False, min_hits: float | None = None):
+        """min_hits: also send without waiting when at least this share of the rows hit (at least
+        one); the rows that missed then get -1 drafts (verify none this step: one token).  None:
+        only when every row hits."""
+        self.client, self.push_wait_s, self.wait_on_hit, self.min_hits = client, push_wait_s, wait_on_hit, min_hits
         self.picker = PreDraftPicker()
         client.on_push = self.picker.offer
         self.unawaited = 0  # steps sent without waiting (every row a hit)
@@ -294,12 +297,17 @@ class BoundPreDrafting:
         counts = None if accepted_counts is None else [int(a) for a in accepted_counts.tolist()]
         client.settle()
         n, b = fill(client.views, inputs)
-        k = client.width if client.width else None
-        if (not self.wait_on_hit and client.link is self._link and self._link is not None and hits
-                and all(h is not None and (k is None or h.shape[0] >= k) for h in hits)):
+        k = client.width or max((int(h.shape[0]) for h in hits if h is not None), default=1)
+        got = [h is not None and h.shape[0] >= k for h in hits]
+        enough = all(got) or (self.min_hits is not None and sum(got) >= max(1.0, self.min_hits * len(got)))
+        if not self.wait_on_hit and client.link is self._link and self._link is not None and hits and enough:
             client.step_nowait(n, b, batch_padded, tokens_padded, counts)
             self.unawaited += 1
-            return torch.stack([h[:k] for h in hits]), [True] * b
+            drafts = torch.full((b, k), -1, dtype=torch.long)
+            for r, h in enumerate(hits):
+                if got[r]:
+                    drafts[r] = h[:k]
+            return drafts, got
         exact = client.step(n, b, batch_padded, tokens_padded, counts, want_predrafts=True)
         if client.link is not self._link:  # bound during the step: the picks were for no binding;
             self.picker.reset()  # the next pick reads this step's set (the new binding's first)

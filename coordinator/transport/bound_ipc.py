@@ -124,6 +124,7 @@ class DeviceLink:
         self.last_step = 0  # the last step sent (the next is last_step + 1)
         self._unawaited = 0  # a step sent by send_nowait whose StepDone settle() has not read yet
         self._early: dict[int, wb.StepDone] = {}
+        self._scratch: bytearray | None = None  # a doorbell frame's room for non-blocking reads
 
     def connect(self, timeout_s: float, channel_timeout_s: float = 0.0) -> bool:
         """Wait (at most timeout_s) until the data socket is connected; False if it did not in time."""
@@ -321,8 +322,13 @@ class DeviceLink:
         """One frame from the doorbell or the data socket within timeout_s; None when none came
         (a doorbell the drafter closed leaves the link closed)."""
         try:
-            if self.bell is not None:
-                frame = doorbell.receive(self.bell, timeout_s if timeout_s > 0 else 1e-6)
+            if self.bell is not None:  # nothing to wait for: a non-blocking read (a socket timeout waits >= 1 ms)
+                if timeout_s > 0:
+                    frame = doorbell.receive(self.bell, timeout_s)
+                else:
+                    if self._scratch is None:
+                        self._scratch = bytearray(doorbell.MAX_FRAME)
+                    frame = doorbell.spin(self.bell, 0.0, self._scratch)
                 if frame == b"":
                     self.close()
                     return None

@@ -45,9 +45,26 @@ class PreDrafts:
         return int(self.accepted.shape[1])
 
     def row_of(self, block_id: int, position: int) -> int | None:
-        """The row drafted for the request keyed (block_id, position), if any."""
-        hits = ((self.block_ids == block_id) & (self.positions == position)).nonzero()
-        return int(hits[0, 0]) if hits.numel() else None
+        """The row drafted for the request keyed (block_id, position), if any (the first such row)."""
+        got = self.index().get((block_id, position))
+        return None if got is None else got[0]
+
+    def index(self) -> dict:
+        """{(block id, position): (row, the drafts assumed verified, {(a, b): outcome})}, the first
+        row of a key and the first outcome of a pair, built once per set from Python lists: a
+        pick looks each row up in a few dictionary reads instead of tensor ops."""
+        got = self.__dict__.get("_index")
+        if got is None:
+            got = {}
+            cond, acc, nxt = self.conditioned_on.tolist(), self.accepted.tolist(), self.next_tokens.tolist()
+            for r, key in enumerate(zip(self.block_ids.tolist(), self.positions.tolist())):
+                if key not in got:
+                    outs: dict = {}
+                    for i, pair in enumerate(zip(acc[r], nxt[r])):
+                        outs.setdefault(pair, i)
+                    got[key] = (r, tuple(cond[r]), outs)
+            object.__setattr__(self, "_index", got)  # frozen: a cache beside the fields
+        return got
 
 
 @dataclass(frozen=True)
@@ -91,17 +108,15 @@ def lookup(pre: PreDrafts | None, outcome: Outcome | None) -> torch.Tensor | Non
     verified as the ones the pre-drafts assumed, and (a, b) among the predicted outcomes."""
     if pre is None or outcome is None:
         return None
-    row = pre.row_of(outcome.block_id, outcome.position)
-    if row is None:
+    got = pre.index().get((outcome.block_id, outcome.position))
+    if got is None:
         return None
-    assumed = pre.conditioned_on[row].tolist()
+    row, assumed, outs = got
     j = len(outcome.verified)
-    if j > len(assumed) or tuple(assumed[:j]) != outcome.verified:
+    if j > len(assumed) or assumed[:j] != outcome.verified:
         return None
-    match = ((pre.accepted[row] == outcome.accepted) & (pre.next_tokens[row] == outcome.next_token)).nonzero()
-    if not match.numel():
-        return None
-    return pre.drafts[row, int(match[0, 0])]
+    i = outs.get((outcome.accepted, outcome.next_token))
+    return None if i is None or outcome.accepted < 0 else pre.drafts[row, i]
 
 
 def merge(exact: torch.Tensor,  # [batch, k] int64: the drafter's exact drafts for the call

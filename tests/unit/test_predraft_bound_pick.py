@@ -1,0 +1,88 @@
+"""coordinator.predraft.BoundPreDrafting's pick and send policy, without a drafter: a set pushed
+for the previous step; every row a hit goes without waiting (step_nowait) with the pre-drafts; a
+miss waits for the exact step and keeps a hit row's pre-draft; with min_hits, a step whose share
+of hits is enough goes without waiting and its missed rows verify no drafts (-1)."""
+
+from __future__ import annotations
+
+import torch
+
+from coordinator.bench.predraft_target import Assumptions, Rows, SimConfig
+from coordinator.predraft import BoundPreDrafting
+from drafter.wire.predraft import PreDrafts
+from drafter.wire.records import ProposeInputs
+
+K, B = 3, 2
+
+
+class FakeClient:
+    """The CudaIpcBoundClient surface BoundPreDrafting uses; the exact drafts are all 7s."""
+
+    width = K
+
+    def __init__(self):
+        self.link, self.last_step, self.on_push = object(), 0, None
+        self.views = {name: torch.zeros(64, dtype=torch.int64) for name in
+                      ("target_token_ids", "target_positions", "next_token_ids", "query_start_loc", "seq_lens",
+                       "num_rejected_tokens", "token_indices_to_sample", "slot_mappings[0]")}
+        self.views["target_hidden_states"] = torch.zeros(64, 4)
+        self.views["block_tables[0]"] = torch.zeros(B, 6, dtype=torch.int64)  # max_len 96 / 16
+        self.sent: list[str] = []
+
+    def poll_pushes(self, timeout_s=0.0, until=None):
+        pass
+
+    def settle(self):
+        self.sent.append("settle")
+
+    def step_nowait(self, n, b, *args):
+        self.last_step += 1
+        self.sent.append("nowait")
+
+    def step(self, n, b, *args, **kw):
+        self.last_step += 1
+        self.sent.append("step")
+        return torch.full((b, K), 7, dtype=torch.long)
+
+
+def _setup(min_hits=None):
+    rows = Rows(SimConfig(B, K, ctx=20, max_len=96, vocab=100, width=4), torch.device("cpu"), torch.float32,
+                Assumptions())
+    client = FakeClient()
+    pd = BoundPreDrafting(client, min_hits=min_hits)
+    kw, _ = rows.call(None, rows._tokens(B), rows.hidden)  # the first step: exact
+    pd.step(ProposeInputs(**{f: kw.get(f) for f in ProposeInputs.__dataclass_fields__}), None)
+    # the set pushed for step 1: per row outcome (3, 11) and (0, 12), drafts 100 + row
+    pre = PreDrafts(1, rows.tables[:, 0].long(), rows.p.clone(), torch.full((B, K), 7, dtype=torch.long),
+                    accepted=torch.tensor([[3, 0]] * B), next_tokens=torch.tensor([[11, 12]] * B),
+                    drafts=torch.stack([torch.full((2, K), 100 + r) for r in range(B)]))
+    rows.set_drafts(torch.full((B, K), 7, dtype=torch.long), [False] * B)
+    assert client.on_push(pre)
+    return rows, client, pd
+
+
+def _next(rows, pd, accepted, tokens):
+    kw, counts = rows.call(accepted, torch.tensor(tokens), rows.hidden)
+    return pd.step(ProposeInputs(**{f: kw.get(f) for f in ProposeInputs.__dataclass_fields__}), counts)
+
+
+def test_every_row_a_hit_goes_without_waiting():
+    rows, client, pd = _setup()
+    drafts, pre = _next(rows, pd, [3, 0], [11, 12])
+    assert pre == [True, True] and client.sent[-1] == "nowait" and pd.unawaited == 1
+    assert drafts.tolist() == [[100] * K, [101] * K]
+
+
+def test_a_miss_waits_and_keeps_the_hit_rows_predraft():
+    rows, client, pd = _setup()
+    drafts, pre = _next(rows, pd, [3, 0], [11, 13])  # row 1's (0, 13) was not predicted
+    assert pre == [True, False] and client.sent[-1] == "step" and pd.unawaited == 0
+    assert drafts.tolist() == [[100] * K, [7] * K]
+
+
+def test_min_hits_sends_a_mostly_hit_step_and_its_missed_rows_verify_none():
+    rows, client, pd = _setup(min_hits=0.5)
+    drafts, pre = _next(rows, pd, [3, 0], [11, 13])
+    assert pre == [True, False] and client.sent[-1] == "nowait" and pd.unawaited == 1
+    assert drafts.tolist() == [[100] * K, [-1] * K]
+    assert client.sent[-2] == "settle", "the views are written after settle()"
