@@ -25,7 +25,7 @@ import torch
 from coordinator.inprocess import InProcessTransport
 from coordinator.session import SessionInfo, SessionSpec
 from drafter.engine.engine import DraftEngine
-from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call
+from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call, verifies_predrafts
 from drafter.wire.records import INPUT_FIELDS, ProposeInputs, ProposeRequest
 
 
@@ -263,21 +263,33 @@ class BoundPreDrafting:
     pushes while it waits for a StepDone and here before each pick (up to push_wait_s for the last
     step's set).  The pick reads each row's outcome off the call (outcomes_of_call) and looks it
     up in the set of the step before, never any other (PreDraftPicker: older sets dropped, a late
-    one dropped on arrival, all of them on a new binding).  Every row a hit: the step goes out
-    without waiting (step_nowait: the drafter writes the step's KV and pushes the next set) and the
-    pre-drafts are returned, no round trip; otherwise the exact step, a hit's row taking its
-    pre-draft.  The views are written here (coordinator.transport.bound_transport.fill) after
+    one dropped on arrival, all of them on a new binding).  Every row a hit (or, with min_hits,
+    enough of them: drafter.wire.predraft.verifies_predrafts): the step goes out without waiting
+    (step_nowait: the drafter writes the step's KV and pushes the next set) and the pre-drafts
+    are returned, no round trip; otherwise the exact step, its exact drafts in every row (the
+    drafter applies the same rule to the same picks).  The views are written here (coordinator.transport.bound_transport.fill) after
     settle(), which orders them after the drafter's reads of an unawaited step."""
 
     def __init__(self, client, push_wait_s: float = 0.0, wait_on_hit: bool = False, min_hits: float | None = None):
         """min_hits: also send without waiting when at least this share of the rows hit (at least
         one); the rows that missed then get -1 drafts (verify none this step: one token).  None:
         only when every row hits."""
-        self.client, self.push_wait_s, self.wait_on_hit, self.min_hits = client, push_wait_s, wait_on_hit, min_hits
+        self.client, self.push_wait_s, self.wait_on_hit = client, push_wait_s, wait_on_hit
+        self.min_hits = min_hits
         self.picker = PreDraftPicker()
         client.on_push = self.picker.offer
         self.unawaited = 0  # steps sent without waiting (every row a hit)
         self._link = None
+
+    @property
+    def min_hits(self) -> float | None:
+        return self._min_hits
+
+    @min_hits.setter
+    def min_hits(self, share: float | None) -> None:
+        """The rule's share, told to the drafter in every step's header (StepHeader.predraft_min_hits)."""
+        self._min_hits = share
+        self.client.predraft_min_hits = share or 0.0
 
     def step(self, inputs: ProposeInputs, accepted_counts: torch.Tensor | None,  # [batch] int, -1: none
              batch_padded: int = 0, tokens_padded: int = 0) -> tuple[torch.Tensor, list[bool]]:
@@ -298,9 +310,11 @@ class BoundPreDrafting:
         client.settle()
         n, b = fill(client.views, inputs)
         k = client.width or max((int(h.shape[0]) for h in hits if h is not None), default=1)
-        got = [h is not None and h.shape[0] >= k for h in hits]
-        enough = all(got) or (self.min_hits is not None and sum(got) >= max(1.0, self.min_hits * len(got)))
-        if not self.wait_on_hit and client.link is self._link and self._link is not None and hits and enough:
+        hits = [h if h is not None and h.shape[0] >= k else None for h in hits]
+        got = [h is not None for h in hits]
+        min_hits = self.min_hits or 0.0
+        if (not self.wait_on_hit and client.link is self._link and self._link is not None
+                and verifies_predrafts(hits, min_hits)):
             client.step_nowait(n, b, batch_padded, tokens_padded, counts)
             self.unawaited += 1
             drafts = torch.full((b, k), -1, dtype=torch.long)
@@ -312,5 +326,4 @@ class BoundPreDrafting:
         if client.link is not self._link:  # bound during the step: the picks were for no binding;
             self.picker.reset()  # the next pick reads this step's set (the new binding's first)
             self.picker.floor, self._link = client.last_step, client.link
-            return exact, [False] * b
-        return merge(exact, hits)
+        return exact, [False] * b  # the step waited: its exact drafts in every row (verifies_predrafts)

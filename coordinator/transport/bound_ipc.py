@@ -120,6 +120,7 @@ class DeviceLink:
         # while waiting for a StepDone or in poll_pushes goes to on_push(PreDrafts); a step sent without
         # waiting (send_nowait) has its StepDone read by settle(), or kept here when a poll read it first
         self.on_push = None
+        self.predraft_min_hits = 0.0  # StepHeader.predraft_min_hits of the steps that ask for pre-drafts
         self.session_id = ""  # the session a push must name ("": any; the client that bound sets it)
         self.last_step = 0  # the last step sent (the next is last_step + 1)
         self._unawaited = 0  # a step sent by send_nowait whose StepDone settle() has not read yet
@@ -173,7 +174,8 @@ class DeviceLink:
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
                              tokens_padded=tokens_padded, nbytes=self._nbytes(num_tokens),
                              bind_id=self.resp.bind_id, accepted_counts=accepted_counts or [],
-                             want_predrafts=want_predrafts)
+                             want_predrafts=want_predrafts,
+                             predraft_min_hits=self.predraft_min_hits if want_predrafts else 0.0)
         self._before_send(head)
         sent = time.perf_counter_ns()
         self._send(wb.encode(head))
@@ -286,7 +288,8 @@ class DeviceLink:
         head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
                              tokens_padded=tokens_padded, nbytes=self._nbytes(num_tokens),
                              bind_id=self.resp.bind_id, accepted_counts=accepted_counts or [],
-                             want_predrafts=want_predrafts)
+                             want_predrafts=want_predrafts,
+                             predraft_min_hits=self.predraft_min_hits if want_predrafts else 0.0)
         self._before_send(head)
         self._send(wb.encode(head))
         self._unawaited = step
@@ -477,6 +480,7 @@ class CudaIpcBoundClient:
         self._inputs_event = self._inputs_handle = None
         self._calls = itertools.count(1)
         self._on_push = None  # pushed pre-drafts (on_push)
+        self._min_hits = 0.0  # predraft_min_hits
         self.host_ns = 0  # the last cuda_ipc step's host time on this side, the wait for the reply excluded
         # the last cuda_ipc step's perf_counter_ns on both sides (CLOCK_MONOTONIC, one host): "sent",
         # the drafter's wb.STAMPS, "answered" (the reply read), and after step() "read" (drafts on the host)
@@ -559,7 +563,7 @@ class CudaIpcBoundClient:
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
         if self.doorbell:
             link.open_doorbell(deadline - time.monotonic())
-        link.on_push, link.session_id = self._on_push, self.session.session_id
+        link.on_push, link.session_id, link.predraft_min_hits = self._on_push, self.session.session_id, self._min_hits
         self.link = link
         self.plane = wb.CUDA_IPC
 
@@ -689,6 +693,17 @@ class CudaIpcBoundClient:
         self._on_push = fn
         if self.link is not None:
             self.link.on_push = fn
+
+    @property
+    def predraft_min_hits(self) -> float:
+        """The pick's rule told to the drafter with each step that asks (StepHeader.predraft_min_hits)."""
+        return self._min_hits
+
+    @predraft_min_hits.setter
+    def predraft_min_hits(self, share: float) -> None:
+        self._min_hits = share
+        if self.link is not None:
+            self.link.predraft_min_hits = share
 
     def step_nowait(self, num_tokens: int, batch: int, batch_padded: int = 0, tokens_padded: int = 0,
                     accepted_counts: list[int] | None = None, want_predrafts: bool = True) -> int:

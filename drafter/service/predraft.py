@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from drafter.service.sessions import offset_inputs
-from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call
+from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call, verifies_predrafts
 from drafter.wire.records import ProposeInputs
 
 log = logging.getLogger("drafter.service.predraft")
@@ -305,6 +305,8 @@ class BoundPreDrafts:
         hits, n = svc.begin(sid, outcomes, budget)
         if n == 0:
             return None
+        if not verifies_predrafts(hits, head.predraft_min_hits):  # the target waited: exact drafts everywhere
+            hits = [None] * len(hits)
         used, flags = merge(exact, hits)
         finish = on_engine(self._queue, head, used, n)
         pre = finish()

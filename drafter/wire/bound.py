@@ -134,6 +134,9 @@ class StepHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     # after the StepDone, push this step's pre-drafts on the same channel (drafter.wire.predraft.BOUND_PUSH;
     # a drafter serving --predraft-outcomes, cuda_ipc: drafter.service.predraft.BoundPreDrafts)
     want_predrafts: bool = False
+    # the target's rule for verifying pre-drafts (drafter.wire.predraft.verifies_predrafts): also when at
+    # least this share of the rows hit (0: only when every row hits); both ends apply it to the same picks
+    predraft_min_hits: float = 0.0
 
 
 class StepDone(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -134,6 +134,18 @@ def merge(exact: torch.Tensor,  # [batch, k] int64: the drafter's exact drafts f
     return used, flags
 
 
+def verifies_predrafts(hits: list, min_hits: float = 0.0) -> bool:
+    """A bound step's rule (both ends apply it to the same lookups): the target verifies its hit
+    rows' pre-drafts, sending the step without waiting, when every row hit, or when min_hits > 0
+    and at least that share of the rows (and at least one) hit, its missed rows then verifying no
+    drafts; otherwise it waits and verifies the step's exact drafts in every row (drafted from
+    the target's own hidden states: better than a pre-draft once the step waits anyway)."""
+    got = sum(h is not None for h in hits)
+    if not hits or got == len(hits):
+        return bool(hits)
+    return min_hits > 0 and got >= max(1.0, min_hits * len(hits))
+
+
 # --------------------------------------------------------------------------- on the wire (ZMQ push)
 # field -> dimensions; every one int64 token ids or positions, batch first
 PUSH_FIELDS = {"block_ids": 1, "positions": 1, "conditioned_on": 2, "accepted": 2, "next_tokens": 2, "drafts": 3}

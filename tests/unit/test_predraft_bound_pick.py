@@ -1,6 +1,6 @@
 """coordinator.predraft.BoundPreDrafting's pick and send policy, without a drafter: a set pushed
 for the previous step; every row a hit goes without waiting (step_nowait) with the pre-drafts; a
-miss waits for the exact step and keeps a hit row's pre-draft; with min_hits, a step whose share
+miss waits for the exact step and verifies its exact drafts in every row; with min_hits, a step whose share
 of hits is enough goes without waiting and its missed rows verify no drafts (-1)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 
 from coordinator.bench.predraft_target import Assumptions, Rows, SimConfig
 from coordinator.predraft import BoundPreDrafting
-from drafter.wire.predraft import PreDrafts
+from drafter.wire.predraft import PreDrafts, verifies_predrafts
 from drafter.wire.records import ProposeInputs
 
 K, B = 3, 2
@@ -19,6 +19,7 @@ class FakeClient:
     """The CudaIpcBoundClient surface BoundPreDrafting uses; the exact drafts are all 7s."""
 
     width = K
+    predraft_min_hits = 0.0
 
     def __init__(self):
         self.link, self.last_step, self.on_push = object(), 0, None
@@ -73,11 +74,12 @@ def test_every_row_a_hit_goes_without_waiting():
     assert drafts.tolist() == [[100] * K, [101] * K]
 
 
-def test_a_miss_waits_and_keeps_the_hit_rows_predraft():
+def test_a_miss_waits_and_verifies_the_exact_drafts_in_every_row():
     rows, client, pd = _setup()
     drafts, pre = _next(rows, pd, [3, 0], [11, 13])  # row 1's (0, 13) was not predicted
-    assert pre == [True, False] and client.sent[-1] == "step" and pd.unawaited == 0
-    assert drafts.tolist() == [[100] * K, [7] * K]
+    assert pre == [False, False] and client.sent[-1] == "step" and pd.unawaited == 0
+    assert drafts.tolist() == [[7] * K, [7] * K], "waited anyway: the exact drafts (the drafter assumes so too)"
+    assert pd.picker.stats.hits == {3: 1}, "the hit still counts as one"
 
 
 def test_min_hits_sends_a_mostly_hit_step_and_its_missed_rows_verify_none():
@@ -86,3 +88,11 @@ def test_min_hits_sends_a_mostly_hit_step_and_its_missed_rows_verify_none():
     assert pre == [True, False] and client.sent[-1] == "nowait" and pd.unawaited == 1
     assert drafts.tolist() == [[100] * K, [-1] * K]
     assert client.sent[-2] == "settle", "the views are written after settle()"
+    assert client.predraft_min_hits == 0.5, "the rule goes to the drafter in the step's header"
+
+
+def test_both_ends_rule():
+    hit, miss = torch.zeros(K), None
+    assert verifies_predrafts([hit, hit]) and not verifies_predrafts([hit, miss]) and not verifies_predrafts([])
+    assert verifies_predrafts([hit, miss], 0.5) and not verifies_predrafts([hit, miss, miss], 0.5)
+    assert not verifies_predrafts([miss, miss], 0.5) and not verifies_predrafts([miss], 0.01)
