@@ -159,7 +159,8 @@ async def _listen(cfg: ServerConfig, core: ServiceCore, metrics: Metrics, health
                                heartbeat_s=cfg.keepalive_time_s, heartbeat_timeout_s=cfg.keepalive_timeout_s,
                                curve_server_cert=cfg.curve_server_cert or None,
                                curve_clients_dir=cfg.curve_clients_dir or None, ipc_path=cfg.zmq_ipc or None,
-                               ipc_mode=cfg.ipc_mode, drop_burst=cfg.zmq_drop_burst)
+                               ipc_mode=cfg.ipc_mode, drop_burst=cfg.zmq_drop_burst,
+                               drop_budget_s=cfg.zmq_drop_budget_us / 1e6)
         opened.append(lambda: zmq_server.close(timeout=0.1))
         # the tcp socket binds first: a failure after it is the ipc socket's
         ports["zmq_port"] = _bind("zmq-port", cfg, cfg.zmq_port, lambda: _start_zmq(zmq_server, cfg))

@@ -50,7 +50,11 @@ log = logging.getLogger("drafter.service.zmq")
 MAX_FRAMES = 256
 ENVELOPE_SLACK = 64 * 1024  # bytes beyond max_message_bytes a message may carry (delimiter, envelope)
 READ_BURST = 64  # messages read per wake-up before the loop gets a turn for others
-DROP_BURST = 256  # frames of an oversized message released per turn of the loop (its refusal goes first)
+DROP_BURST = 256  # frames of an oversized message released under the socket's lock at a time
+# how long one turn of the loop may go on releasing a refused message's frames (its refusal goes first): the
+# socket's other peers wait for the whole drop (ZMQ delivers their messages after it), so it should span few
+# turns; the budget bounds how long it holds the loop at once.  0: one slice of DROP_BURST frames per turn
+DROP_BUDGET_S = 0.002
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _DECODERS = {m: msgspec.msgpack.Decoder(req) for m, (req, _) in schema.METHODS.items()}
 _ENCODER = msgspec.msgpack.Encoder()
@@ -185,10 +189,11 @@ class ZmqServer:
                  heartbeat_s: float = 30.0, heartbeat_timeout_s: float = 10.0,
                  curve_server_cert: str | None = None, curve_clients_dir: str | None = None,
                  max_inflight: int = 1024, ipc_path: str | None = None, ipc_mode: int = DEFAULT_MODE,
-                 drop_burst: int = DROP_BURST):
-        """drop_burst: frames of a refused oversized message released per turn of the event loop."""
+                 drop_burst: int = DROP_BURST, drop_budget_s: float = DROP_BUDGET_S):
+        """drop_burst, drop_budget_s: frames of a refused oversized message released under the socket's
+        lock at a time, and for how long one turn of the event loop goes on releasing them."""
         self.core = core
-        self.drop_burst = drop_burst
+        self.drop_burst, self.drop_budget_s = drop_burst, drop_budget_s
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes
         self.heartbeat_s, self.heartbeat_timeout_s = heartbeat_s, heartbeat_timeout_s
@@ -281,16 +286,16 @@ class ZmqServer:
                 self._pause()
                 return
             try:
+                if ep.dropping:  # the rest of a refused message, for up to drop_budget_s this turn
+                    ep.dropping = not self._drain(ep)
+                    if ep.dropping:
+                        break
+                    continue
                 # (held by the engine thread only while it sends a reply: microseconds; waiting for it
                 # here sleeps, where returning would leave the FD signalled and the loop spinning)
                 with ep.lock:
                     if ep.closed:
                         return
-                    if ep.dropping:  # the rest of a refused message, a slice per turn of the loop
-                        ep.dropping = not drop_frames(ep.sock, NOBLOCK, self.drop_burst)
-                        if ep.dropping:
-                            break
-                        continue
                     # capped while receiving: an oversized message is dropped frame by frame, not held
                     frames, over, ep.dropping = recv_frames_bounded(
                         ep.sock, NOBLOCK, MAX_FRAMES + 1, self.max_message_bytes + ENVELOPE_SLACK, self.drop_burst)
@@ -299,10 +304,20 @@ class ZmqServer:
             except zmq.ZMQError as exc:  # closed under us
                 log.debug("zmq recv failed: %s", exc)
                 return
-            self._on_message(ep, frames, over)
-            if ep.dropping:  # refused at once; its remaining frames after the loop's other work
-                break
+            self._on_message(ep, frames, over)  # an oversized message is refused here, before its drop
         self._kick(ep)  # more may be waiting: continue after the loop's other work
+
+    def _drain(self, ep: _Endpoint) -> bool:
+        """Release the refused message's remaining frames, drop_burst at a time with the socket's lock let
+        go in between (the engine thread's replies go out), until none is left (True) or this turn has
+        spent drop_budget_s (False: the rest on the next turn, after the loop's other work)."""
+        until = time.monotonic() + self.drop_budget_s
+        while True:
+            with ep.lock:
+                if ep.closed or drop_frames(ep.sock, NOBLOCK, self.drop_burst):
+                    return True
+            if time.monotonic() >= until:
+                return False
 
     def _pause(self) -> None:
         self._paused = True

@@ -1,6 +1,7 @@
 """What refused ZMQ traffic costs the server's event loop (issue 19, the soak's 2x goal): a refusal and an
 Info are answered in the reader callback without creating an asyncio task, and an oversized message is
-refused at once and released a slice per turn of the loop, so the loop's other work runs in between.
+refused at once and released in slices, the socket's lock let go between them, for up to a time budget
+per turn of the loop, the loop's other work running between turns.
 
 In-process (a ServiceCore and a ZmqServer on this test's event loop, the client in a worker thread), so
 the tasks the loop creates can be counted.
@@ -124,9 +125,40 @@ def test_oversized_message_is_released_a_slice_per_turn(engine, monkeypatch):
         got = await done
         assert (Code(got[0].error.code), got[0].error.field) == (Code.INVALID_ARGUMENT, "frames")
         assert got[1].call_id == 2 and got[1].error is None  # the next message arrives whole
-    _serve(engine, body)
+    _serve(engine, body, drop_budget_s=0.0)  # no budget: one slice a turn
     assert len(slices) >= 10, f"the drop was not sliced: {len(slices)} slices"
     assert slices[-1] > slices[0], "the loop's other work did not run between slices"
+
+
+def test_drop_goes_on_within_its_budget(engine, monkeypatch):
+    """Within drop_budget_s one turn releases slice after slice (the socket's lock let go between them), so
+    the socket's other peers, whose messages ZMQ delivers only after the drop, wait for few turns."""
+    slices = []
+    ran = []
+    drop = zmq_server.drop_frames
+
+    def counted(sock, flags, most):
+        slices.append(len(ran))
+        return drop(sock, flags, most)
+    monkeypatch.setattr(zmq_server, "drop_frames", counted)
+    frames = 20 * zmq_server.DROP_BURST
+
+    async def body(loop, server, counting):
+        def tick():
+            ran.append(1)
+            if len(ran) < 10_000 and not done.done():
+                loop.call_soon(tick)
+        done = loop.run_in_executor(None, _exchange, f"tcp://127.0.0.1:{server.port}",
+                                    [[_ENC.encode(schema.Envelope(call_id=1, method="Propose")), b""]
+                                     + [b"z"] * frames,
+                                     [_ENC.encode(schema.Envelope(call_id=2, method="Info")), b""]])
+        loop.call_soon(tick)
+        got = await done
+        assert (Code(got[0].error.code), got[0].error.field) == (Code.INVALID_ARGUMENT, "frames")
+        assert got[1].call_id == 2 and got[1].error is None
+    _serve(engine, body, drop_budget_s=60.0)  # a budget no drop of these frames reaches
+    assert len(slices) >= 10, f"the drop was not sliced: {len(slices)} slices"
+    assert len(set(slices)) == 1, "the drop left the turn before its budget was spent"
 
 
 def test_drop_burst_sets_the_slice(engine, monkeypatch):

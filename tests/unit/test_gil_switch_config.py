@@ -20,10 +20,11 @@ def test_out_of_range_is_refused_naming_the_flag(us):
         ServerConfig(**BASE, gil_switch_interval_us=us).check()
 
 
-def test_default_is_below_pythons_own():
+def test_default_is_pythons_own():
+    """Measured on a quiet host, a shorter interval did not help the valid clients under attack (issue 19)."""
     cfg = ServerConfig(**BASE)
     cfg.check()
-    assert 1 <= cfg.gil_switch_interval_us < 5000
+    assert cfg.gil_switch_interval_us == 5000
 
 
 def test_flag_and_environment():
@@ -43,6 +44,8 @@ def test_set_switch_interval_applies_it():
         sys.setswitchinterval(before)
 
 
-def test_zmq_drop_burst_below_one_is_refused():
+def test_zmq_drop_settings_out_of_range_are_refused():
     with pytest.raises(ValueError, match="--zmq-drop-burst"):
         ServerConfig(**BASE, zmq_drop_burst=0).check()
+    with pytest.raises(ValueError, match="--zmq-drop-budget-us"):
+        ServerConfig(**BASE, zmq_drop_budget_us=-1).check()
