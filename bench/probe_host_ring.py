@@ -14,14 +14,15 @@ tables), timed piece by piece, p50 / p99 us of --steps each:
     a small reply back (the round trip);
   * stream_tcp, stream_unix: the ring stream (drafter.wire.ring_stream): the prefix on one plain
     connection, received by the child in CHUNK pieces straight into its pinned ring, a small reply;
-    stream_tcp_4, stream_unix_4: the same striped over four lanes (connections), each lane sent
-    and received by a thread of its own; stream_tcp_timeout_mode: one lane with the child's socket
+    stream_tcp_4, stream_tcp_8, stream_unix_4: the same striped over four (eight) lanes
+    (connections), each lane sent and received by a thread of its own; stream_tcp_timeout_mode: one lane with the child's socket
     in Python's timeout mode (a recv call per piece the kernel has, where the drafter's blocking
     socket takes a chunk per call);
   * pipelined_tcp, pipelined_tcp_4 (GPU, with --child-device): the whole host_ring data path
-    without an engine: the prefix's D2H copies in pieces, each chunk sent as its piece lands
-    (bound_client.device_parts, as BoundLink sends a GPU source),
-    the child's H2D copy of each chunk queued as it lands on its GPU, its sync, the reply.
+    without an engine: the prefix's D2H copies in pieces, each span sent as its piece lands
+    (bound_client.device_parts, as BoundLink sends a GPU source), the child's H2D copy of each
+    span queued as it lands on its GPU, its sync, the reply; d2h_only_tcp_4 and h2d_only_tcp_4:
+    the four-lane path with one end's copies alone (which end costs what).
 
 The bound: the loopback bandwidth of the fastest transfer at the largest size gives the time the
 prefix alone needs at each batch; with the pieces overlapped perfectly a step cannot take less
@@ -52,7 +53,8 @@ from drafter.wire import ring_stream as rs  # noqa: E402
 SMALL = 16 << 10  # bytes of the small buffers ahead of the hidden states (ids, positions, tables)
 TOKEN = "probe-ring-binding"
 STREAMS = {  # name: (transport, lanes, held: the receiver's sockets as the drafter holds them)
-    "stream_tcp": ("tcp", 1, True), "stream_tcp_4": ("tcp", 4, True), "stream_unix": ("ipc", 1, True),
+    "stream_tcp": ("tcp", 1, True), "stream_tcp_4": ("tcp", 4, True), "stream_tcp_8": ("tcp", 8, True),
+    "stream_unix": ("ipc", 1, True),
     "stream_unix_4": ("ipc", 4, True), "stream_tcp_timeout_mode": ("tcp", 1, False)}
 REPLY = b"\x00" * 64
 
@@ -128,9 +130,9 @@ def _serve_stream(listener, view: memoryview, ring: torch.Tensor, slab, stop: th
         while not stop.is_set():
             if not rs.wait_readable(conns[0], 0.1):
                 continue
-            head_len, body_len = rs.read_prefix(conns[0], rs.MAX_HEAD, len(view))
+            head_len, body_len, unit = rs.read_prefix(conns[0], rs.MAX_HEAD, len(view))
             h2d = rs.read_exact(conns[0], head_len) == b"h2d" and slab is not None
-            rs.receive_striped(conns, view, body_len, landed if h2d else None, pool)
+            rs.receive_striped(conns, view, body_len, unit, landed if h2d else None, pool)
             if h2d:
                 torch.cuda.current_stream(device).synchronize()
             rs.send_message(conns[0], REPLY, [])
@@ -205,9 +207,15 @@ def measure(args) -> dict:
             for name, c in conns.items():
                 row[name] = _stream_path(c, b"h", nbytes, lambda: (lambda a, z: view[a:z]), pool, args.steps)
             if gpu is not None and args.child_device:
+                def d2h():
+                    return device_parts(gpu, host, view, nbytes, events)
                 for name in ("stream_tcp", "stream_tcp_4"):
-                    row["pipelined_" + name[len("stream_"):]] = _stream_path(
-                        conns[name], b"h2d", nbytes, lambda: device_parts(gpu, host, view, nbytes, events), pool, args.steps)
+                    row["pipelined_" + name[len("stream_"):]] = _stream_path(conns[name], b"h2d", nbytes, d2h, pool,
+                                                                             args.steps)
+                # each end's copies alone over four lanes: the sender's D2H pieces, the receiver's H2D
+                row["d2h_only_tcp_4"] = _stream_path(conns["stream_tcp_4"], b"h", nbytes, d2h, pool, args.steps)
+                row["h2d_only_tcp_4"] = _stream_path(conns["stream_tcp_4"], b"h2d", nbytes,
+                                                     lambda: (lambda a, z: view[a:z]), pool, args.steps)
             out[b] = row
             print(f"batch {b}: {nbytes / 1e6:.2f} MB " + ", ".join(
                 f"{k} {v['p50_us']:.0f}" for k, v in row.items() if isinstance(v, dict)) + " us p50", flush=True)
@@ -226,7 +234,7 @@ def bound(result: dict, inprocess: list[float]) -> dict:
     """Loopback bandwidth (the fastest transport at the largest size) and the best ratio per batch."""
     rows = result["rows"]
     top = max(rows, key=lambda b: rows[b]["bytes"])
-    paths = ("zmq_tcp", "stream_tcp", "stream_tcp_4")
+    paths = ("zmq_tcp", "stream_tcp", "stream_tcp_4", "stream_tcp_8")
     best = min(paths, key=lambda p: rows[top][p]["p50_us"])
     gbps = rows[top]["bytes"] / rows[top][best]["p50_us"] / 1e3  # GB/s (round trip, tiny reply)
     out = {"path": best, "gb_per_s": gbps}

@@ -27,8 +27,8 @@ decode step, drafts on the host:
   * host_ring: the same client forced onto the host ring over tcp, its steps on the binding's
     ring stream (drafter.wire.ring_stream: the GPU slab's prefix copied to the pinned ring in
     chunks, each sent as it lands; the drafter's copy of each chunk to its GPU queued as it
-    lands; 4 lanes); host_ring_ipc: the stream on a same-host UNIX name; host_ring_1lane: the
-    stream on one connection; host_ring_zmq: no stream, the prefix as the ZMQ data socket's
+    lands; 4 lanes); host_ring_ipc: the stream on a same-host UNIX name; host_ring_1lane,
+    host_ring_8lane: the stream on one connection, on eight; host_ring_zmq: no stream, the prefix as the ZMQ data socket's
     second frame after one device-to-host copy (the plane before the stream);
   * unbound, unbound_cuda_ipc: the ZmqDrafterClient encoding tensors per call (the hidden states
     as a per-step CUDA IPC reference for the second).
@@ -72,12 +72,13 @@ from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats,
 
 CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
            "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
-           "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "unbound", "unbound_cuda_ipc")
+           "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "unbound", "unbound_cuda_ipc")
 BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
          "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
-         "host_ring_ipc", "host_ring_zmq", "host_ring_1lane")
-RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq", "host_ring_1lane")  # the ring stream on tcp (4 lanes), on a
-# same-host UNIX name; the ZMQ data socket on tcp (no stream: the plane as before the stream); the stream on one lane
+         "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane")
+RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane")  # the ring stream on
+# tcp (4 lanes), on a same-host UNIX name; the ZMQ data socket on tcp (no stream: the plane as before the stream);
+# the stream on one lane, on eight
 STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
            "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", *RINGS)
 SPIN_US = 3000  # cuda_ipc_spin's BindRequest.spin_us: covers the bench's back-to-back steps up to batch 64
@@ -119,7 +120,7 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
     if plane == "host_ring":  # the ring client the fallback would make, with or without the stream
         client.ring = HostRingClient(endpoint, shape, client.buffers, max_batch=batch, transport=transport,
                                      timeout_s=args.timeout_s, stream=name != "host_ring_zmq",
-                                     lanes=1 if name == "host_ring_1lane" else STREAM_LANES)
+                                     lanes={"host_ring_1lane": 1, "host_ring_8lane": 8}.get(name, STREAM_LANES))
     try:
         got = client.bind()
     except BaseException:

@@ -47,7 +47,7 @@ from drafter.wire.tensors import DTYPES
 
 STREAM_CONNECT_S = 0.5  # at least this long for the ring stream's hello to be answered
 STREAM_LANES = 4  # the ring stream's connections per binding: one tcp stream is bound by the core that copies it
-D2H_PIECES = 8  # a GPU source's prefix goes to the host ring in at most this many copies (device_parts)
+D2H_PIECES = 4  # a GPU source's prefix goes to the host ring in at most this many copies (device_parts)
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _ATTACH = msgspec.msgpack.Decoder(schema.AttachResponse)
 REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)  # the drafter forgot the session: attach again
@@ -451,23 +451,26 @@ def join_channel(resp: wb.BindResponse, timeout_s: float):
 
 
 def device_parts(source: torch.Tensor, slab: torch.Tensor, view: memoryview, nbytes: int, events: list):
-    """A GPU source's prefix to the pinned host slab in at most D2H_PIECES copies of whole chunks,
-    all queued now on the current stream with an event after each; part(start, end) (a chunk of
-    rs.send_striped's) waits for its own piece's event and gives view[start:end].
+    """A GPU source's prefix to the pinned host slab in at most D2H_PIECES copies of whole stripe
+    units, all queued now on the current stream with an event after each; part(start, end) (a
+    span of rs.send_striped's) waits for the event of the piece holding its last byte (the copies
+    complete in order) and gives view[start:end].
 
     source: [>= nbytes] uint8 on a GPU; slab: [>= nbytes] uint8 pinned, view its bytes; events:
     at least D2H_PIECES CUDA events.  Fewer, larger copies than chunks: each copy queued costs
     microseconds of host time before the first chunk can go."""
+    from coordinator.transport.bound_ipc import current_stream  # the Stream kept per stream (a lookup costs ~10 us)
+
     per_piece = -(-nbytes // D2H_PIECES)
-    piece = max(1, -(-per_piece // rs.CHUNK)) * rs.CHUNK  # whole chunks per copy
-    stream = torch.cuda.current_stream(source.device)
+    piece = max(1, -(-per_piece // rs.CHUNK)) * rs.CHUNK  # whole units per copy
+    stream = current_stream(source.device)
     for i, a in enumerate(range(0, nbytes, piece)):
         z = min(nbytes, a + piece)
         slab[a:z].copy_(source[a:z], non_blocking=True)
         events[i].record(stream)
 
     def part(a: int, z: int):
-        events[a // piece].synchronize()
+        events[(z - 1) // piece].synchronize()
         return view[a:z]
     return part
 

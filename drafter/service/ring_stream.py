@@ -52,7 +52,7 @@ class _Stream:
             raise invalid("stream_lanes", f"{req.stream_lanes} must lie in [0, {rs.MAX_LANES}]")
         super()._link_state(req)
         self._started = self._queued = 0  # the running step's stamps (perf_counter_ns)
-        self._staged: dict[int, int] = {}  # the running step's chunks already queued to the GPU slab: start -> end
+        self._staged: list[tuple[int, int]] = []  # the running step's spans already queued to the GPU slab
         self._lane_lock = threading.Lock()  # the lanes queue their chunks' copies one at a time
         self.stream_lanes = max(1, req.stream_lanes)
         self._stream_listener, self.stream_address, self._stream_thread = None, "", None
@@ -121,15 +121,15 @@ class _Stream:
         received = time.perf_counter_ns()
         self._accepted = []
         try:
-            head_len, body_len = rs.read_prefix(conn, rs.MAX_HEAD, len(ring))
+            head_len, body_len, unit = rs.read_prefix(conn, rs.MAX_HEAD, len(ring))
         except rs.FrameError as exc:
             rs.send_message(conn, wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field=exc.field,
                                                         message=f"{exc}; the ring stream is closed")), [])
             return False
         frame = rs.read_exact(conn, head_len)
         head, refused = self._decode(frame, body_len)
-        self._staged, self._started, self._queued = {}, 0, 0
-        rs.receive_striped(conns, ring, body_len, None if refused else self._landed, pool)
+        self._staged, self._started, self._queued = [], 0, 0
+        rs.receive_striped(conns, ring, body_len, unit, None if refused else self._landed, pool)
         landed = time.perf_counter_ns()
         if refused is None:
             refused, payload = self._run_received(head, body_len)
@@ -174,7 +174,7 @@ class _Stream:
     # ------------------------------------------------------------------ stamps (either socket)
     def _receive_and_run(self, sock, ring):
         received = time.perf_counter_ns()
-        self._staged, self._started, self._queued = {}, 0, 0
+        self._staged, self._started, self._queued = [], 0, 0
         done, payload = super()._receive_and_run(sock, ring)
         if not done.code:
             done.stamps = [received, self._started, self._queued, time.perf_counter_ns(), received]
@@ -196,7 +196,7 @@ class GuardedStreamSession(_Stream, GuardedRingSession):
     copy to the GPU slab queued as it lands."""
 
     def _landed(self, start: int, end: int) -> None:
-        """Queue the chunk's copy to the slab where the engine's lock is free (a copy must not be
+        """Queue the span's copy to the slab where the engine's lock is free (a copy must not be
         queued while another thread captures a graph); else the step copies it.  The lanes take
         turns (_lane_lock: each holds it for the few microseconds of queueing one copy)."""
         lock = getattr(self.core.executor, "engine_lock", None)
@@ -205,25 +205,19 @@ class GuardedStreamSession(_Stream, GuardedRingSession):
                 return
             try:
                 self.slab[start:end].copy_(self.ring[start:end], non_blocking=True)
-                self._staged[start] = end
+                self._staged.append((start, end))
             finally:
                 if lock is not None:
                     lock.release()
 
     def _stage(self, nbytes: int) -> None:
-        """The chunks the lanes did not queue yet (all of them on the data socket), in runs."""
-        staged, self._staged = self._staged, {}
-        run = None  # the start of a run of chunks still to copy
-        for a in range(0, nbytes, rs.CHUNK):
-            z = min(nbytes, a + rs.CHUNK)
-            if staged.get(a) == z:
-                if run is not None:
-                    self.slab[run:a].copy_(self.ring[run:a], non_blocking=True)
-                run = None
-            elif run is None:
-                run = a
-        if run is not None:
-            self.slab[run:nbytes].copy_(self.ring[run:nbytes], non_blocking=True)
+        """The parts of the prefix the lanes did not queue (all of it on the data socket), one copy per gap."""
+        staged, self._staged = sorted(self._staged), []
+        at = 0
+        for a, z in staged + [(nbytes, nbytes)]:
+            if a > at:
+                self.slab[at:min(a, nbytes)].copy_(self.ring[at:min(a, nbytes)], non_blocking=True)
+            at = max(at, z)
 
     def _guard_and_replay(self, head: wb.StepHeader) -> None:
         super()._guard_and_replay(head)

@@ -2,19 +2,21 @@
 
     drafter (Bind):         listener, address = listen(transport, host)  # -> BindResponse.stream
     drafter (its thread):   conns = accept(listener, bind_id, alive, poll_s, hello_s, lanes)
-                            head_len, body_len = read_prefix(conns[0])   # bounded before anything is read
+                            head_len, body_len, unit = read_prefix(conns[0])   # bounded before anything is read
                             head = read_exact(conns[0], head_len)        # a StepHeader
-                            receive_striped(conns, ring, body_len, landed, pool)  # straight into the pinned ring
+                            receive_striped(conns, ring, body_len, unit, landed, pool)  # into the pinned ring
                             send_message(conns[0], encoded StepDone, [drafts])
     target:                 conns = [connect(address, bind_id, timeout_s, lane) for lane in range(lanes)]
                             send_striped(conns, encoded StepHeader, nbytes, part, pool)
 
-A message is PREFIX (two little-endian u32: the head's and the body's length), the head (a msgpack
-record), then the body, on the first connection (lane 0).  A binding may stripe the body over
-several connections (lanes, at most MAX_LANES): each lane carries one contiguous span of whole
-chunks (stripes(), which both ends compute from the body's length), lane 0 the first, so the
-kernel's copies of a large body run on as many cores on each side (one tcp stream is bound by the
-one core that copies it).  Replies come on lane 0 alone.  Why not a ZMQ frame: a ZMQ message of megabytes passes the sender's and
+A message is PREFIX (three little-endian u32: the head's and the body's length, the body's stripe
+unit), the head (a msgpack record), then the body, on the first connection (lane 0).  A binding
+may stripe the body over several connections (lanes, at most MAX_LANES): each lane carries one
+contiguous span of whole units (stripes(), which both ends compute from the body's length and
+the unit), lane 0 the first, so the kernel's copies of a large body run on as many cores on each
+side (one tcp stream is bound by the one core that copies it).  Within a stripe the sender writes
+and the receiver reads up to a MiB per call (SEND_BYTES, RECV_BYTES), so a step costs each lane's
+thread a few Python calls, not one per unit.  Replies come on lane 0 alone.  Why not a ZMQ frame: a ZMQ message of megabytes passes the sender's and
 the receiver's libzmq I/O threads (three wake-ups a way), is delivered only once whole, and pyzmq's
 recv_into copies it once more out of libzmq's message.  Here the target's thread writes the
 kernel socket chunk by chunk as each chunk of its device-to-host copy lands, and the drafter's
@@ -43,9 +45,12 @@ import struct
 import time
 from typing import Callable, Iterable
 
-PREFIX = struct.Struct("<II")  # head bytes, body bytes
+PREFIX = struct.Struct("<III")  # head bytes, body bytes, the body's stripe unit (0: not striped)
 MAX_HEAD = 1 << 16  # a StepHeader (sizes, a bind id, up to max_num_seqs accepted counts) or a StepDone
-CHUNK = 1 << 18  # bytes: the sender's device-to-host copies and the receiver's host-to-device copies
+CHUNK = 1 << 18  # bytes: the stripe unit a sender uses (each lane carries whole units)
+MIN_UNIT, MAX_UNIT = 1 << 10, 1 << 24  # the stripe units a receiver takes (powers of two)
+SEND_BYTES = 1 << 20  # bytes per send call within a lane's stripe (each waits for its bytes to be on the host)
+RECV_BYTES = 1 << 20  # bytes per receive call within a lane's stripe (each then landed: a host-to-device copy)
 MAX_LANES = 8  # connections a binding's stream may stripe a body over
 HELLO = b"drafter-ring hello "
 OK = b"drafter-ring ok"
@@ -161,7 +166,7 @@ def _greeted(conn: socket.socket, token: str, hello_s: float, lanes: int, taken)
     try:
         conn.settimeout(hello_s)
         longest = len(_hello(token, lanes))
-        head_len, _ = read_prefix(conn, longest, 0)
+        head_len, _, _ = read_prefix(conn, longest, 0)
         got = read_exact(conn, head_len)
         lane = next((i for i in range(lanes) if i not in taken and hmac.compare_digest(got, _hello(token, i))), None)
         if lane is None:
@@ -173,26 +178,29 @@ def _greeted(conn: socket.socket, token: str, hello_s: float, lanes: int, taken)
         return None
 
 
-def stripes(nbytes: int, lanes: int, chunk: int) -> list[tuple[int, int]]:
-    """Each lane's contiguous span [start, end) of a body of nbytes: whole chunks (the last one
-    short), lane 0 first; the lanes past the last chunk get an empty span.  Both ends compute it."""
-    chunks = -(-nbytes // chunk)
-    per = -(-chunks // lanes) * chunk  # bytes per lane: whole chunks
+def stripes(nbytes: int, lanes: int, unit: int) -> list[tuple[int, int]]:
+    """Each lane's contiguous span [start, end) of a body of nbytes: whole units (the last one
+    short), lane 0 first; the lanes past the last unit get an empty span.  Both ends compute it
+    from the body's length and the unit the PREFIX carries."""
+    units = -(-nbytes // unit)
+    per = -(-units // lanes) * unit  # bytes per lane: whole units
     return [(min(nbytes, i * per), min(nbytes, (i + 1) * per)) for i in range(lanes)]
 
 
 def send_striped(conns: list[socket.socket], head: bytes, nbytes: int, part: Callable[[int, int], object],
-                 pool=None) -> None:
-    """PREFIX and head on conns[0], then each lane's stripe (stripes) on its own connection,
-    chunk by chunk: part(start, end) gives the bytes of [start, end) once they are ready (it may
-    block until then).  pool: an executor with a worker per lane past the first (lanes > 1)."""
-    spans = stripes(nbytes, len(conns), CHUNK)
-    conns[0].sendall(PREFIX.pack(len(head), nbytes) + head)
+                 pool=None, unit: int | None = None, step: int | None = None) -> None:
+    """PREFIX (with the stripe unit) and head on conns[0], then each lane's stripe (stripes) on its
+    own connection, `step` bytes at a time: part(start, end) gives the bytes of [start, end) once
+    they are ready (it may block until then).  pool: an executor with a worker per lane past the
+    first (lanes > 1).  unit, step: CHUNK and SEND_BYTES unless given."""
+    unit, step = unit or CHUNK, step or SEND_BYTES
+    spans = stripes(nbytes, len(conns), unit)
+    conns[0].sendall(PREFIX.pack(len(head), nbytes, unit) + head)
 
     def lane(i: int) -> None:
         start, end = spans[i]
-        for a in range(start, end, CHUNK):
-            conns[i].sendall(memoryview(part(a, min(end, a + CHUNK))).cast("B"))
+        for a in range(start, end, step):
+            conns[i].sendall(memoryview(part(a, min(end, a + step))).cast("B"))
 
     futures = [pool.submit(lane, i) for i in range(1, len(conns)) if spans[i][0] < spans[i][1]]
     try:
@@ -203,15 +211,20 @@ def send_striped(conns: list[socket.socket], head: bytes, nbytes: int, part: Cal
         raise next(e for e in errors if e)
 
 
-def receive_striped(conns: list[socket.socket], ring: memoryview, nbytes: int,
-                    landed: Callable[[int, int], None] | None = None, pool=None) -> None:
-    """A body of nbytes (its PREFIX and head read from conns[0]) straight into ring[:nbytes], each
-    lane's stripe from its own connection, landed(start, end) called as each chunk is whole."""
-    spans = stripes(nbytes, len(conns), CHUNK)
-    futures = [pool.submit(receive_span, conns[i], ring, *spans[i], landed)
+def receive_striped(conns: list[socket.socket], ring: memoryview, nbytes: int, unit: int,
+                    landed: Callable[[int, int], None] | None = None, pool=None, step: int | None = None) -> None:
+    """A body of nbytes striped by `unit` (its PREFIX and head read from conns[0]; 0: not
+    striped, the whole body on conns[0]) straight into ring[:nbytes], each lane's stripe from its
+    own connection, `step` bytes (RECV_BYTES unless given) per receive call, landed(start, end)
+    called after each."""
+    step = step or RECV_BYTES
+    if not unit:
+        conns, unit = conns[:1], max(nbytes, 1)
+    spans = stripes(nbytes, len(conns), unit)
+    futures = [pool.submit(receive_span, conns[i], ring, *spans[i], landed, step)
                for i in range(1, len(conns)) if spans[i][0] < spans[i][1]]
     try:
-        receive_span(conns[0], ring, *spans[0], landed)
+        receive_span(conns[0], ring, *spans[0], landed, step)
     finally:
         errors = [f.exception() for f in futures]
     if any(errors):
@@ -219,10 +232,10 @@ def receive_striped(conns: list[socket.socket], ring: memoryview, nbytes: int,
 
 
 def receive_span(sock: socket.socket, ring: memoryview, start: int, end: int,
-                 landed: Callable[[int, int], None] | None = None) -> None:
-    """ring[start:end] from the stream, chunk by chunk (CHUNK from start), landed(a, z) after each."""
-    for a in range(start, end, CHUNK):
-        z = min(end, a + CHUNK)
+                 landed: Callable[[int, int], None] | None = None, step: int = 1 << 20) -> None:
+    """ring[start:end] from the stream, `step` bytes per receive call, landed(a, z) after each."""
+    for a in range(start, end, step):
+        z = min(end, a + step)
         receive_into(sock, ring[a:z])
         if landed is not None:
             landed(a, z)
@@ -234,7 +247,7 @@ def send_message(sock: socket.socket, head: bytes, body: Iterable, body_len: int
     total bytes, needed up front where body is a generator."""
     parts = body if body_len is not None else list(body)
     total = body_len if body_len is not None else sum(memoryview(p).nbytes for p in parts)
-    sock.sendall(PREFIX.pack(len(head), total) + head)
+    sock.sendall(PREFIX.pack(len(head), total, 0) + head)
     sent = 0
     for part in parts:
         view = memoryview(part).cast("B")
@@ -244,15 +257,19 @@ def send_message(sock: socket.socket, head: bytes, body: Iterable, body_len: int
         raise ValueError(f"sent {sent} body bytes, announced {total}")
 
 
-def read_prefix(sock: socket.socket, max_head: int = MAX_HEAD, max_body: int | None = None) -> tuple[int, int]:
-    """The next message's (head bytes, body bytes), both checked before anything else is read:
-    FrameError "header" for a head over max_head (or empty), "nbytes" for a body over max_body."""
-    head_len, body_len = PREFIX.unpack(read_exact(sock, PREFIX.size))
+def read_prefix(sock: socket.socket, max_head: int = MAX_HEAD, max_body: int | None = None) -> tuple[int, int, int]:
+    """The next message's (head bytes, body bytes, stripe unit), checked before anything else is
+    read: FrameError "header" for a head over max_head (or empty), "nbytes" for a body over
+    max_body, "unit" for a stripe unit that is not a power of two in [MIN_UNIT, MAX_UNIT] (0: a
+    message that is not striped; a body then goes whole on this connection)."""
+    head_len, body_len, unit = PREFIX.unpack(read_exact(sock, PREFIX.size))
     if not 0 < head_len <= max_head:
         raise FrameError("header", f"a head of {head_len} bytes (1 to {max_head})")
     if max_body is not None and body_len > max_body:
         raise FrameError("nbytes", f"a body of {body_len} bytes; at most {max_body} fit")
-    return head_len, body_len
+    if unit and (unit & (unit - 1) or not MIN_UNIT <= unit <= MAX_UNIT):
+        raise FrameError("unit", f"a stripe unit of {unit} bytes: a power of two in [{MIN_UNIT}, {MAX_UNIT}]")
+    return head_len, body_len, unit
 
 
 def read_exact(sock: socket.socket, nbytes: int) -> bytes:
@@ -274,7 +291,7 @@ def receive_into(sock: socket.socket, view: memoryview) -> None:
 
 def read_message(sock: socket.socket, max_body: int) -> tuple[bytes, bytes]:
     """A small whole message (head, body) where the body is at most max_body bytes."""
-    head_len, body_len = read_prefix(sock, MAX_HEAD, max_body)
+    head_len, body_len, _ = read_prefix(sock, MAX_HEAD, max_body)
     return read_exact(sock, head_len), read_exact(sock, body_len)
 
 
