@@ -267,8 +267,9 @@ class BoundPreDrafting:
     enough of them: drafter.wire.predraft.verifies_predrafts): the step goes out without waiting
     (step_nowait: the drafter writes the step's KV and pushes the next set) and the pre-drafts
     are returned, no round trip; otherwise the exact step, its exact drafts in every row (the
-    drafter applies the same rule to the same picks).  The views are written here (coordinator.transport.bound_transport.fill) after
-    settle(), which orders them after the drafter's reads of an unawaited step."""
+    drafter applies the same rule to the same picks).  The views are written here
+    (coordinator.transport.bound_transport.fill) after settle(), which orders them after the
+    drafter's reads of an unawaited step."""
 
     def __init__(self, client, push_wait_s: float = 0.0, wait_on_hit: bool = False, min_hits: float | None = None):
         """min_hits: also send without waiting when at least this share of the rows hit (at least

@@ -110,8 +110,8 @@ def test_bound_pushes_equal_offline_predrafts_and_hits_cost_no_round_trip(engine
         offer = pd.picker.offer
         client.on_push = lambda pre: (pushed.__setitem__(pre.step, pre), offer(pre))[1]
         offline = Offline(reference)
-        rows = Rows(SimConfig(BATCH, K, ctx=8, max_len=MAX_LEN, vocab=drafter.core.desc.vocab_size, width=served.spec.hidden_input_width), torch.device("cpu"), torch.float32,
-                    Assumptions())
+        rows = Rows(SimConfig(BATCH, K, ctx=8, max_len=MAX_LEN, vocab=drafter.core.desc.vocab_size,
+                              width=served.spec.hidden_input_width), torch.device("cpu"), torch.float32, Assumptions())
         # per step after the first: which rows' outcomes the pushed set predicted
         plan = [[True, True], [True, True], [False, True], [True, True]]
         try:

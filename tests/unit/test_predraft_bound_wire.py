@@ -20,8 +20,9 @@ from drafter.wire.predraft import (BOUND_PUSH, PreDrafts, _bound, bound_push_fra
 def _set(step: int = 7) -> PreDrafts:
     g = torch.Generator().manual_seed(step)
     b, n, k = 3, 2, 4
-    return PreDrafts(step, torch.tensor([0, 5, 9]), torch.tensor([11, 30, 7]), torch.randint(0, 500, (b, 3), generator=g),
-                     accepted=torch.tensor([[3, 2], [1, -1], [0, 3]]), next_tokens=torch.randint(0, 500, (b, n), generator=g),
+    return PreDrafts(step, torch.tensor([0, 5, 9]), torch.tensor([11, 30, 7]),
+                     torch.randint(0, 500, (b, 3), generator=g), accepted=torch.tensor([[3, 2], [1, -1], [0, 3]]),
+                     next_tokens=torch.randint(0, 500, (b, n), generator=g),
                      drafts=torch.randint(0, 500, (b, n, k), generator=g))
 
 
