@@ -77,9 +77,19 @@ def _backend(core):
     return cuda_slab.TorchSlabs(), core.cuda_ipc
 
 
-def on_engine(session, fn, *args):
+_waiting = [0]  # bound steps waiting for the engine's lock now (steps_waiting)
+_waiting_lock = threading.Lock()
+
+
+def steps_waiting() -> int:
+    """How many bound steps wait for the engine's lock now: a pre-draft yields to them (issue 23)."""
+    return _waiting[0]
+
+
+def on_engine(session, fn, *args, step: bool = True):
     """fn(*args) on the calling (data) thread under the engine's lock, EngineThread.engine_lock: no
-    hop to the engine thread and back; on the engine thread where the executor has no such lock."""
+    hop to the engine thread and back; on the engine thread where the executor has no such lock.
+    step: a step's work, counted in steps_waiting() while it waits for the lock (a pre-draft's is not)."""
     lock = getattr(session.core.executor, "engine_lock", None)
     if lock is None:
         return session.core.executor.submit(fn, *args).result()
@@ -87,8 +97,21 @@ def on_engine(session, fn, *args):
         if session.device.type == "cuda":
             torch.cuda.set_device(session.device)
         session._on_device = True
-    with lock:
+    if not step:
+        with lock:
+            return fn(*args)
+    if not lock.acquire(blocking=False):  # held: wait, counted
+        with _waiting_lock:
+            _waiting[0] += 1
+        try:
+            lock.acquire()
+        finally:
+            with _waiting_lock:
+                _waiting[0] -= 1
+    try:
         return fn(*args)
+    finally:
+        lock.release()
 
 
 def ring_session_class(engine):
@@ -305,7 +328,7 @@ def _bound_predrafts(session):
     if service is None or not service.enabled:
         return None
     return BoundPreDrafts(service, session.core.engine, session.session, session.views, session.guard.out,
-                          session.drafts, session.device, session.core.epoch)
+                          session.drafts, session.device, session.core.epoch, waiting=steps_waiting)
 
 
 class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
@@ -403,7 +426,7 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         if done.code:
             pre.pending = None
             return
-        pre.after_reply(send, lambda fn, *args: on_engine(self, fn, *args), limit)
+        pre.after_reply(send, lambda fn, *args: on_engine(self, fn, *args, step=False), limit)
 
     def _events(self) -> None:
         """The inputs event's wait and the done event's record on this thread's stream, looked up

@@ -226,17 +226,19 @@ class BoundPreDrafts:
     After the StepDone has gone (after_reply, on the thread that sent it): the call's small fields
     and exact drafts copied to the host (queued under the lock, waited for outside it), its outcomes
     read and looked up against the last set pushed (PreDraftService.begin: the same late detection,
-    budget and metrics as unbound pushes), the pre-draft queued under the lock
+    budget and metrics as unbound pushes; none while a request, job or another binding's step waits
+    for the engine), the pre-draft queued under the lock
     (drafter.engine.predraft.predraft_queued) over the kept rows and the guard's outputs (the
     binding's own buffers: the next step rewrites them only after this), its outcomes read outside
     it, and the set pushed.  A skipped or failed pre-draft pushes an empty set (`nothing`)."""
 
     def __init__(self, service: PreDraftService, engine, session, views: dict, guard_out: dict,
                  drafts: torch.Tensor,  # [max_batch, width] int64: the binding's drafts output
-                 device: torch.device, epoch: int):
+                 device: torch.device, epoch: int, waiting: Callable[[], int] = lambda: 0):
+        """waiting(): how many bound steps wait for the engine's lock now (a pre-draft yields to them)."""
         from drafter.wire.bound import HIDDEN
 
-        self.service, self.engine, self.session, self.epoch = service, engine, session, epoch
+        self.service, self.engine, self.session, self.epoch, self.waiting = service, engine, session, epoch, waiting
         self.hidden = views[HIDDEN]  # [max_tokens, W]: the target's slab
         self.out, self.drafts, self.device = guard_out, drafts, device
         self.groups = len(session.num_blocks)
@@ -291,7 +293,7 @@ class BoundPreDrafts:
     def _predraft(self, head, on_engine) -> PreDrafts | None:
         svc, sid = self.service, self.session.id
         budget = svc.budgets.setdefault(sid, Budget(self.engine.config.predraft_outcomes))
-        if svc.busy():  # unbound work waits for the engine: no pre-drafts this time
+        if svc.busy() or self.waiting():  # work waits for the engine (a request, a job, a bound step): none
             budget.late()
             svc.forget(sid, keep_budget=True)
             svc.on_skip()

@@ -96,3 +96,51 @@ def test_both_ends_rule():
     assert verifies_predrafts([hit, hit]) and not verifies_predrafts([hit, miss]) and not verifies_predrafts([])
     assert verifies_predrafts([hit, miss], 0.5) and not verifies_predrafts([hit, miss, miss], 0.5)
     assert not verifies_predrafts([miss, miss], 0.5) and not verifies_predrafts([miss], 0.01)
+
+
+# ------------------------------------------------------------------ the drafter's side yields to waiting steps
+def test_bound_steps_waiting_for_the_engine_are_counted():
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from drafter.service.bound_ipc import on_engine, steps_waiting
+
+    lock = threading.Lock()
+    session = SimpleNamespace(core=SimpleNamespace(executor=SimpleNamespace(engine_lock=lock)),
+                              device=torch.device("cpu"))
+    lock.acquire()  # a batch or a pre-draft holds the engine
+    got = []
+    t = threading.Thread(target=lambda: got.append(on_engine(session, lambda: steps_waiting())))
+    t.start()
+    deadline = time.monotonic() + 30
+    while steps_waiting() != 1 and time.monotonic() < deadline:  # the step blocks on the lock
+        pass
+    assert steps_waiting() == 1
+    lock.release()
+    t.join(30)
+    assert got == [0] and steps_waiting() == 0, "counted while waiting only"
+    assert on_engine(session, lambda: steps_waiting(), step=False) == 0
+
+
+def test_a_bound_predraft_yields_to_a_waiting_step():
+    from types import SimpleNamespace
+
+    from drafter.service.predraft import BoundPreDrafts, PreDraftService
+    from drafter.wire import bound as wb
+    from drafter.wire.predraft import bound_push_from_frame
+
+    engine = SimpleNamespace(config=SimpleNamespace(predraft_outcomes=4, num_speculative_tokens=K),
+                             predraft=lambda *a, **kw: None)
+    service = PreDraftService(engine)
+    skipped = []
+    service.on_skip = lambda: skipped.append(1)
+    session = SimpleNamespace(id="s", num_blocks=(16,), bases=(0,))
+    pre = BoundPreDrafts(service, engine, session, {wb.HIDDEN: torch.zeros(8, 4)}, {},
+                         torch.zeros(B, K, dtype=torch.long), torch.device("cpu"), epoch=1, waiting=lambda: 1)
+    pre.pending = wb.StepHeader(step=5, num_tokens=B, batch=B, want_predrafts=True)
+    frames = []
+    pre.after_reply(frames.append, lambda fn, *a: fn(*a))
+    got, session_id, epoch = bound_push_from_frame(frames[0])
+    assert (got.step, session_id, epoch) == (5, "s", 1) and not bool((got.accepted >= 0).any()), "an empty set"
+    assert skipped == [1] and service.budgets["s"].outcomes == 2, "skipped: the budget halved"
