@@ -121,17 +121,18 @@ def predraft_queued(engine, inp: ProposeInputs,
 def to_host(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
     """Copies of `parts` on the host: for GPU tensors, pinned buffers filled by copies queued on the
     current stream, and the event after them (wait on it before reading); else plain clones."""
-    host, event = [], None
+    host, event, device = [], None, None
     for t in parts:
         if t.device.type == "cuda":
             h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            h.copy_(t, non_blocking=True)
+            h.copy_(t, non_blocking=True)  # on the current stream of t's device
             host.append(h)
+            device = t.device
         else:
             host.append(t.clone())
-    if any(t.device.type == "cuda" for t in parts):
+    if device is not None:  # after the copies on that stream, whichever device this thread has current
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(device))
     return host, event
 
 
