@@ -86,6 +86,9 @@ def steps_waiting() -> int:
     return _waiting[0]
 
 
+_thread_device = threading.local()  # the device each data / doorbell thread last made current
+
+
 def on_engine(session, fn, *args, step: bool = True):
     """fn(*args) on the calling (data) thread under the engine's lock, EngineThread.engine_lock: no
     hop to the engine thread and back; on the engine thread where the executor has no such lock.
@@ -93,10 +96,10 @@ def on_engine(session, fn, *args, step: bool = True):
     lock = getattr(session.core.executor, "engine_lock", None)
     if lock is None:
         return session.core.executor.submit(fn, *args).result()
-    if not getattr(session, "_on_device", False):  # the current device is per thread
+    if getattr(_thread_device, "device", None) != session.device:  # the current device is per thread
         if session.device.type == "cuda":
             torch.cuda.set_device(session.device)
-        session._on_device = True
+        _thread_device.device = session.device
     if not step:
         with lock:
             return fn(*args)
