@@ -51,7 +51,7 @@ MAX_FRAMES = 256
 ENVELOPE_SLACK = 64 * 1024  # bytes beyond max_message_bytes a message may carry (delimiter, envelope)
 READ_BURST = 64  # messages read per wake-up before the loop gets a turn for others
 DROP_BURST = 256  # frames of an oversized message released under the socket's lock at a time
-# how long one turn of the loop may go on releasing a refused message's frames (its refusal goes first): the
+# how long one turn of the loop may go on releasing a refused message's frames (answered after the last): the
 # socket's other peers wait for the whole drop (ZMQ delivers their messages after it), so it should span few
 # turns; the budget bounds how long it holds the loop at once.  0: one slice of DROP_BURST frames per turn
 DROP_BUDGET_S = 0.002
@@ -100,7 +100,7 @@ def _check_frames(rest: list, max_message_bytes: int) -> None:
 class _Endpoint:
     """One bound ROUTER socket and its reader state."""
 
-    __slots__ = ("sock", "label", "endpoint", "fd", "reading", "kicked", "lock", "closed", "dropping")
+    __slots__ = ("sock", "label", "endpoint", "fd", "reading", "kicked", "lock", "closed", "dropping", "refused")
 
     def __init__(self, sock: zmq.Socket, label: str, endpoint: str):
         self.sock, self.label, self.endpoint = sock, label, endpoint
@@ -110,6 +110,7 @@ class _Endpoint:
         self.lock = threading.Lock()  # every use of sock: the event loop reads, the engine thread replies
         self.closed = False
         self.dropping = False  # frames of a refused oversized message are still to be received and released
+        self.refused: tuple | None = None  # (frames, over) of that message: answered once its last frame is out
 
     def send(self, frames: list) -> None:
         """Send one reply (from either thread).  ROUTER never blocks: a peer that is gone or over its
@@ -290,21 +291,28 @@ class ZmqServer:
                     ep.dropping = not self._drain(ep)
                     if ep.dropping:
                         break
-                    continue
-                # (held by the engine thread only while it sends a reply: microseconds; waiting for it
-                # here sleeps, where returning would leave the FD signalled and the loop spinning)
-                with ep.lock:
-                    if ep.closed:
-                        return
-                    # capped while receiving: an oversized message is dropped frame by frame, not held
-                    frames, over, ep.dropping = recv_frames_bounded(
-                        ep.sock, NOBLOCK, MAX_FRAMES + 1, self.max_message_bytes + ENVELOPE_SLACK, self.drop_burst)
+                    (frames, over), ep.refused = ep.refused, None
+                else:
+                    # (held by the engine thread only while it sends a reply: microseconds; waiting for it
+                    # here sleeps, where returning would leave the FD signalled and the loop spinning)
+                    with ep.lock:
+                        if ep.closed:
+                            return
+                        # capped while receiving: an oversized message is dropped frame by frame, not held
+                        frames, over, ep.dropping = recv_frames_bounded(
+                            ep.sock, NOBLOCK, MAX_FRAMES + 1, self.max_message_bytes + ENVELOPE_SLACK,
+                            self.drop_burst)
+                    if ep.dropping:
+                        # answered once its last frame is released: a sender that waits for the answer
+                        # (as the abuse soak's attackers do) cannot queue its next such message meanwhile
+                        ep.refused = (frames, over)
+                        continue
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:  # closed under us
                 log.debug("zmq recv failed: %s", exc)
                 return
-            self._on_message(ep, frames, over)  # an oversized message is refused here, before its drop
+            self._on_message(ep, frames, over)
         self._kick(ep)  # more may be waiting: continue after the loop's other work
 
     def _drain(self, ep: _Endpoint) -> bool:

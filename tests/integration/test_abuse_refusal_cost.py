@@ -1,7 +1,7 @@
 """What refused ZMQ traffic costs the server's event loop (issue 19, the soak's 2x goal): a refusal and an
 Info are answered in the reader callback without creating an asyncio task, and an oversized message is
-refused at once and released in slices, the socket's lock let go between them, for up to a time budget
-per turn of the loop, the loop's other work running between turns.
+released in slices, the socket's lock let go between them, for up to a time budget per turn of the loop
+(the loop's other work running between turns), and refused once its last frame is released.
 
 In-process (a ServiceCore and a ZmqServer on this test's event loop, the client in a worker thread), so
 the tasks the loop creates can be counted.
@@ -179,3 +179,31 @@ def test_drop_burst_sets_the_slice(engine, monkeypatch):
         assert (Code(got[0].error.code), got[0].error.field) == (Code.INVALID_ARGUMENT, "frames")
     _serve(engine, body, drop_burst=burst)
     assert mosts and set(mosts) == {burst} and len(mosts) <= 4, mosts
+
+
+def test_oversized_message_is_refused_after_its_last_frame(engine, monkeypatch):
+    """The refusal leaves once the whole message is consumed, as before the drop was sliced: a sender that
+    waits for it (the abuse soak's frames attacker) cannot queue its next oversized message during the drop,
+    which the socket's other peers wait for."""
+    events = []
+    drop = zmq_server.drop_frames
+    send_error = zmq_server.ZmqServer._send_error
+
+    def counted(sock, flags, most):
+        done = drop(sock, flags, most)
+        events.append("last" if done else "slice")
+        return done
+
+    def recorded(self, ep, head, env, exc):
+        events.append("refused")
+        return send_error(self, ep, head, env, exc)
+    monkeypatch.setattr(zmq_server, "drop_frames", counted)
+    monkeypatch.setattr(zmq_server.ZmqServer, "_send_error", recorded)
+
+    async def body(loop, server, counting):
+        got = await loop.run_in_executor(None, _exchange, f"tcp://127.0.0.1:{server.port}",
+                                         [[_ENC.encode(schema.Envelope(call_id=1, method="Propose")), b""]
+                                          + [b"z"] * (10 * zmq_server.DROP_BURST)])
+        assert (Code(got[0].error.code), got[0].error.field) == (Code.INVALID_ARGUMENT, "frames")
+    _serve(engine, body, drop_budget_s=0.0)
+    assert events.count("refused") == 1 and events[-2:] == ["last", "refused"], events
