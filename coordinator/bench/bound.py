@@ -28,7 +28,9 @@ decode step, drafts on the host:
     ring stream (drafter.wire.ring_stream: the GPU slab's prefix copied to the pinned ring in
     chunks, each sent as it lands; the drafter's copy of each chunk to its GPU queued as it
     lands; 4 lanes); host_ring_ipc: the stream on a same-host UNIX name; host_ring_1lane,
-    host_ring_8lane: the stream on one connection, on eight; host_ring_zmq: no stream, the prefix as the ZMQ data socket's
+    host_ring_8lane: the stream on one connection, on eight; host_ring_bulk: four lanes, the
+    target's prefix copied to the host in one piece before the body goes, the drafter's in one copy
+    at the step (BindRequest.stream_staging "step"); host_ring_zmq: no stream, the prefix as the ZMQ data socket's
     second frame after one device-to-host copy (the plane before the stream);
   * unbound, unbound_cuda_ipc: the ZmqDrafterClient encoding tensors per call (the hidden states
     as a per-step CUDA IPC reference for the second).
@@ -72,13 +74,14 @@ from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats,
 
 CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
            "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
-           "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "unbound", "unbound_cuda_ipc")
+           "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "unbound",
+           "unbound_cuda_ipc")
 BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
          "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
-         "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane")
-RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane")  # the ring stream on
-# tcp (4 lanes), on a same-host UNIX name; the ZMQ data socket on tcp (no stream: the plane as before the stream);
-# the stream on one lane, on eight
+         "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk")
+RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk")  # the
+# ring stream on tcp (4 lanes), on a same-host UNIX name; the ZMQ data socket on tcp (no stream: the plane as before
+# the stream); the stream on one lane, on eight; the stream with one D2H copy and one H2D copy a step
 STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
            "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", *RINGS)
 SPIN_US = 3000  # cuda_ipc_spin's BindRequest.spin_us: covers the bench's back-to-back steps up to batch 64
@@ -120,7 +123,9 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
     if plane == "host_ring":  # the ring client the fallback would make, with or without the stream
         client.ring = HostRingClient(endpoint, shape, client.buffers, max_batch=batch, transport=transport,
                                      timeout_s=args.timeout_s, stream=name != "host_ring_zmq",
-                                     lanes={"host_ring_1lane": 1, "host_ring_8lane": 8}.get(name, STREAM_LANES))
+                                     lanes={"host_ring_1lane": 1, "host_ring_8lane": 8}.get(name, STREAM_LANES),
+                                     staging="step" if name == "host_ring_bulk" else "span",
+                                     d2h_pieces=1 if name == "host_ring_bulk" else 0)
     try:
         got = client.bind()
     except BaseException:

@@ -100,11 +100,13 @@ class BoundLink:
     live connection, a timeout, a lost session, a failed channel): bind again for a new link."""
 
     def __init__(self, ctx: zmq.Context, ring: BoundRing, resp: wb.BindResponse, plane: str, via: str,
-                 lanes: int = 1):
+                 lanes: int = 1, d2h_pieces: int = 0):
         """via: the control endpoint the Bind went to (a drafter listening on every address
         answers with a wildcard host, which is the control endpoint's host from here); lanes: the
-        connections to its ring stream (BindRequest.stream_lanes, where the Bind asked for a stream)."""
+        connections to its ring stream (BindRequest.stream_lanes, where the Bind asked for a stream);
+        d2h_pieces: the device-to-host copies a GPU source's prefix goes in on the stream (0: D2H_PIECES)."""
         self.ring, self.plane, self.lanes = ring, plane, max(1, lanes)
+        self.d2h_pieces = d2h_pieces or D2H_PIECES
         host = _host(via)
         self.resp = msgspec.structs.replace(resp, endpoint=reachable(resp.endpoint, host),
                                             store=reachable(resp.store, host) if resp.store else "",
@@ -231,9 +233,9 @@ class BoundLink:
             if source is not None:
                 ring.slab[:nbytes].copy_(source[:nbytes])
             return lambda a, z: ring.bytes[a:z]
-        while len(self._events) < D2H_PIECES:
+        while len(self._events) < self.d2h_pieces:
             self._events.append(torch.cuda.Event())
-        return device_parts(source, ring.slab, ring.bytes, nbytes, self._events)
+        return device_parts(source, ring.slab, ring.bytes, nbytes, self._events, self.d2h_pieces)
 
     def _stream_reply(self, head: wb.StepHeader, deadline: float, timeout_s: float) -> torch.Tensor:
         """The step's StepDone and drafts from the stream; a silent drafter is DEADLINE_EXCEEDED, a
@@ -303,15 +305,19 @@ class HostRingClient:
 
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, transport: str = "tcp", plane: str = wb.HOST_RING, timeout_s: float = 5.0,
-                 stream: bool = True, lanes: int = STREAM_LANES):
+                 stream: bool = True, lanes: int = STREAM_LANES, staging: str = "span", d2h_pieces: int = 0):
         """stream: host_ring steps on the binding's ring stream (drafter.wire.ring_stream) where the
         drafter offers one and it can be reached, else (and with False) on the ZMQ data socket;
-        lanes: the stream's connections, each prefix striped over them (1 to ring_stream.MAX_LANES)."""
+        lanes: the stream's connections, each prefix striped over them (1 to ring_stream.MAX_LANES);
+        staging: the GPU drafter's host-to-device copy, "span" (as each span lands) or "step" (one
+        copy at the step; BindRequest.stream_staging); d2h_pieces: the device-to-host copies of a
+        GPU source's prefix (0: D2H_PIECES; 1: one copy, the body sent once it is whole)."""
         if not 1 <= lanes <= rs.MAX_LANES:
             raise ValueError(f"lanes must lie in [1, {rs.MAX_LANES}], got {lanes}")
         self.endpoint, self.layout, self.plane = endpoint, layout, plane
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
         self.stream, self.lanes = stream and plane == wb.HOST_RING, lanes
+        self.staging, self.d2h_pieces = staging, d2h_pieces
         self.ring = BoundRing(buffers)
         self.views = self.ring.views
         self.ctx = zmq.Context()
@@ -344,16 +350,19 @@ class HostRingClient:
         self.session = self._call("Attach", self.layout, _ATTACH, deadline)
         req = wb.BindRequest(session_id=self.session.session_id, epoch=self.session.epoch, transport=self.transport,
                              plane=self.plane, buffers=self.ring.buffers, max_batch=self.max_batch,
-                             stream=self.stream, stream_lanes=self.lanes if self.stream and self.lanes > 1 else 0)
+                             stream=self.stream, stream_lanes=self.lanes if self.stream and self.lanes > 1 else 0,
+                             stream_staging=self.staging if self.stream else "span")
         try:
             resp = self._call(wb.BIND_METHOD, req, wb.BIND_RESPONSE_DECODER, deadline)
         except DrafterError as err:
             if not (req.stream and knows_no_stream(err)):
                 raise
             self.stream = False  # a drafter from before the ring stream: the data socket
-            resp = self._call(wb.BIND_METHOD, msgspec.structs.replace(req, stream=False, stream_lanes=0),
+            resp = self._call(wb.BIND_METHOD, msgspec.structs.replace(req, stream=False, stream_lanes=0,
+                                                                      stream_staging="span"),
                               wb.BIND_RESPONSE_DECODER, deadline)
-        link = BoundLink(self.ctx, self.ring, resp, self.plane, self.endpoint, lanes=self.lanes)
+        link = BoundLink(self.ctx, self.ring, resp, self.plane, self.endpoint, lanes=self.lanes,
+                         d2h_pieces=self.d2h_pieces)
         if not link.connect(deadline - time.monotonic(), self.timeout_s):
             link.close()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
@@ -450,18 +459,19 @@ def join_channel(resp: wb.BindResponse, timeout_s: float):
         raise DrafterError(Code.UNAVAILABLE, "store", f"joining the gloo channel at {resp.store}: {exc}") from None
 
 
-def device_parts(source: torch.Tensor, slab: torch.Tensor, view: memoryview, nbytes: int, events: list):
-    """A GPU source's prefix to the pinned host slab in at most D2H_PIECES copies of whole stripe
+def device_parts(source: torch.Tensor, slab: torch.Tensor, view: memoryview, nbytes: int, events: list,
+                 pieces: int = D2H_PIECES):
+    """A GPU source's prefix to the pinned host slab in at most `pieces` copies of whole stripe
     units, all queued now on the current stream with an event after each; part(start, end) (a
     span of rs.send_striped's) waits for the event of the piece holding its last byte (the copies
     complete in order) and gives view[start:end].
 
     source: [>= nbytes] uint8 on a GPU; slab: [>= nbytes] uint8 pinned, view its bytes; events:
-    at least D2H_PIECES CUDA events.  Fewer, larger copies than chunks: each copy queued costs
+    at least `pieces` CUDA events.  Fewer, larger copies than chunks: each copy queued costs
     microseconds of host time before the first chunk can go."""
     from coordinator.transport.bound_ipc import current_stream  # the Stream kept per stream (a lookup costs ~10 us)
 
-    per_piece = -(-nbytes // D2H_PIECES)
+    per_piece = -(-nbytes // pieces)
     piece = max(1, -(-per_piece // rs.CHUNK)) * rs.CHUNK  # whole units per copy
     stream = current_stream(source.device)
     for i, a in enumerate(range(0, nbytes, piece)):

@@ -50,11 +50,14 @@ class _Stream:
     def _link_state(self, req: wb.BindRequest) -> None:
         if not 0 <= req.stream_lanes <= rs.MAX_LANES:
             raise invalid("stream_lanes", f"{req.stream_lanes} must lie in [0, {rs.MAX_LANES}]")
+        if req.stream_staging not in wb.STAGINGS:
+            raise invalid("stream_staging", f"{req.stream_staging!r}: one of {list(wb.STAGINGS)}")
         super()._link_state(req)
         self._started = self._queued = 0  # the running step's stamps (perf_counter_ns)
         self._staged: list[tuple[int, int]] = []  # the running step's spans already queued to the GPU slab
         self._lane_lock = threading.Lock()  # the lanes queue their chunks' copies one at a time
         self.stream_lanes = max(1, req.stream_lanes)
+        self._per_span = req.stream_staging == "span"  # the GPU session's copies as spans land (else at the step)
         self._stream_listener, self.stream_address, self._stream_thread = None, "", None
         if not req.stream:
             return
@@ -129,7 +132,8 @@ class _Stream:
         frame = rs.read_exact(conn, head_len)
         head, refused = self._decode(frame, body_len)
         self._staged, self._started, self._queued = [], 0, 0
-        rs.receive_striped(conns, ring, body_len, unit, None if refused else self._landed, pool)
+        staging = self._landed if refused is None and self._per_span else None
+        rs.receive_striped(conns, ring, body_len, unit, staging, pool)
         landed = time.perf_counter_ns()
         if refused is None:
             refused, payload = self._run_received(head, body_len)

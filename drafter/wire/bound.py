@@ -65,6 +65,7 @@ PLANES = (HOST_RING, GLOO_CHANNEL, CUDA_IPC, NCCL_CHANNEL)
 CHANNELS = (GLOO_CHANNEL, NCCL_CHANNEL)  # the planes on a two-rank process group from the drafter's TCPStore
 TRANSPORTS = ("tcp", "ipc")
 HIDDEN = "target_hidden_states"
+STAGINGS = ("span", "step")  # BindRequest.stream_staging
 ALIGN = 64  # bytes: every buffer of the ring starts on a cache line
 MAX_BUFFERS = 64
 
@@ -100,6 +101,8 @@ class BindRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # ring_stream: the prefix in chunks on a plain connection, straight into the pinned ring) where one can be made
     stream_lanes: int = 0  # with stream: the connections the target makes to it and stripes each prefix over
     # (0 or 1: one; more than ring_stream.MAX_LANES is refused naming stream_lanes)
+    stream_staging: str = "span"  # a GPU drafter's host-to-device copy of a streamed prefix: "span" (each span
+    # as it lands) or "step" (the whole prefix in one copy at the step); anything else is refused naming it
 
 
 class BindResponse(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

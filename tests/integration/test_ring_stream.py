@@ -272,3 +272,33 @@ def test_the_cuda_ipc_clients_ring_fallback_stamps_every_stage_the_bench_reads(t
             client.detach()
             client.close()
             ref.close()
+
+
+def test_staging_at_the_step_copies_the_prefix_once_and_drafts_the_same(tiny_root, monkeypatch):
+    """BindRequest.stream_staging "step": the GPU session (forced on CPU) queues no copy as the spans
+    land and copies the prefix whole at the step; a staging it does not know is refused naming it."""
+    monkeypatch.setattr(bound_ipc, "GUARDED_RING", True)
+    for name in ("CHUNK", "SEND_BYTES", "RECV_BYTES"):
+        monkeypatch.setattr(rs, name, 2048)
+    landed, staged = [], []
+    real_landed, real_stage = ring_stream.GuardedStreamSession._landed, ring_stream.GuardedStreamSession._stage
+    monkeypatch.setattr(ring_stream.GuardedStreamSession, "_landed",
+                        lambda self, a, z: (landed.append((a, z)), real_landed(self, a, z)))
+    monkeypatch.setattr(ring_stream.GuardedStreamSession, "_stage",
+                        lambda self, n: (staged.append(list(self._staged)), real_stage(self, n)))
+    with Drafter(_engine(tiny_root, "eagle3")) as drafter:
+        t = Target(tiny_root, "eagle3", drafter, seed=1)
+        t.client.staging = "step"
+        odd = Target(tiny_root, "eagle3", drafter, seed=2)
+        odd.client.staging = "later"
+        try:
+            t.step(PLANS[0])
+            t.step(PLANS[1])
+            assert _binding(drafter, t)._per_span is False
+            assert landed == [] and staged == [[], []], "nothing staged as it landed: one copy at each step"
+            with pytest.raises(DrafterError) as err:
+                odd.client.bind()
+            assert (err.value.code, err.value.field) == (Code.INVALID_ARGUMENT, "stream_staging"), str(err.value)
+        finally:
+            t.close()
+            odd.close()
