@@ -168,17 +168,8 @@ class DeviceLink:
         part after it (_after_reply), stamps kept; perf_counter_ns at the start.  DrafterError: UNAVAILABLE 'data' when the data socket has no live connection
         (nothing was sent), the drafter's refusal, or DEADLINE_EXCEEDED."""
         start = time.perf_counter_ns()
-        if self._unawaited:
-            self.settle(timeout_s)
-        step = self.last_step = next(self._steps)
-        head = wb.StepHeader(step=step, num_tokens=num_tokens, batch=batch, batch_padded=batch_padded,
-                             tokens_padded=tokens_padded, nbytes=self._nbytes(num_tokens),
-                             bind_id=self.resp.bind_id, accepted_counts=accepted_counts or [],
-                             want_predrafts=want_predrafts,
-                             predraft_min_hits=self.predraft_min_hits if want_predrafts else 0.0)
-        self._before_send(head)
-        sent = time.perf_counter_ns()
-        self._send(wb.encode(head))
+        step, sent = self._send_step(num_tokens, batch, batch_padded, tokens_padded, timeout_s, accepted_counts,
+                                     want_predrafts)
         done = self._reply(step, timeout_s)
         self._after_reply(timeout_s)
         self.stamps = {"sent": sent, **dict(zip(wb.STAMPS, done.stamps)),
@@ -282,6 +273,15 @@ class DeviceLink:
         pre-drafts).  settle() must run before the target writes its buffers again: it reads
         the StepDone and orders this side's later work after the drafter's reads of the slab.
         The step number."""
+        step, _ = self._send_step(num_tokens, batch, batch_padded, tokens_padded, timeout_s, accepted_counts,
+                                  want_predrafts)
+        self._unawaited = step
+        return step
+
+    def _send_step(self, num_tokens: int, batch: int, batch_padded: int, tokens_padded: int, timeout_s: float,
+                   accepted_counts: list[int] | None, want_predrafts: bool) -> tuple[int, int]:
+        """A step's header built and sent after the plane's part before it (_before_send), an
+        unawaited step settled first; (its step number, perf_counter_ns just before the send)."""
         if self._unawaited:
             self.settle(timeout_s)
         step = self.last_step = next(self._steps)
@@ -291,9 +291,9 @@ class DeviceLink:
                              want_predrafts=want_predrafts,
                              predraft_min_hits=self.predraft_min_hits if want_predrafts else 0.0)
         self._before_send(head)
+        sent = time.perf_counter_ns()
         self._send(wb.encode(head))
-        self._unawaited = step
-        return step
+        return step, sent
 
     def settle(self, timeout_s: float) -> None:
         """The StepDone of a step sent by send_nowait (DrafterError as a step's), then the plane's
