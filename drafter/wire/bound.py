@@ -220,8 +220,9 @@ STEP_DECODER = msgspec.msgpack.Decoder(StepHeader)
 DONE_DECODER = msgspec.msgpack.Decoder(StepDone)
 STAMPS = ("received", "started", "queued", "replied")  # header read; step began (lock held); GPU work queued; reply encoded
 # after STAMPS in StepDone.stamps where the plane takes them (cuda_ipc): between "started" and
-# "queued", the stream's wait for the target's event queued, the guard's replay queued, the
-# bound graphs' replay queued (the done event's record follows)
+# "queued", the stream's wait for the target's event queued, "guarded" (equal to "waited" since the
+# guard is folded into the bound replay; a drafter before the fold stamped its own replay there), the
+# bound replay queued, the guard's launches first (the done event's record follows)
 FINE_STAMPS = ("waited", "guarded", "replayed")
 # after STAMPS in a host_ring step's StepDone.stamps: the prefix whole in the drafter's pinned ring
 # (on the ring stream its last chunk read, "received" being its header's; on the data socket the
