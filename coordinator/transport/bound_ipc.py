@@ -298,12 +298,15 @@ class DeviceLink:
     def settle(self, timeout_s: float) -> None:
         """The StepDone of a step sent by send_nowait (DrafterError as a step's), then the plane's
         arrival (the current stream waits for the drafter's output): the target's buffers are its
-        own again.  Nothing when no such step is out."""
+        own again.  Nothing when no such step is out.  That step's error word is read too: a step
+        the guard masked (its drafts and KV void) is INVALID_ARGUMENT naming the field here, at the
+        next step, as an awaited step's is at its own."""
         step, self._unawaited = self._unawaited, 0
         if step:
             self._reply(step, timeout_s)
             self._after_reply(timeout_s)
             self._arrive()
+            self.raise_for(self.error_word())
 
     def poll_pushes(self, timeout_s: float = 0.0, until=None) -> None:
         """Read what the drafter pushed (each set to on_push), for at most timeout_s or until
