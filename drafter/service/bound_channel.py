@@ -175,7 +175,7 @@ class ChannelSession(_Doorbell, _Guarded, BoundSession):
         if self._sent is not None:  # the last output's send done before the guard rewrites the output
             sent, self._sent = self._sent, None  # (GPU: the stream waits; gloo: done, the target had it)
             sent.wait()
-        self._guard_and_replay(head)
+        self._replay(head)
         if self._done is not None:
             self._done.record()  # the output's send (off the lock) starts after this step's replay
 

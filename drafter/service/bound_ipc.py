@@ -169,10 +169,6 @@ class _Guarded:
             raise invalid("num_tokens", f"{n} must lie in [batch={b}, "
                                         f"{min(s.max_num_batched_tokens, self.bound.max_tokens)}]")
 
-    def _guard_and_replay(self, head: wb.StepHeader) -> None:
-        """Queued on the stream: the bound graphs, the guard folded in (drafts into the output)."""
-        self._replay(head)
-
     def _replay(self, head: wb.StepHeader) -> None:
         """Queued on the stream: the bound graphs, which start with the guard (BoundPropose.fold:
         its sizes from the header the call stores; one replay at a combined decode size)."""
@@ -217,7 +213,7 @@ class GuardedRingSession(_Guarded, BoundSession):
         if nbytes != want:
             raise invalid("ring", f"{nbytes} bytes for {head.num_tokens} tokens; the layout needs {want}")
         self._stage(nbytes)
-        self._guard_and_replay(head)
+        self._replay(head)
         self._host_out.copy_(self.output, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # also: the ring may take the next frame

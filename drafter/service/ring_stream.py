@@ -223,8 +223,8 @@ class GuardedStreamSession(_Stream, GuardedRingSession):
                 self.slab[at:min(a, nbytes)].copy_(self.ring[at:min(a, nbytes)], non_blocking=True)
             at = max(at, z)
 
-    def _guard_and_replay(self, head: wb.StepHeader) -> None:
-        super()._guard_and_replay(head)
+    def _replay(self, head: wb.StepHeader) -> None:
+        super()._replay(head)
         self._queued = time.perf_counter_ns()
 
 
