@@ -6,13 +6,23 @@
 #   OUT=/tmp/out bash bench/run_predraft.sh [predraft_target arguments...]
 # Carried: .whl/ (pyzmq, msgspec, grpcio... the device host lacks) and the generated stubs
 # drafter/_proto/drafter/v1 (see run_on_gpu.sh).  Knobs: BENCH_TIMEOUT (default 460 s).
-# Writes $OUT/gpu.txt, predraft_target_log.txt, predraft_target.json, predraft_target.md, predraft_servers.log.
+# Writes $OUT/gpu.txt, predraft_target_log.txt, predraft_target.json, predraft_target.md, predraft_servers.log,
+# clocks.csv (CLOCKS_MS).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"   # OUT, the carried wheels, PYTHONPATH
 describe_device
+# Both GPUs' clocks, power and utilisation every CLOCKS_MS (default 100; 0: none) while the bench runs
+# (read only: nvidia-smi's query loop), to set beside each run's wall-clock window ("wall" in the JSON).
+CLOCKS_PID=""
+if [ "${CLOCKS_MS:-100}" != "0" ] && command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,utilization.gpu,pstate \
+    --format=csv,noheader -lms "${CLOCKS_MS:-100}" > "$OUT/clocks.csv" 2>/dev/null &
+  CLOCKS_PID=$!
+fi
 timeout "${BENCH_TIMEOUT:-460}" python3 -m coordinator.bench.predraft_target --out "$OUT" "$@" \
   > "$OUT/predraft_target_log.txt" 2>&1
 echo "== bench rc $?"
+[ -n "$CLOCKS_PID" ] && kill "$CLOCKS_PID" 2>/dev/null
 grep -vE "^\|" "$OUT/predraft_target_log.txt" | tail -60
 [ -f "$OUT/predraft_target.md" ] && head -14 "$OUT/predraft_target.md"
 [ -f "$OUT/predraft_servers.log" ] && grep -iE "error|exception|traceback" "$OUT/predraft_servers.log" | head -20

@@ -18,6 +18,7 @@ target hands it the drafts it will verify (`after`) and the engine pre-drafts fo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -281,6 +282,10 @@ class BoundPreDrafting:
         client.on_push = self.picker.offer
         self.unawaited = 0  # steps sent without waiting (every row a hit)
         self._link = None
+        # the last step's perf_counter_ns on this side (the bench's stage split): "polled" (pushes read),
+        # "picked", "settled" (an unawaited step's StepDone and event), "filled" (the views written),
+        # "sent" (an unawaited step's header out; an awaited step's own stamps are the client's)
+        self.stamps: dict[str, int] = {}
 
     @property
     def min_hits(self) -> float | None:
@@ -302,14 +307,20 @@ class BoundPreDrafting:
             self.picker.reset()  # a new binding: its steps count from 1, its KV starts over
             self._link = client.link
         last = client.last_step
+        clock = time.perf_counter_ns
+        stamps = self.stamps = {}
         if last:
             client.poll_pushes(self.push_wait_s, until=lambda: self.picker.has(last))
             client.poll_pushes(0.0)
+        stamps["polled"] = clock()
         step = last + 1
         hits = self.picker.pick(step, inputs, accepted_counts)
         counts = None if accepted_counts is None else [int(a) for a in accepted_counts.tolist()]
+        stamps["picked"] = clock()
         client.settle()
+        stamps["settled"] = clock()
         n, b = fill(client.views, inputs)
+        stamps["filled"] = clock()
         k = client.width or max((int(h.shape[0]) for h in hits if h is not None), default=1)
         hits = [h if h is not None and h.shape[0] >= k else None for h in hits]
         got = [h is not None for h in hits]
@@ -317,6 +328,7 @@ class BoundPreDrafting:
         if (not self.wait_on_hit and client.link is self._link and self._link is not None
                 and verifies_predrafts(hits, min_hits)):
             client.step_nowait(n, b, batch_padded, tokens_padded, counts)
+            stamps["sent"] = clock()
             self.unawaited += 1
             drafts = torch.full((b, k), -1, dtype=torch.long)
             for r, h in enumerate(hits):

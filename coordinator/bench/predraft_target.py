@@ -464,6 +464,8 @@ class PreDraftBound(PreDraft):
         self.waited = self.pd.unawaited == before
         self.unawaited += int(not self.waited)
         self.last_stamps = dict(self.client.stamps) if self.waited else {}
+        self.last_pd = dict(self.pd.stamps)  # poll / pick / settle / fill (/ sent) on this side
+        self.last_bstep = self.client.last_step  # the binding's step: the key of the drafter's pre-draft marks
         return drafts, pre
 
     def close(self) -> None:
@@ -519,10 +521,11 @@ def run(rows: Rows, drafter, verify: Verify, steps: int, warmup: int) -> dict:
     drafts, pre = drafter.draft(drafter.steps, kw, counts)
     rows.set_drafts(drafts, pre)
     step_ms, t0, tokens0, marks = [], 0.0, 0, []
+    wall_start = time.time()
     picker = getattr(drafter, "picker", None)
     for t in range(warmup + steps):
         if t == warmup:
-            t0, tokens0 = time.perf_counter(), rows.tokens
+            t0, tokens0, wall_start = time.perf_counter(), rows.tokens, time.time()
             stats = {"not_arrived": 0, "remapped": 0, "empty": 0}
             if picker is not None:  # hit rates and late sets of the timed steps only
                 picker.stats = PickerStats()
@@ -545,9 +548,10 @@ def run(rows: Rows, drafter, verify: Verify, steps: int, warmup: int) -> dict:
         if t >= warmup:
             marks.append({"step": drafter.steps, "launch": launch, "verify_end": verify_end, "drawn": drawn,
                           "built": built, "sent": drafter.sent_ns, "drafts": time.perf_counter_ns(),
-                          "waited": drafter.waited, "bound": getattr(drafter, "last_stamps", None)})
+                          "waited": drafter.waited, "bound": getattr(drafter, "last_stamps", None),
+                          "pd": getattr(drafter, "last_pd", None), "bstep": getattr(drafter, "last_bstep", None)})
     wall = time.perf_counter() - t0
-    out = {"tokens_per_s": (rows.tokens - tokens0) / wall, "steps": steps,
+    out = {"tokens_per_s": (rows.tokens - tokens0) / wall, "steps": steps, "wall": [wall_start, time.time()],
            "tokens_per_step": (rows.tokens - tokens0) / steps / rows.cfg.batch,
            "step_ms_p50": statistics.median(step_ms[warmup:]), "step_ms_mean": 1e3 * wall / steps, **stats,
            "marks": marks}
@@ -595,6 +599,30 @@ STAGES = (
     ("O bound: started -> GPU work queued", lambda m, d, n: _span(m, "queued", "started")),
     ("P bound: queued -> reply", lambda m, d, n: _span(m, "replied", "queued")),
     ("Q bound: reply -> drafts on the target's host", lambda m, d, n: _span(m, "read", "replied")),
+    ("Q1 bound: reply -> StepDone read by the target", lambda m, d, n: _span(m, "answered", "replied")),
+    ("Q2 bound: StepDone read -> drafts on the target's host (event wait, copy)",
+     lambda m, d, n: _span(m, "read", "answered")),
+    # a bound pre-draft step on the target's side (BoundPreDrafting.stamps), waited or not
+    ("S bound pre-draft: pushes read, rows picked", lambda m, d, n: _pd(m, "picked") - m["sent"]
+     if _pd(m, "picked") else None),
+    ("T bound pre-draft: settle (the last unawaited step's StepDone and event)",
+     lambda m, d, n: _pd_span(m, "settled", "picked")),
+    ("U bound pre-draft: fill the views", lambda m, d, n: _pd_span(m, "filled", "settled")),
+    ("V2 bound pre-draft: header out without waiting", lambda m, d, n: _pd_span(m, "sent", "filled")),
+    # the drafter's pre-draft after this step's StepDone (drafter.service.predraft.BOUND_MARKS)
+    ("W1 drafter: StepDone sent -> the step's fields on its host (its GPU work done)",
+     lambda m, d, n: _d_span(d, "fields", "after_reply")),
+    ("W2 drafter: outcomes read, budget, merge", lambda m, d, n: _d_span(d, "decided", "fields")),
+    ("W3 drafter: pre-draft queued (engine lock)", lambda m, d, n: _d_span(d, "queued", "decided")),
+    ("W4 drafter: pre-draft done (host waited)", lambda m, d, n: _d_span(d, "finished", "queued")),
+    ("W5 drafter: push sent", lambda m, d, n: _d_span(d, "pushed", "finished")),
+    ("WG drafter: the pre-draft's GPU time (timing events)",
+     lambda m, d, n: d["gpu_us"] * 1e3 if d.get("gpu_us") is not None else None),
+    ("X2 bound: drafts on the target's host - the pre-draft queued (> 0: read after it was queued)",
+     lambda m, d, n: (m["bound"] or {})["read"] - d["queued"] if "read" in (m.get("bound") or {})
+     and "queued" in d else None),
+    ("L3 bound push slack: next verify end - push sent (< 0: late)",
+     lambda m, d, n: n["verify_end"] - d["pushed"] if "pushed" in d and n is not None else None),
     ("Z critical path past the verify: verify end -> drafts in hand", lambda m, d, n: m["drafts"] - m["verify_end"]),
 )
 
@@ -602,6 +630,19 @@ STAGES = (
 def _span(m: dict, end: str, start: str) -> int | None:
     b = m.get("bound") or {}
     return b[end] - b[start] if end in b and start in b else None
+
+
+def _pd(m: dict, name: str) -> int | None:
+    return (m.get("pd") or {}).get(name)
+
+
+def _pd_span(m: dict, end: str, start: str) -> int | None:
+    a, b = _pd(m, end), _pd(m, start)
+    return a - b if a is not None and b is not None else None
+
+
+def _d_span(d: dict, end: str, start: str) -> int | None:
+    return d[end] - d[start] if end in d and start in d else None
 
 
 def server_marks(path: str, first: int, last: int) -> dict[int, dict[str, int]]:
@@ -617,6 +658,8 @@ def server_marks(path: str, first: int, last: int) -> dict[int, dict[str, int]]:
             rec = json.loads(line)
         except ValueError:  # the line being written
             continue
+        if "request_id" not in rec:  # a bound step's pre-draft (bound_marks)
+            continue
         if first <= rec["request_id"] <= last:  # a call may have several lines (the loop's own marks apart)
             marks = out.setdefault(rec["request_id"], {})
             for name, ns in rec["marks"]:
@@ -624,20 +667,66 @@ def server_marks(path: str, first: int, last: int) -> dict[int, dict[str, int]]:
     return out
 
 
-def stage_summary(marks: list[dict], drafter_marks: dict[int, dict[str, int]]) -> dict:
-    """Per stage (STAGES) the p50 and count in microseconds over the run's timed steps."""
-    per: dict[str, list[float]] = {name: [] for name, _ in STAGES}
+def bound_marks(path: str, start_ns: int, end_ns: int) -> dict[int, dict]:
+    """The drafter's bound pre-draft marks (record_stages' bound_marks lines) whose pre-draft began
+    in [start_ns, end_ns] (one binding runs at a time here), by the binding's step: {stage: ns,
+    "gpu_us": the pre-draft's GPU microseconds or None}."""
+    out: dict[int, dict] = {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if "bound_step" not in rec or not rec["marks"] or not start_ns <= rec["marks"][0][1] <= end_ns:
+            continue
+        marks = {name: ns for name, ns in rec["marks"]}
+        marks["gpu_us"] = rec.get("gpu_us")
+        out[int(rec["bound_step"])] = marks
+    return out
+
+
+def step_values(marks: list[dict], drafter_marks: dict[int, dict], bound: dict[int, dict] | None = None,
+                ) -> list[dict]:
+    """Per timed step, each stage's microseconds (STAGES) and whether the target waited."""
+    rows = []
     for i, m in enumerate(marks):
         nxt = marks[i + 1] if i + 1 < len(marks) else None
-        d = drafter_marks.get(m["step"], {})
+        d = (bound or {}).get(m.get("bstep"), {}) if bound else drafter_marks.get(m["step"], {})
+        row = {"waited": bool(m.get("waited", True))}
         for name, fn in STAGES:
             try:
                 v = fn(m, d, nxt)
             except KeyError:
                 v = None
             if v is not None:
-                per[name].append(v / 1e3)
-    return {name: {"p50_us": round(statistics.median(xs), 1), "n": len(xs)} for name, xs in per.items() if xs}
+                row[name] = round(v / 1e3, 1)
+        rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per stage the p50 and count in microseconds over the given steps."""
+    per: dict[str, list[float]] = {}
+    for row in rows:
+        for name, v in row.items():
+            if name != "waited":
+                per.setdefault(name, []).append(v)
+    order = [name for name, _ in STAGES if name in per]
+    return {name: {"p50_us": round(statistics.median(per[name]), 1), "n": len(per[name])} for name in order}
+
+
+def stage_summary(marks: list[dict], drafter_marks: dict[int, dict[str, int]]) -> dict:
+    """Per stage (STAGES) the p50 and count in microseconds over the run's timed steps."""
+    return summarize(step_values(marks, drafter_marks))
+
+
+def per_step(rows: list[dict]) -> list[dict]:
+    """The steps' stage values keyed by each stage's letter (the JSON's per-step record)."""
+    return [{("waited" if k == "waited" else k.split()[0]): v for k, v in row.items()} for row in rows]
 
 
 def stage_lines(results: list[dict]) -> list[str]:
@@ -648,9 +737,13 @@ def stage_lines(results: list[dict]) -> list[str]:
     lines = ["| V ms | batch | k | mode | " + " | ".join(n.split()[0] for n in names) + " |",
              "|---|---|---|---|" + "---|" * len(names)]
     for r in results:
-        st = r.get("stages", {})
-        lines.append(f"| {r['verify_ms']:g} | {r['batch']} | {r['k']} | {r['mode']} | "
-                     + " | ".join(f"{st[n]['p50_us']:.0f}" if n in st else "" for n in names) + " |")
+        for label, key in (("", "stages"), (" (waited)", "stages_waited"), (" (unawaited)", "stages_unawaited")):
+            st = r.get(key)
+            if not st:
+                continue
+            n_steps = f" n={next(iter(st.values()))['n']}" if key != "stages" else ""
+            lines.append(f"| {r['verify_ms']:g} | {r['batch']} | {r['k']} | {r['mode']}{label}{n_steps} | "
+                         + " | ".join(f"{st[n]['p50_us']:.0f}" if n in st else "" for n in names) + " |")
     return lines + ["", "Columns (p50 microseconds over the timed steps; one host clock on both sides):", ""] + \
         [f"* {n}" for n in names]
 
@@ -890,7 +983,17 @@ def main(argv: list[str] | None = None) -> int:
                             r = run(rows, drafter, verifies[v], args.steps, args.warmup)
                             r.update(mode=mode, verify_ms=v, batch=b, k=k, outcomes=args.outcomes)
                             d = server_marks(stages_path(args.out, k), first, drafter.steps) if k in servers else {}
-                            r["stages"] = stage_summary(r.pop("marks"), d)
+                            marks = r.pop("marks")
+                            bound = None
+                            if isinstance(drafter, PreDraftBound) and marks and k in servers:
+                                bound = bound_marks(stages_path(args.out, k), marks[0]["launch"],
+                                                    marks[-1]["drafts"] + 50_000_000)
+                            steps = step_values(marks, d, bound)
+                            r["stages"] = summarize(steps)
+                            if mode.startswith("predraft_bound"):  # waited and unawaited steps apart
+                                r["stages_waited"] = summarize([x for x in steps if x["waited"]])
+                                r["stages_unawaited"] = summarize([x for x in steps if not x["waited"]])
+                                r["per_step"] = per_step(steps)
                             r["predraft_replayed"] = sum("replay_done" in x for x in d.values())
                             r["predraft_eager"] = sum("replay_refused" in x for x in d.values())
                             results.append(r)

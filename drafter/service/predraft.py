@@ -26,6 +26,7 @@ own channel after the StepDone (docs/predraft.md, "On bound sessions").
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -36,6 +37,11 @@ from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call, ve
 from drafter.wire.records import ProposeInputs
 
 log = logging.getLogger("drafter.service.predraft")
+
+# A bench's hook (drafter.tools.bench.predraft record_stages): called after each bound pre-draft's push
+# with (session id, step, [(stage, perf_counter_ns)...], the pre-draft's GPU microseconds or None).
+# None (the default): no marks are taken.
+BOUND_MARKS: Callable[[str, int, list, float | None], None] | None = None
 
 
 def nothing(step: int, shape) -> PreDrafts:
@@ -248,6 +254,8 @@ class BoundPreDrafts:
         self.sample = torch.zeros(max_batch, dtype=torch.long, device=device)  # [B] the drafted-from rows
         self.iota = torch.arange(max_batch + 1, dtype=torch.long, device=device)  # [B + 1]
         self.pending = None  # the StepHeader of a step whose rows were kept, until after its reply
+        self._marks: list | None = None  # this pre-draft's stage marks, while BOUND_MARKS is set
+        self._gpu = None  # (start, end) timing events around its GPU work, while BOUND_MARKS is set
         service.forget(session.id)  # a new binding: its steps are counted from 1 again
 
     def keep(self, head) -> None:
@@ -271,6 +279,9 @@ class BoundPreDrafts:
         head, self.pending = self.pending, None
         if head is None:
             return
+        hook = BOUND_MARKS
+        self._marks = marks = None if hook is None else [("after_reply", time.perf_counter_ns())]
+        self._gpu = None
         try:
             pre = self._predraft(head, on_engine)
         except Exception:  # noqa: BLE001 - the step was answered; pre-drafts are an extra
@@ -289,6 +300,26 @@ class BoundPreDrafts:
             send(frame)
         except Exception:  # noqa: BLE001 - the target went away: its next step says so
             log.debug("pushing a bound pre-draft set failed", exc_info=True)
+        if marks is not None:
+            marks.append(("pushed", time.perf_counter_ns()))
+            self._call_hook(hook, head.step, marks)
+
+    def _mark(self, stage: str) -> None:
+        if self._marks is not None:
+            self._marks.append((stage, time.perf_counter_ns()))
+
+    def _call_hook(self, hook, step: int, marks: list) -> None:
+        """The bench's hook with this pre-draft's marks and its GPU time (timing events, read now)."""
+        gpu = None
+        if self._gpu is not None:
+            try:
+                gpu = self._gpu[0].elapsed_time(self._gpu[1]) * 1e3
+            except Exception:  # noqa: BLE001 - a measurement only
+                gpu = None
+        try:
+            hook(self.session.id, step, marks, gpu)
+        except Exception:  # noqa: BLE001 - a measurement only
+            log.debug("the bound pre-draft marks hook failed", exc_info=True)
 
     def _predraft(self, head, on_engine) -> PreDrafts | None:
         svc, sid = self.service, self.session.id
@@ -301,6 +332,7 @@ class BoundPreDrafts:
         host, done = on_engine(self._fields_to_host, head)
         if done is not None:
             done.synchronize()
+        self._mark("fields")
         inp, exact = self._host_inputs(head, host)
         counts = torch.tensor(head.accepted_counts, dtype=torch.long) if head.accepted_counts else None
         outcomes = outcomes_of_call(inp, counts)
@@ -310,8 +342,11 @@ class BoundPreDrafts:
         if not verifies_predrafts(hits, head.predraft_min_hits):  # the target waited: exact drafts everywhere
             hits = [None] * len(hits)
         used, flags = merge(exact, hits)
+        self._mark("decided")
         finish = on_engine(self._queue, head, used, n)
+        self._mark("queued")
         pre = finish()
+        self._mark("finished")
         pre = replace(pre, block_ids=pre.block_ids - self.session.bases[0], log_probs=None)
         svc.keep(sid, pre, used, flags, outcomes)
         return pre
@@ -347,4 +382,12 @@ class BoundPreDrafts:
                             [positions], token_indices_to_sample=rows)
         if self.device.type == "cuda":  # a pageable copy would wait for the stream (the step's replay)
             used = used.pin_memory().to(self.device, non_blocking=True)
-        return predraft_queued(self.engine, inp, used.to(self.device), head.step, outcomes)
+        timed = self._marks is not None and self.device.type == "cuda"
+        if timed:  # the bench's GPU time of the pre-draft (timing events around its queued work)
+            stream = torch.cuda.current_stream(self.device)
+            self._gpu = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._gpu[0].record(stream)
+        finish = predraft_queued(self.engine, inp, used.to(self.device), head.step, outcomes)
+        if timed:
+            self._gpu[1].record(stream)
+        return finish

@@ -156,7 +156,18 @@ def test_the_benchs_bound_predraft_mode_runs_its_loop(engines):
     """coordinator.bench.predraft_target's predraft_bound mode (its GPU record's code path) over the
     same plane: every step's set is pushed and read (on this CPU each comes after the simulated
     1 ms verify, so the bench counts it late and the step waits: never used for a later step)."""
+    import drafter.service.predraft as service_predraft
+
     served, _ = engines
+    import threading
+
+    seen, marked = {}, threading.Condition()  # binding step -> the drafter's pre-draft marks (BOUND_MARKS)
+
+    def hook(session, step, marks, gpu_us):
+        with marked:
+            seen[step] = marks
+            marked.notify_all()
+    service_predraft.BOUND_MARKS = hook
     with Drafter(served) as drafter:
         client = _client(drafter, served)
         mode = PreDraftBound(client)
@@ -169,5 +180,17 @@ def test_the_benchs_bound_predraft_mode_runs_its_loop(engines):
             assert out["steps"] == 1 and out["tokens_per_step"] >= 1.0
             assert out["sets"] + out["late_sets"] >= 1, out  # the timed step found the previous step's set
             assert out["unawaited"] == sum(not m["waited"] for m in out["marks"])
+            m = out["marks"][0]  # the pick side's stamps, in order, and the binding's step
+            assert m["pd"]["polled"] <= m["pd"]["picked"] <= m["pd"]["settled"] <= m["pd"]["filled"] <= m["drafts"]
+            assert m["bstep"] == client.last_step
+            with marked:  # the hook runs after each push: the timed step's pre-draft is the last
+                assert marked.wait_for(lambda: m["bstep"] in seen, timeout=120)
+            for step in (1, m["bstep"]):  # every pre-draft's marks reached the hook, in order
+                names = [name for name, _ in seen[step]]
+                assert names[0] == "after_reply" and names[-1] == "pushed", names
+                assert names in (["after_reply", "pushed"],  # none made (a skip, budget 0)
+                                 ["after_reply", "fields", "decided", "queued", "finished", "pushed"]), names
+                assert [ns for _, ns in seen[step]] == sorted(ns for _, ns in seen[step])
         finally:
+            service_predraft.BOUND_MARKS = None
             mode.close()

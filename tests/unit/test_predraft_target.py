@@ -191,3 +191,46 @@ def test_server_marks_reads_the_calls_of_one_run(tmp_path):
     got = server_marks(str(path), 5, 6)
     assert sorted(got) == [5, 6] and got[5] == {"start": 5, "send": 10}  # each stage's first mark
     assert server_marks(str(tmp_path / "none.jsonl"), 0, 9) == {}
+
+
+def test_bound_predraft_stages_join_the_drafters_marks_by_binding_step(tmp_path):
+    """A bound pre-draft run's stages: the target's pick-side stamps (BoundPreDrafting.stamps), the
+    client's StepDone stamps on waited steps, and the drafter's pre-draft marks (BOUND_MARKS lines)
+    joined by the binding's step within the run's window; waited and unawaited steps apart."""
+    import json
+
+    from coordinator.bench.predraft_target import bound_marks, per_step, step_values, summarize
+
+    us = 1000
+    path = tmp_path / "k3-stages.jsonl"
+    lines = [{"session": "s", "request_id": 1, "marks": [["start", 1]]},  # an unbound call's line: skipped here
+             {"session": "s", "bound_step": 4, "gpu_us": 2200.0,
+              "marks": [["after_reply", 10_400 * us], ["fields", 10_900 * us], ["decided", 11_000 * us],
+                        ["queued", 11_100 * us], ["finished", 13_400 * us], ["pushed", 13_500 * us]]},
+             {"session": "s", "bound_step": 5, "gpu_us": None, "marks": [["after_reply", 22_500 * us],
+                                                                         ["pushed", 22_600 * us]]},
+             {"session": "old", "bound_step": 4, "gpu_us": 1.0, "marks": [["after_reply", 1 * us]]}]  # another run
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    got = bound_marks(str(path), 5_000 * us, 30_000 * us)
+    assert sorted(got) == [4, 5] and got[4]["gpu_us"] == 2200.0 and got[4]["queued"] == 11_100 * us
+    marks = [{"step": 7, "bstep": 4, "launch": 0, "verify_end": 10_000 * us, "drawn": 10_050 * us,
+              "built": 10_250 * us, "sent": 10_260 * us, "drafts": 12_000 * us, "waited": True,
+              "bound": {"sent": 10_600 * us, "received": 10_650 * us, "started": 10_660 * us, "queued": 10_700 * us,
+                        "replied": 10_710 * us, "answered": 10_800 * us, "read": 11_900 * us},
+              "pd": {"polled": 10_300 * us, "picked": 10_310 * us, "settled": 10_320 * us, "filled": 10_590 * us}},
+             {"step": 8, "bstep": 5, "launch": 12_000 * us, "verify_end": 22_000 * us, "drawn": 22_010 * us,
+              "built": 22_210 * us, "sent": 22_220 * us, "drafts": 22_400 * us, "waited": False, "bound": {},
+              "pd": {"polled": 22_230 * us, "picked": 22_240 * us, "settled": 22_300 * us, "filled": 22_350 * us,
+                     "sent": 22_390 * us}}]
+    steps = step_values(marks, {}, got)
+    waited = {name.split()[0]: v["p50_us"] for name, v in summarize([x for x in steps if x["waited"]]).items()}
+    unawaited = {name.split()[0]: v["p50_us"] for name, v in summarize([x for x in steps if not x["waited"]]).items()}
+    assert waited["Q1"] == 90 and waited["Q2"] == 1100 and waited["Q"] == 1190
+    assert waited["S"] == 50 and waited["T"] == 10 and waited["U"] == 270 and "V2" not in waited
+    assert waited["W1"] == 500 and waited["W3"] == 100 and waited["W4"] == 2300 and waited["WG"] == 2200
+    assert waited["X2"] == 800  # the drafts reached the target's host 0.8 ms after the pre-draft was queued
+    assert waited["L3"] == 22_000 - 13_500
+    assert unawaited["T"] == 60 and unawaited["V2"] == 40 and unawaited["Z"] == 400
+    assert not any(k.startswith(("Q", "W1", "X2")) for k in unawaited)  # no StepDone stamps, no drafter fields mark
+    rows = per_step(steps)
+    assert rows[0]["waited"] and rows[0]["Q2"] == 1100 and not rows[1]["waited"] and rows[1]["V2"] == 40

@@ -267,7 +267,9 @@ def record_stages(path: str) -> None:
     """In this (server) process: every propose call's stage marks (drafter.wire.probes: read,
     decoded, validated, engine, reply sent) plus the pre-draft's (predraft_start, predraft_engine_start,
     predraft_engine, predraft, push) appended to `path` as one JSON line per call, written by the
-    engine thread after the call's push (off the call's critical path, on the next pre-draft's).
+    engine thread after the call's push (off the call's critical path, on the next pre-draft's);
+    and each bound step's pre-draft (drafter.service.predraft.BOUND_MARKS: after_reply, fields,
+    decided, queued, finished, pushed, and its GPU time) as a line keyed by "bound_step".
     perf_counter_ns is CLOCK_MONOTONIC: the target's marks on this host line up with these."""
     import threading
 
@@ -337,6 +339,13 @@ def record_stages(path: str) -> None:
 
     DraftEngine.predraft, PreDraftService._predraft, PreDraftService.after_batch = engine_predraft, one, after_batch
     PreDraftGraphs.run = replay
+
+    import drafter.service.predraft as service_predraft
+
+    def bound_marks(session: str, step: int, marks: list, gpu_us: float | None) -> None:
+        """A bound step's pre-draft (BoundPreDrafts.after_reply): one line keyed by the binding's step."""
+        out.write(json.dumps({"session": session, "bound_step": step, "marks": marks, "gpu_us": gpu_us}) + "\n")
+    service_predraft.BOUND_MARKS = bound_marks
 
     from drafter.service.zmq_server import _ProposeReply
     plain_done = _ProposeReply.done
