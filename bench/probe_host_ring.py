@@ -13,16 +13,22 @@ tables), timed piece by piece, p50 / p99 us of --steps each:
     DEALER (zero-copy frame), received by a child process's ROUTER with recv_into a pinned ring,
     a small reply back (the round trip);
   * stream_tcp, stream_unix: the ring stream (drafter.wire.ring_stream): the prefix on one plain
-    connection, received by the child in CHUNK pieces straight into its pinned ring, a small reply;
-    stream_tcp_4, stream_tcp_8, stream_unix_4: the same striped over four (eight) lanes
-    (connections), each lane sent and received by a thread of its own; stream_tcp_timeout_mode: one lane with the child's socket
+    connection, received by the child in RECV_BYTES pieces straight into its pinned ring, a small
+    reply; stream_tcp_2, stream_tcp_4, stream_tcp_8, stream_unix_4: the same striped over 2, 4, 8
+    lanes (connections; every lane that gets at least CHUNK), each lane sent by a thread of its own
+    and received by the child's ring_stream.Lanes (a thread per lane past the first, blocked on its
+    connection), as the drafter receives; stream_tcp_timeout_mode: one lane with the child's socket
     in Python's timeout mode (a recv call per piece the kernel has, where the drafter's blocking
     socket takes a chunk per call);
   * pipelined_tcp, pipelined_tcp_4 (GPU, with --child-device): the whole host_ring data path
     without an engine: the prefix's D2H copies in pieces, each span sent as its piece lands
     (bound_client.device_parts, as BoundLink sends a GPU source), the child's H2D copy of each
-    span queued as it lands on its GPU, its sync, the reply; d2h_only_tcp_4 and h2d_only_tcp_4:
-    the four-lane path with one end's copies alone (which end costs what).
+    span queued as it lands on its GPU, its sync, the reply; pipelined_tcp_auto: four lanes as the
+    client stripes by default (ring_stream.plan with LANE_BYTES: as many lanes as get a MiB each);
+    d2h_only_tcp_4 and h2d_only_tcp_4: the four-lane path with one end's copies alone (which end
+    costs what).
+
+The bandwidth table: bytes / p50 of the bare stream over tcp on 1, 2, 4, 8 lanes at each size.
 
 The bound: the loopback bandwidth of the fastest transfer at the largest size gives the time the
 prefix alone needs at each batch; with the pieces overlapped perfectly a step cannot take less
@@ -53,10 +59,11 @@ from drafter.wire import ring_stream as rs  # noqa: E402
 SMALL = 16 << 10  # bytes of the small buffers ahead of the hidden states (ids, positions, tables)
 TOKEN = "probe-ring-binding"
 STREAMS = {  # name: (transport, lanes, held: the receiver's sockets as the drafter holds them)
-    "stream_tcp": ("tcp", 1, True), "stream_tcp_4": ("tcp", 4, True), "stream_tcp_8": ("tcp", 8, True),
-    "stream_unix": ("ipc", 1, True),
+    "stream_tcp": ("tcp", 1, True), "stream_tcp_2": ("tcp", 2, True), "stream_tcp_4": ("tcp", 4, True),
+    "stream_tcp_8": ("tcp", 8, True), "stream_unix": ("ipc", 1, True),
     "stream_unix_4": ("ipc", 4, True), "stream_tcp_timeout_mode": ("tcp", 1, False)}
 REPLY = b"\x00" * 64
+TCP_LANES = {1: "stream_tcp", 2: "stream_tcp_2", 4: "stream_tcp_4", 8: "stream_tcp_8"}  # the bandwidth table's rows
 
 
 def _stats(xs: list[float]) -> dict:
@@ -106,10 +113,12 @@ def _serve_zmq(routers, view: memoryview, stop: threading.Event) -> None:
 
 def _serve_stream(listener, view: memoryview, ring: torch.Tensor, slab, stop: threading.Event, lanes: int,
                   held: bool) -> None:
-    """As the drafter's stream thread serves a binding: lanes connections, a pool for lanes past the
-    first.  held: the sockets as the drafter holds them (blocking, MSG_WAITALL: one recv per chunk);
-    else Python's timeout mode (a recv per piece the kernel has).  A head of b"h2d" has each chunk's
-    copy to the child's GPU queued as it lands and synchronized before the reply."""
+    """As the drafter's stream thread serves a binding: lanes connections, a thread per lane past
+    the first (ring_stream.Lanes).  held: the sockets as the drafter holds them (blocking,
+    MSG_WAITALL: one recv per piece); else Python's timeout mode (a recv per piece the kernel has).
+    A head of b"h2d" has each piece's copy to the child's GPU queued as it lands (from that message
+    on: the lanes may land before the head is read, so the first message after a switch may differ)
+    and synchronized before the reply."""
     conns = rs.accept(listener, TOKEN, lambda: not stop.is_set(), 0.1, 5.0, lanes)
     if conns is None:
         return
@@ -118,22 +127,24 @@ def _serve_stream(listener, view: memoryview, ring: torch.Tensor, slab, stop: th
         torch.cuda.set_device(device)
     for conn in conns:
         rs.hold_timeout(conn, 30.0) if held else conn.settimeout(30.0)
-    pool = ThreadPoolExecutor(lanes - 1, initializer=lambda: device and torch.cuda.set_device(device)) \
-        if lanes > 1 else None
-    lock = threading.Lock()
+    lock, h2d = threading.Lock(), [False]
 
     def landed(a: int, z: int) -> None:
-        with lock:
-            slab[a:z].copy_(ring[a:z], non_blocking=True)
+        if h2d[0]:
+            with lock:
+                slab[a:z].copy_(ring[a:z], non_blocking=True)
 
+    alive = lambda: not stop.is_set()  # noqa: E731
+    group = rs.Lanes(conns, view, landed, alive, 0.1, lambda: device and torch.cuda.set_device(device)).start() \
+        if lanes > 1 else None
     try:
         while not stop.is_set():
             if not rs.wait_readable(conns[0], 0.1):
                 continue
-            head_len, body_len, unit = rs.read_prefix(conns[0], rs.MAX_HEAD, len(view))
-            h2d = rs.read_exact(conns[0], head_len) == b"h2d" and slab is not None
-            rs.receive_striped(conns, view, body_len, unit, landed if h2d else None, pool)
-            if h2d:
+            head_len, body_len, used = rs.read_prefix(conns[0], rs.MAX_HEAD, len(view), lanes)
+            h2d[0] = rs.read_exact(conns[0], head_len) == b"h2d" and slab is not None
+            rs.receive_body(conns[0], view, body_len, used, group, landed, 30.0, alive)
+            if h2d[0]:
                 torch.cuda.current_stream(device).synchronize()
             rs.send_message(conns[0], REPLY, [])
     except (OSError, rs.Closed):
@@ -175,10 +186,16 @@ def _zmq_path(ctx, endpoint: str, payload: memoryview, steps: int) -> dict:
         sock.close(linger=0)
 
 
-def _stream_path(conns: list, head: bytes, nbytes: int, parts, pool, steps: int) -> dict:
-    """parts() -> part(start, end) per step (rs.send_striped), as BoundLink sends a step."""
+def _stream_path(conns: list, head: bytes, nbytes: int, parts, pool, steps: int, lane_bytes: int = 0) -> dict:
+    """As BoundLink sends a step: the head first, then parts() -> part(start, end) (the D2H pieces
+    queued), the stripes (every lane that gets CHUNK, or as lane_bytes says), the reply."""
+    seq = iter(range(1, 1 << 62))
+
     def one():
-        rs.send_striped(conns, head, nbytes, parts(), pool)
+        spans = rs.plan(nbytes, len(conns), lane_bytes)
+        n = next(seq)
+        rs.send_head(conns[0], head, nbytes, spans, n)
+        rs.send_stripes(conns, spans, n, parts(), pool)
         rs.read_message(conns[0], 1 << 10)
     return _time(one, steps)
 
@@ -212,6 +229,8 @@ def measure(args) -> dict:
                 for name in ("stream_tcp", "stream_tcp_4"):
                     row["pipelined_" + name[len("stream_"):]] = _stream_path(conns[name], b"h2d", nbytes, d2h, pool,
                                                                              args.steps)
+                row["pipelined_tcp_auto"] = _stream_path(conns["stream_tcp_4"], b"h2d", nbytes, d2h, pool, args.steps,
+                                                         rs.LANE_BYTES)
                 # each end's copies alone over four lanes: the sender's D2H pieces, the receiver's H2D
                 row["d2h_only_tcp_4"] = _stream_path(conns["stream_tcp_4"], b"h", nbytes, d2h, pool, args.steps)
                 row["h2d_only_tcp_4"] = _stream_path(conns["stream_tcp_4"], b"h2d", nbytes,
@@ -234,10 +253,12 @@ def bound(result: dict, inprocess: list[float]) -> dict:
     """Loopback bandwidth (the fastest transport at the largest size) and the best ratio per batch."""
     rows = result["rows"]
     top = max(rows, key=lambda b: rows[b]["bytes"])
-    paths = ("zmq_tcp", "stream_tcp", "stream_tcp_4", "stream_tcp_8")
+    paths = ("zmq_tcp", "stream_tcp", "stream_tcp_2", "stream_tcp_4", "stream_tcp_8")
     best = min(paths, key=lambda p: rows[top][p]["p50_us"])
     gbps = rows[top]["bytes"] / rows[top][best]["p50_us"] / 1e3  # GB/s (round trip, tiny reply)
-    out = {"path": best, "gb_per_s": gbps}
+    out = {"path": best, "gb_per_s": gbps,
+           "lanes_gb_per_s": {str(n): {str(b): rows[b]["bytes"] / rows[b][p]["p50_us"] / 1e3 for b in rows}
+                              for n, p in TCP_LANES.items()}}
     for b, local in zip(rows, inprocess):
         transfer = rows[b]["bytes"] / gbps / 1e3
         out[b] = {"transfer_us": transfer, "inprocess_us": local, "best_ratio": (local + transfer) / local}
@@ -255,6 +276,13 @@ def table(result: dict, limit: dict) -> str:
     for b in result["rows"]:
         r = limit[b]
         lines.append(f"| {b} | {r['transfer_us']:.0f} | {r['inprocess_us']:.0f} | {r['best_ratio']:.2f} |")
+    batches = list(result["rows"])
+    lines += ["", "Bare stream over tcp, GB/s (bytes / round-trip p50) by lanes:", "",
+              "| lanes | " + " | ".join(f"batch {b} ({result['rows'][b]['bytes'] / 1e6:.2f} MB)"
+                                        for b in batches) + " |",
+              "|---|" + "---|" * len(batches)]
+    for n, by in limit["lanes_gb_per_s"].items():
+        lines.append(f"| {n} | " + " | ".join(f"{by[str(b)]:.2f}" for b in batches) + " |")
     return "p50 / p99 us per piece (round trips carry a 64-byte reply)\n\n" + "\n".join(lines) + "\n"
 
 

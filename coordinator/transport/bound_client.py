@@ -10,11 +10,12 @@ them out identically in one contiguous slab (BoundRing), so a step sends a StepH
 slab's used prefix, which the drafter receives straight into its own ring.  No per-tensor work on
 either side.  The host ring's steps go on the binding's ring stream (drafter.wire.ring_stream:
 STREAM_LANES plain tcp connections, or same-host UNIX ones for transport "ipc", the prefix striped
-over them in chunks, each lane sent by a thread of its own), else (a drafter that offers none) as
-the second, zero-copy frame of a ZMQ message on the data socket.  On a GPU target the slab is
-pinned and a step may name the GPU buffer that holds it (step(source=...)): on the stream its
-prefix is copied to the host in a few pieces and each chunk sent as soon as its piece landed
-(device_parts), on the data socket in one copy before the frame.  With plane="gloo_channel" the
+over as many of them as give each at least lane_bytes (ring_stream.plan), each lane sent by a
+thread of its own), else (a drafter that offers none) as the second, zero-copy frame of a ZMQ
+message on the data socket.  On a GPU target the slab is pinned and a step may name the GPU buffer
+that holds it (step(source=...)): on the stream the header goes first, then its prefix is copied
+to the host in a few pieces and each part sent as soon as its piece landed (device_parts), on the
+data socket in one copy before the frame.  With plane="gloo_channel" the
 prefix goes by a point-to-point send on a two-rank gloo process group instead (drafter.wire.bound).
 
 Two layers: BoundLink is one binding's data path (the data socket, the gloo channel, one step's
@@ -100,12 +101,13 @@ class BoundLink:
     live connection, a timeout, a lost session, a failed channel): bind again for a new link."""
 
     def __init__(self, ctx: zmq.Context, ring: BoundRing, resp: wb.BindResponse, plane: str, via: str,
-                 lanes: int = 1, d2h_pieces: int = 0):
+                 lanes: int = 1, d2h_pieces: int = 0, lane_bytes: int = rs.LANE_BYTES):
         """via: the control endpoint the Bind went to (a drafter listening on every address
         answers with a wildcard host, which is the control endpoint's host from here); lanes: the
         connections to its ring stream (BindRequest.stream_lanes, where the Bind asked for a stream);
-        d2h_pieces: the device-to-host copies a GPU source's prefix goes in on the stream (0: D2H_PIECES)."""
-        self.ring, self.plane, self.lanes = ring, plane, max(1, lanes)
+        d2h_pieces: the device-to-host copies a GPU source's prefix goes in on the stream (0: D2H_PIECES);
+        lane_bytes: the least bytes per lane a step's prefix is striped with (ring_stream.plan)."""
+        self.ring, self.plane, self.lanes, self.lane_bytes = ring, plane, max(1, lanes), lane_bytes
         self.d2h_pieces = d2h_pieces or D2H_PIECES
         host = _host(via)
         self.resp = msgspec.structs.replace(resp, endpoint=reachable(resp.endpoint, host),
@@ -118,6 +120,7 @@ class BoundLink:
         self.conn = None  # the binding's ring stream (drafter.wire.ring_stream), lane 0, once connect() made it
         self.conns: list = []  # every lane's connection (conns[0] is conn)
         self._pool = None  # lanes > 1: a thread per lane past the first, sending its stripe
+        self._reply_buf = bytearray(0)  # the stream's replies land here (rs.read_reply), sized at the first
         self.stream_reason = ""  # why a ring stream the drafter offered is not used
         self.alive = True
         self._steps = itertools.count(1)
@@ -205,15 +208,17 @@ class BoundLink:
 
     # ------------------------------------------------------------------ the ring stream
     def _stream_step(self, head: wb.StepHeader, source: torch.Tensor | None, timeout_s: float) -> torch.Tensor:
-        """The header and the prefix on the ring stream (chunks of a GPU source sent as each one
-        lands on the host), then the reply within timeout_s."""
+        """The header on the ring stream first (the drafter reads it while the prefix is copied to
+        the host), then each lane's stripe (parts of a GPU source sent as each piece lands), then
+        the reply within timeout_s."""
         deadline = time.monotonic() + timeout_s
-        part = self._parts(head.nbytes, source)
+        spans = rs.plan(head.nbytes, len(self.conns), self.lane_bytes)
         self.stamps["sent"] = time.perf_counter_ns()
         try:
-            for conn in self.conns:
+            for conn in self.conns[:len(spans)]:
                 conn.settimeout(max(timeout_s, 1e-3))
-            rs.send_striped(self.conns, wb.encode(head), head.nbytes, part, self._pool)
+            rs.send_head(self.conn, wb.encode(head), head.nbytes, spans, head.step)
+            rs.send_stripes(self.conns, spans, head.step, self._parts(head.nbytes, source), self._pool)
         except TimeoutError:
             self.close()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {head.step}: the prefix was not taken "
@@ -240,10 +245,12 @@ class BoundLink:
     def _stream_reply(self, head: wb.StepHeader, deadline: float, timeout_s: float) -> torch.Tensor:
         """The step's StepDone and drafts from the stream; a silent drafter is DEADLINE_EXCEEDED, a
         closed or garbled stream UNAVAILABLE; either closes the link."""
-        conn = self.conn
+        conn, size = self.conn, head.batch * self.width * 8
+        if len(self._reply_buf) < rs.PREFIX.size + rs.MAX_HEAD + size:
+            self._reply_buf = bytearray(rs.PREFIX.size + rs.MAX_HEAD + size)
         try:
             rs.deadline_timeout(conn, deadline)
-            frame, body = rs.read_message(conn, head.batch * self.width * 8)
+            frame, body = rs.read_reply(conn, self._reply_buf, size)
         except TimeoutError:
             self.close()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"bound step {head.step}: no reply in "
@@ -253,8 +260,10 @@ class BoundLink:
             raise DrafterError(Code.UNAVAILABLE, "", f"bound step {head.step}: the ring stream failed: {exc}") from None
         self.stamps["answered"] = time.perf_counter_ns()
         done = wb.DONE_DECODER.decode(frame)
+        if done.code == Code.UNAVAILABLE:  # the drafter closed the stream after it (a lane lost)
+            self.close()
         raise_if_refused(done, self.close)
-        if done.step != head.step or len(body) != head.batch * self.width * 8:
+        if done.step != head.step or len(body) != size:
             self.close()
             raise DrafterError(Code.UNAVAILABLE, "", f"bound step {head.step}: the ring stream answered step "
                                                      f"{done.step} with {len(body)} bytes")
@@ -305,19 +314,22 @@ class HostRingClient:
 
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, transport: str = "tcp", plane: str = wb.HOST_RING, timeout_s: float = 5.0,
-                 stream: bool = True, lanes: int = STREAM_LANES, staging: str = "span", d2h_pieces: int = 0):
+                 stream: bool = True, lanes: int = STREAM_LANES, staging: str = "span", d2h_pieces: int = 0,
+                 lane_bytes: int = rs.LANE_BYTES):
         """stream: host_ring steps on the binding's ring stream (drafter.wire.ring_stream) where the
         drafter offers one and it can be reached, else (and with False) on the ZMQ data socket;
         lanes: the stream's connections, each prefix striped over them (1 to ring_stream.MAX_LANES);
         staging: the GPU drafter's host-to-device copy, "span" (as each span lands) or "step" (one
         copy at the step; BindRequest.stream_staging); d2h_pieces: the device-to-host copies of a
-        GPU source's prefix (0: D2H_PIECES; 1: one copy, the body sent once it is whole)."""
+        GPU source's prefix (0: D2H_PIECES; 1: one copy, the body sent once it is whole); lane_bytes:
+        a step's prefix goes on as many lanes as give each at least this many bytes (ring_stream.plan:
+        a small prefix on lane 0 alone; 0: every lane once it holds ring_stream.CHUNK per lane)."""
         if not 1 <= lanes <= rs.MAX_LANES:
             raise ValueError(f"lanes must lie in [1, {rs.MAX_LANES}], got {lanes}")
         self.endpoint, self.layout, self.plane = endpoint, layout, plane
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
         self.stream, self.lanes = stream and plane == wb.HOST_RING, lanes
-        self.staging, self.d2h_pieces = staging, d2h_pieces
+        self.staging, self.d2h_pieces, self.lane_bytes = staging, d2h_pieces, lane_bytes
         self.ring = BoundRing(buffers)
         self.views = self.ring.views
         self.ctx = zmq.Context()
@@ -362,7 +374,7 @@ class HostRingClient:
                                                                       stream_staging="span"),
                               wb.BIND_RESPONSE_DECODER, deadline)
         link = BoundLink(self.ctx, self.ring, resp, self.plane, self.endpoint, lanes=self.lanes,
-                         d2h_pieces=self.d2h_pieces)
+                         d2h_pieces=self.d2h_pieces, lane_bytes=self.lane_bytes)
         if not link.connect(deadline - time.monotonic(), self.timeout_s):
             link.close()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")
