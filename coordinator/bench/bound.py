@@ -27,7 +27,9 @@ decode step, drafts on the host:
   * host_ring: the same client forced onto the host ring over tcp, its steps on the binding's
     ring stream (drafter.wire.ring_stream: the GPU slab's prefix copied to the pinned ring in
     chunks, each sent as it lands; the drafter's copy of each chunk to its GPU queued as it
-    lands; 4 lanes); host_ring_ipc: the stream on a same-host UNIX name; host_ring_1lane,
+    lands; 4 lanes, a step on as many as get ring_stream.LANE_BYTES each); host_ring_spread: 4
+    lanes, a step on every lane that gets ring_stream.CHUNK (lane_bytes 0, the striping before
+    LANE_BYTES); host_ring_ipc: the stream on a same-host UNIX name; host_ring_1lane,
     host_ring_8lane: the stream on one connection, on eight; host_ring_bulk: four lanes, the
     target's prefix copied to the host in one piece before the body goes, the drafter's in one copy
     at the step (BindRequest.stream_staging "step"); host_ring_zmq: no stream, the prefix as the ZMQ data socket's
@@ -74,14 +76,15 @@ from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats,
 
 CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
            "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
-           "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "unbound",
-           "unbound_cuda_ipc")
+           "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "host_ring_spread",
+           "unbound", "unbound_cuda_ipc")
 BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
          "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
-         "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk")
-RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk")  # the
-# ring stream on tcp (4 lanes), on a same-host UNIX name; the ZMQ data socket on tcp (no stream: the plane as before
-# the stream); the stream on one lane, on eight; the stream with one D2H copy and one H2D copy a step
+         "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "host_ring_spread")
+RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk",
+         "host_ring_spread")  # the ring stream on tcp (4 lanes), on a same-host UNIX name; the ZMQ data socket
+# on tcp (no stream: the plane as before the stream); the stream on one lane, on eight; the stream with one D2H
+# copy and one H2D copy a step; 4 lanes, every one that gets a CHUNK
 STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
            "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", *RINGS)
 SPIN_US = 3000  # cuda_ipc_spin's BindRequest.spin_us: covers the bench's back-to-back steps up to batch 64
@@ -109,6 +112,7 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
     bound; RuntimeError where the drafter bound another plane."""
     from coordinator.transport.bound_client import STREAM_LANES, HostRingClient
     from coordinator.transport.bound_ipc import CudaIpcBoundClient
+    from drafter.wire import ring_stream as rs
 
     plane = {"nccl_channel": "nccl_channel", "nccl_channel_ipc": "nccl_channel",
              "nccl_channel_zmq": "nccl_channel", **{r: "host_ring" for r in RINGS}}.get(name, "cuda_ipc")
@@ -125,7 +129,8 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
                                      timeout_s=args.timeout_s, stream=name != "host_ring_zmq",
                                      lanes={"host_ring_1lane": 1, "host_ring_8lane": 8}.get(name, STREAM_LANES),
                                      staging="step" if name == "host_ring_bulk" else "span",
-                                     d2h_pieces=1 if name == "host_ring_bulk" else 0)
+                                     d2h_pieces=1 if name == "host_ring_bulk" else 0,
+                                     lane_bytes=0 if name == "host_ring_spread" else rs.LANE_BYTES)
     try:
         got = client.bind()
     except BaseException:
