@@ -29,7 +29,8 @@ decode step, drafts on the host:
     chunks, each sent as it lands; the drafter's copy of each chunk to its GPU queued as it
     lands; 4 lanes, a step on as many as get ring_stream.LANE_BYTES each); host_ring_spread: 4
     lanes, a step on every lane that gets ring_stream.CHUNK (lane_bytes 0, the striping before
-    LANE_BYTES); host_ring_ipc: the stream on a same-host UNIX name; host_ring_1lane,
+    LANE_BYTES); host_ring_spin: host_ring polling for its reply without sleeping (SPIN_US,
+    reply_spin_us); host_ring_ipc: the stream on a same-host UNIX name; host_ring_1lane,
     host_ring_8lane: the stream on one connection, on eight; host_ring_bulk: four lanes, the
     target's prefix copied to the host in one piece before the body goes, the drafter's in one copy
     at the step (BindRequest.stream_staging "step"); host_ring_zmq: no stream, the prefix as the ZMQ data socket's
@@ -77,14 +78,15 @@ from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats,
 CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
            "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
            "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "host_ring_spread",
-           "unbound", "unbound_cuda_ipc")
+           "host_ring_spin", "unbound", "unbound_cuda_ipc")
 BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
          "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
-         "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "host_ring_spread")
+         "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "host_ring_spread",
+         "host_ring_spin")
 RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk",
-         "host_ring_spread")  # the ring stream on tcp (4 lanes), on a same-host UNIX name; the ZMQ data socket
-# on tcp (no stream: the plane as before the stream); the stream on one lane, on eight; the stream with one D2H
-# copy and one H2D copy a step; 4 lanes, every one that gets a CHUNK
+         "host_ring_spread", "host_ring_spin")  # the ring stream on tcp (4 lanes), on a same-host UNIX name; the
+# ZMQ data socket on tcp (no stream: the plane as before the stream); the stream on one lane, on eight; the stream
+# with one D2H copy and one H2D copy a step; 4 lanes, every one that gets a CHUNK; host_ring polling for its reply
 STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
            "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", *RINGS)
 SPIN_US = 3000  # cuda_ipc_spin's BindRequest.spin_us: covers the bench's back-to-back steps up to batch 64
@@ -130,7 +132,8 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
                                      lanes={"host_ring_1lane": 1, "host_ring_8lane": 8}.get(name, STREAM_LANES),
                                      staging="step" if name == "host_ring_bulk" else "span",
                                      d2h_pieces=1 if name == "host_ring_bulk" else 0,
-                                     lane_bytes=0 if name == "host_ring_spread" else rs.LANE_BYTES)
+                                     lane_bytes=0 if name == "host_ring_spread" else rs.LANE_BYTES,
+                                     reply_spin_us=SPIN_US if name == "host_ring_spin" else 0)
     try:
         got = client.bind()
     except BaseException:

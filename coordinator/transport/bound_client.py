@@ -101,13 +101,16 @@ class BoundLink:
     live connection, a timeout, a lost session, a failed channel): bind again for a new link."""
 
     def __init__(self, ctx: zmq.Context, ring: BoundRing, resp: wb.BindResponse, plane: str, via: str,
-                 lanes: int = 1, d2h_pieces: int = 0, lane_bytes: int = rs.LANE_BYTES):
+                 lanes: int = 1, d2h_pieces: int = 0, lane_bytes: int = rs.LANE_BYTES, reply_spin_us: int = 0):
         """via: the control endpoint the Bind went to (a drafter listening on every address
         answers with a wildcard host, which is the control endpoint's host from here); lanes: the
         connections to its ring stream (BindRequest.stream_lanes, where the Bind asked for a stream);
         d2h_pieces: the device-to-host copies a GPU source's prefix goes in on the stream (0: D2H_PIECES);
-        lane_bytes: the least bytes per lane a step's prefix is striped with (ring_stream.plan)."""
+        lane_bytes: the least bytes per lane a step's prefix is striped with (ring_stream.plan);
+        reply_spin_us: on the stream, poll for the reply this long without sleeping before the
+        thread blocks for it (a busy core for a wake-up saved)."""
         self.ring, self.plane, self.lanes, self.lane_bytes = ring, plane, max(1, lanes), lane_bytes
+        self.reply_spin_us = reply_spin_us
         self.d2h_pieces = d2h_pieces or D2H_PIECES
         host = _host(via)
         self.resp = msgspec.structs.replace(resp, endpoint=reachable(resp.endpoint, host),
@@ -249,6 +252,8 @@ class BoundLink:
         if len(self._reply_buf) < rs.PREFIX.size + rs.MAX_HEAD + size:
             self._reply_buf = bytearray(rs.PREFIX.size + rs.MAX_HEAD + size)
         try:
+            if self.reply_spin_us:
+                rs.spin_readable(conn, min(self.reply_spin_us / 1e6, deadline - time.monotonic()))
             rs.deadline_timeout(conn, deadline)
             frame, body = rs.read_reply(conn, self._reply_buf, size)
         except TimeoutError:
@@ -315,7 +320,7 @@ class HostRingClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, transport: str = "tcp", plane: str = wb.HOST_RING, timeout_s: float = 5.0,
                  stream: bool = True, lanes: int = STREAM_LANES, staging: str = "span", d2h_pieces: int = 0,
-                 lane_bytes: int = rs.LANE_BYTES):
+                 lane_bytes: int = rs.LANE_BYTES, reply_spin_us: int = 0):
         """stream: host_ring steps on the binding's ring stream (drafter.wire.ring_stream) where the
         drafter offers one and it can be reached, else (and with False) on the ZMQ data socket;
         lanes: the stream's connections, each prefix striped over them (1 to ring_stream.MAX_LANES);
@@ -323,13 +328,15 @@ class HostRingClient:
         copy at the step; BindRequest.stream_staging); d2h_pieces: the device-to-host copies of a
         GPU source's prefix (0: D2H_PIECES; 1: one copy, the body sent once it is whole); lane_bytes:
         a step's prefix goes on as many lanes as give each at least this many bytes (ring_stream.plan:
-        a small prefix on lane 0 alone; 0: every lane once it holds ring_stream.CHUNK per lane)."""
+        a small prefix on lane 0 alone; 0: every lane once it holds ring_stream.CHUNK per lane);
+        reply_spin_us: BoundLink's."""
         if not 1 <= lanes <= rs.MAX_LANES:
             raise ValueError(f"lanes must lie in [1, {rs.MAX_LANES}], got {lanes}")
         self.endpoint, self.layout, self.plane = endpoint, layout, plane
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
         self.stream, self.lanes = stream and plane == wb.HOST_RING, lanes
         self.staging, self.d2h_pieces, self.lane_bytes = staging, d2h_pieces, lane_bytes
+        self.reply_spin_us = reply_spin_us
         self.ring = BoundRing(buffers)
         self.views = self.ring.views
         self.ctx = zmq.Context()
@@ -374,7 +381,7 @@ class HostRingClient:
                                                                       stream_staging="span"),
                               wb.BIND_RESPONSE_DECODER, deadline)
         link = BoundLink(self.ctx, self.ring, resp, self.plane, self.endpoint, lanes=self.lanes,
-                         d2h_pieces=self.d2h_pieces, lane_bytes=self.lane_bytes)
+                         d2h_pieces=self.d2h_pieces, lane_bytes=self.lane_bytes, reply_spin_us=self.reply_spin_us)
         if not link.connect(deadline - time.monotonic(), self.timeout_s):
             link.close()
             raise DrafterError(Code.DEADLINE_EXCEEDED, "", f"the data socket {resp.endpoint} did not connect")

@@ -428,6 +428,18 @@ def hold_timeout(sock: socket.socket, timeout_s: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((timeout_s - sec) * 1e6)))
 
 
+def spin_readable(sock: socket.socket, spin_s: float) -> bool:
+    """Whether the socket has bytes to read within spin_s, polled without sleeping (a reply that
+    comes meanwhile is read without the thread's wake-up); False once spin_s passed."""
+    import select
+
+    end = time.perf_counter() + spin_s
+    while time.perf_counter() < end:
+        if select.select([sock], [], [], 0)[0]:
+            return True
+    return False
+
+
 def wait_readable(sock: socket.socket, timeout_s: float) -> bool:
     """Whether the socket has bytes (or the peer's close) to read within timeout_s."""
     import select

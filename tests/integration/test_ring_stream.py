@@ -135,12 +135,16 @@ def test_plan_stripes_a_body_lane_0_first_on_as_many_lanes_as_get_lane_bytes(mon
 
 def test_striped_steps_draft_what_one_lane_and_in_process_draft(tiny_root, monkeypatch):
     """The same steps on one lane and striped over four (each lane a stripe): both equal the
-    in-process engine's drafts (Target.step), the striped one carried by four lanes."""
+    in-process engine's drafts (Target.step), the striped one carried by four lanes; the one-lane
+    client polls for its replies (reply_spin_us) and finds each while polling."""
     _small_pieces(monkeypatch)
+    spun, spin = [], rs.spin_readable
+    monkeypatch.setattr(rs, "spin_readable", lambda sock, s: spun.append(spin(sock, s)) or spun[-1])
     with Drafter(_engine(tiny_root, "eagle3")) as drafter:
         one = Target(tiny_root, "eagle3", drafter, seed=3)
         four = Target(tiny_root, "eagle3", drafter, seed=3)
         one.client.lanes, four.client.lanes, four.client.lane_bytes = 1, 4, 0
+        one.client.reply_spin_us = 30_000_000  # the CPU engine's step, whatever this host's load
         sent = []
         try:
             for plan in PLANS:
@@ -151,6 +155,7 @@ def test_striped_steps_draft_what_one_lane_and_in_process_draft(tiny_root, monke
                                                                                   real(conns, spans, *a, **k)))
                     four.step(plan)
             assert all(len(spans) == 4 for spans in sent), sent
+            assert spun == [True] * len(PLANS), spun
         finally:
             one.close()
             four.close()
