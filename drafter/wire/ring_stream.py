@@ -263,7 +263,6 @@ class Lanes:
 
     def __init__(self, conns: list[socket.socket], ring: memoryview, landed: Callable[[int, int], None] | None,
                  alive: Callable[[], bool], poll_s: float, on_thread: Callable[[], None] | None = None):
-        self.count = len(conns)
         self.reports: queue.SimpleQueue = queue.SimpleQueue()  # (lane, seq, start, end, error or None)
         self._ring, self._landed, self._alive, self._poll_s, self._on_thread = ring, landed, alive, poll_s, on_thread
         self.threads = [threading.Thread(target=self._serve, args=(i, conns[i]), name=f"ring-lane-{i}", daemon=True)
@@ -301,8 +300,8 @@ def receive_body(conn: socket.socket, ring: memoryview, nbytes: int, used: int, 
                  poll_s: float = 0.05) -> int | None:
     """A message's body of nbytes (its PREFIX and head read from conn, lane 0) into ring[:nbytes]:
     used 0, whole from conn (None); else lane 0's LANE record and stripe from conn (the stripe
-    inside the body before a byte of it is read) and lanes 1..used-1's reports (each within wait_s),
-    then the step all stripes carry.  FrameError "lane" where the stripes do not tile [0, nbytes)
+    inside the body before a byte of it is read) and lanes 1..used-1's reports (all within wait_s
+    of lane 0's stripe), then the step all stripes carry.  FrameError "lane" where the stripes do not tile [0, nbytes)
     lane by lane, a lane reports one this message does not have, or their steps differ; LaneLost
     where a lane failed or stayed silent (or alive() turned False)."""
     if not used:
