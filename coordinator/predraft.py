@@ -26,7 +26,7 @@ import torch
 from coordinator.inprocess import InProcessTransport
 from coordinator.session import SessionInfo, SessionSpec
 from drafter.engine.engine import DraftEngine
-from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call, verifies_predrafts
+from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call, taken_frame, verifies_predrafts
 from drafter.wire.records import INPUT_FIELDS, ProposeInputs, ProposeRequest
 
 
@@ -272,11 +272,15 @@ class BoundPreDrafting:
     (coordinator.transport.bound_transport.fill) after settle(), which orders them after the
     drafter's reads of an unawaited step."""
 
-    def __init__(self, client, push_wait_s: float = 0.0, wait_on_hit: bool = False, min_hits: float | None = None):
+    def __init__(self, client, push_wait_s: float = 0.0, wait_on_hit: bool = False, min_hits: float | None = None,
+                 signal_taken: bool = True):
         """min_hits: also send without waiting when at least this share of the rows hit (at least
         one); the rows that missed then get -1 drafts (verify none this step: one token).  None:
-        only when every row hits."""
+        only when every row hits.  signal_taken: after an awaited step, tell the drafter on the
+        doorbell that its drafts are here (drafter.wire.predraft.TAKEN): its pre-draft's GPU work
+        then starts only after this side's read of the step's output, never beside it."""
         self.client, self.push_wait_s, self.wait_on_hit = client, push_wait_s, wait_on_hit
+        self.signal_taken = signal_taken
         self.min_hits = min_hits
         self.picker = PreDraftPicker()
         client.on_push = self.picker.offer
@@ -336,7 +340,21 @@ class BoundPreDrafting:
                     drafts[r] = h[:k]
             return drafts, got
         exact = client.step(n, b, batch_padded, tokens_padded, counts, want_predrafts=True)
+        if self.signal_taken:
+            self._taken(client.last_step)
         if client.link is not self._link:  # bound during the step: the picks were for no binding;
             self.picker.reset()  # the next pick reads this step's set (the new binding's first)
             self.picker.floor, self._link = client.last_step, client.link
         return exact, [False] * b  # the step waited: its exact drafts in every row (verifies_predrafts)
+
+    def _taken(self, step: int) -> None:
+        """TAKEN for `step` on the binding's doorbell (none without one: the data socket's steps
+        keep the drafter's pre-draft starting at once); a failed send is left to the next step's."""
+        bell = getattr(self.client.link, "bell", None)
+        if bell is None:
+            return
+        try:
+            bell.send(taken_frame(step))
+        except OSError:
+            return
+        self.stamps["taken"] = time.perf_counter_ns()

@@ -487,6 +487,17 @@ class PreDraftBoundNoWait(PreDraftBound):
         self.pd.min_hits = 0.5
 
 
+class PreDraftBoundEarly(PreDraftBound):
+    """predraft_bound as before the TAKEN word: the drafter's pre-draft after an awaited step starts
+    at once, beside the target's read of that step's drafts (BoundPreDrafting(signal_taken=False))."""
+
+    name = "predraft_bound_early"
+
+    def __init__(self, client):
+        super().__init__(client)
+        self.pd.signal_taken = False
+
+
 def bound_client(endpoint: str, batch: int, k: int, args):
     """A bound session of the product's client for the bench's calls (plane: cuda_ipc where the
     drafter can read the target's GPU, else the host ring)."""
@@ -609,11 +620,15 @@ STAGES = (
      lambda m, d, n: _pd_span(m, "settled", "picked")),
     ("U bound pre-draft: fill the views", lambda m, d, n: _pd_span(m, "filled", "settled")),
     ("V2 bound pre-draft: header out without waiting", lambda m, d, n: _pd_span(m, "sent", "filled")),
+    ("Y bound pre-draft: drafts read -> TAKEN sent", lambda m, d, n: _pd(m, "taken") - (m["bound"] or {})["read"]
+     if _pd(m, "taken") and "read" in (m.get("bound") or {}) else None),
     # the drafter's pre-draft after this step's StepDone (drafter.service.predraft.BOUND_MARKS)
     ("W1 drafter: StepDone sent -> the step's fields on its host (its GPU work done)",
      lambda m, d, n: _d_span(d, "fields", "after_reply")),
     ("W2 drafter: outcomes read, budget, merge", lambda m, d, n: _d_span(d, "decided", "fields")),
-    ("W3 drafter: pre-draft queued (engine lock)", lambda m, d, n: _d_span(d, "queued", "decided")),
+    ("W2T drafter: waiting for the target's TAKEN", lambda m, d, n: _d_span(d, "taken", "decided")),
+    ("W3 drafter: pre-draft queued (engine lock)", lambda m, d, n: _d_span(d, "queued", "taken" if "taken" in d
+                                                                            else "decided")),
     ("W4 drafter: pre-draft done (host waited)", lambda m, d, n: _d_span(d, "finished", "queued")),
     ("W5 drafter: push sent", lambda m, d, n: _d_span(d, "pushed", "finished")),
     ("WG drafter: the pre-draft's GPU time (timing events)",
@@ -965,7 +980,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         if mode == "in_process":
                             drafter = InProcess(engine)
-                        elif mode in ("exact_bound", "predraft_bound", "predraft_bound_nowait"):
+                        elif mode in ("exact_bound", "predraft_bound", "predraft_bound_nowait", "predraft_bound_early"):
                             drafter = REMOTE[mode](bound_client(servers[k][1], b, k, args))
                         else:
                             drafter = REMOTE[mode](attach(servers[k][1], b, args))
@@ -1024,7 +1039,7 @@ def main(argv: list[str] | None = None) -> int:
 
 REMOTE = {"exact_remote": ExactRemote, "exact_bound": ExactBound, "predraft": PreDraft,
           "predraft_nowait": PreDraftNoWait, "predraft_bound": PreDraftBound,
-          "predraft_bound_nowait": PreDraftBoundNoWait}
+          "predraft_bound_nowait": PreDraftBoundNoWait, "predraft_bound_early": PreDraftBoundEarly}
 
 
 def _log_run(r: dict) -> None:

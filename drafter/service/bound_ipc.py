@@ -299,13 +299,26 @@ class _Doorbell:
             if frame == doorbell.WAKE:
                 caught = None if spun else self._refusing(conn, (WAKE_SPIN_S, scratch))
                 continue
+            pre = getattr(self, "_predrafts", None)  # the channel planes' sessions have none
+            if pre is not None and pre.note_taken(frame):  # a TAKEN no pre-draft waited for (issue 23)
+                continue
             done, accepted = self._answer(frame, 0, time.perf_counter_ns())
             conn.send(wb.encode(done))
-            self._push(done, conn.send, doorbell.MAX_FRAME)  # pre-drafts the step asked for (issue 23)
+            # pre-drafts the step asked for (issue 23); a frame read while one waited for the target's TAKEN
+            caught = self._push(done, conn.send, doorbell.MAX_FRAME, lambda s: self._within(conn, s))
             if accepted and not done.code:  # after the reply: off the step's path
                 self.core.metrics.record_acceptance(torch.tensor(accepted), self.core.desc.num_speculative_tokens)
-            if self._spin_s:
+            if self._spin_s and caught is None:
                 caught = self._refusing(conn, (self._spin_s, scratch))
+
+    def _within(self, conn, seconds: float) -> bytes | None:
+        """The next frame within `seconds` (None: none came), the socket's own timeout kept."""
+        timeout = conn.gettimeout()
+        conn.settimeout(max(seconds, 1e-6))
+        try:
+            return self._refusing(conn, None)
+        finally:
+            conn.settimeout(timeout)
 
     @staticmethod
     def _refusing(conn, spin: tuple | None) -> bytes | None:
@@ -416,16 +429,18 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         self._fine = (waited, waited, replayed)
         return b""
 
-    def _push(self, done: wb.StepDone, send, limit: int = 0) -> None:
+    def _push(self, done: wb.StepDone, send, limit: int = 0, receive=None) -> bytes | None:
         """After a StepDone with code 0 whose step asked: pre-draft, push on `send` (frames over
-        `limit` bytes, where one is given, go as an empty set: the doorbell's frames are bounded)."""
+        `limit` bytes, where one is given, go as an empty set: the doorbell's frames are bounded).
+        receive(seconds): the doorbell's next frame, for the pre-draft's wait for the target's TAKEN;
+        returns a frame it read that was not one (the caller's next), else None."""
         pre = self._predrafts
         if pre is None or pre.pending is None:
-            return
+            return None
         if done.code:
             pre.pending = None
-            return
-        pre.after_reply(send, lambda fn, *args: on_engine(self, fn, *args, step=False), limit)
+            return None
+        return pre.after_reply(send, lambda fn, *args: on_engine(self, fn, *args, step=False), limit, receive)
 
     def _events(self) -> None:
         """The inputs event's wait and the done event's record on this thread's stream, looked up

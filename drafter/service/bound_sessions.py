@@ -345,8 +345,10 @@ class BoundSession:
                 raise invalid("accepted_counts", f"{len(head.accepted_counts)} counts for a batch of {head.batch}")
             self._accepted = head.accepted_counts
 
-    def _push(self, done: wb.StepDone, send, limit: int = 0) -> None:
-        """After a step's reply: push its pre-drafts where the plane makes them (cuda_ipc: bound_ipc)."""
+    def _push(self, done: wb.StepDone, send, limit: int = 0, receive=None) -> bytes | None:
+        """After a step's reply: push its pre-drafts where the plane makes them (cuda_ipc: bound_ipc);
+        a frame read meanwhile from receive(seconds) that is the caller's next (none here)."""
+        return None
 
     @staticmethod
     def _refused(head: wb.StepHeader, exc: DrafterError) -> wb.StepDone:

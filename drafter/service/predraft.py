@@ -42,6 +42,10 @@ log = logging.getLogger("drafter.service.predraft")
 # with (session id, step, [(stage, perf_counter_ns)...], the pre-draft's GPU microseconds or None).
 # None (the default): no marks are taken.
 BOUND_MARKS: Callable[[str, int, list, float | None], None] | None = None
+# How long an awaited bound step's pre-draft waits for the target's TAKEN (it normally comes as soon as
+# the target holds the drafts, well under a millisecond after the StepDone): past it the binding's
+# pre-drafts stop waiting until a TAKEN comes again.
+TAKEN_WAIT_S = 0.05
 
 
 def nothing(step: int, shape) -> PreDrafts:
@@ -254,6 +258,11 @@ class BoundPreDrafts:
         self.sample = torch.zeros(max_batch, dtype=torch.long, device=device)  # [B] the drafted-from rows
         self.iota = torch.arange(max_batch + 1, dtype=torch.long, device=device)  # [B + 1]
         self.pending = None  # the StepHeader of a step whose rows were kept, until after its reply
+        # the target's TAKEN words (drafter.wire.predraft.TAKEN): once one came on this binding, the target
+        # sends one for each awaited step, and that step's pre-draft waits for it (at most TAKEN_WAIT_S)
+        self.taken_seen = False
+        self.taken_step = 0  # the latest step a TAKEN named
+        self._caught = None  # a frame read while waiting for a TAKEN that was not one: the loop's next
         self._marks: list | None = None  # this pre-draft's stage marks, while BOUND_MARKS is set
         self._gpu = None  # (start, end) timing events around its GPU work, while BOUND_MARKS is set
         service.forget(session.id)  # a new binding: its steps are counted from 1 again
@@ -272,18 +281,35 @@ class BoundPreDrafts:
         torch.index_select(self.hidden, 0, self.sample[:b], out=self.kept[:b])
         self.pending = head
 
-    def after_reply(self, send: Callable[[bytes], None], on_engine: Callable, limit: int = 0) -> None:
+    def note_taken(self, frame) -> bool:
+        """Whether `frame` is the target's TAKEN (then noted: from now on awaited steps' pre-drafts
+        wait for theirs); the channel's loop drops one that no pre-draft waited for."""
+        from drafter.wire.predraft import taken_step
+
+        step = taken_step(frame)
+        if step is None:
+            return False
+        self.taken_seen, self.taken_step = True, max(self.taken_step, step)
+        return True
+
+    def after_reply(self, send: Callable[[bytes], None], on_engine: Callable, limit: int = 0,
+                    receive: Callable[[float], bytes | None] | None = None) -> bytes | None:
         """After the StepDone went out: pre-draft (on_engine(fn, *args) runs fn under the engine's
         lock) and push the set with send(frame); an empty set when none was made, or when the
-        set's frame is longer than `limit` bytes (0: no limit)."""
+        set's frame is longer than `limit` bytes (0: no limit).  receive(seconds) -> the channel's
+        next frame or None (the doorbell's): where the target sends TAKEN words, an awaited step's
+        pre-draft queues its GPU work only after the target's TAKEN for it, so it never runs while
+        the target still reads the step's drafts.  Returns a frame read meanwhile that was not a
+        TAKEN (the target's next header or WAKE: the loop's to handle), else None."""
         head, self.pending = self.pending, None
+        self._caught = None
         if head is None:
-            return
+            return None
         hook = BOUND_MARKS
         self._marks = marks = None if hook is None else [("after_reply", time.perf_counter_ns())]
         self._gpu = None
         try:
-            pre = self._predraft(head, on_engine)
+            pre = self._predraft(head, on_engine, receive)
         except Exception:  # noqa: BLE001 - the step was answered; pre-drafts are an extra
             log.exception("bound pre-drafting failed; an empty set pushed")
             self.service.forget(self.session.id, keep_budget=True)
@@ -303,6 +329,22 @@ class BoundPreDrafts:
         if marks is not None:
             marks.append(("pushed", time.perf_counter_ns()))
             self._call_hook(hook, head.step, marks)
+        return self._caught
+
+    def _await_taken(self, step: int, receive: Callable[[float], bytes | None]) -> None:
+        """Until the target's TAKEN for `step` (or a later one) came: at most TAKEN_WAIT_S, after
+        which this binding's pre-drafts stop waiting until a TAKEN comes again.  A frame that is
+        not a TAKEN (the target went on without sending one) ends the wait and is kept for the loop."""
+        deadline = time.monotonic() + TAKEN_WAIT_S
+        while self.taken_step < step:
+            left = deadline - time.monotonic()
+            frame = receive(left) if left > 0 else None
+            if frame is None:  # none in time: the target stopped sending them
+                self.taken_seen = False
+                return
+            if not self.note_taken(frame):
+                self._caught = frame
+                return
 
     def _mark(self, stage: str) -> None:
         if self._marks is not None:
@@ -321,7 +363,7 @@ class BoundPreDrafts:
         except Exception:  # noqa: BLE001 - a measurement only
             log.debug("the bound pre-draft marks hook failed", exc_info=True)
 
-    def _predraft(self, head, on_engine) -> PreDrafts | None:
+    def _predraft(self, head, on_engine, receive=None) -> PreDrafts | None:
         svc, sid = self.service, self.session.id
         budget = svc.budgets.setdefault(sid, Budget(self.engine.config.predraft_outcomes))
         if svc.busy() or self.waiting():  # work waits for the engine (a request, a job, a bound step): none
@@ -339,10 +381,14 @@ class BoundPreDrafts:
         hits, n = svc.begin(sid, outcomes, budget)
         if n == 0:
             return None
-        if not verifies_predrafts(hits, head.predraft_min_hits):  # the target waited: exact drafts everywhere
+        awaited = not verifies_predrafts(hits, head.predraft_min_hits)
+        if awaited:  # the target waited: exact drafts everywhere
             hits = [None] * len(hits)
         used, flags = merge(exact, hits)
         self._mark("decided")
+        if awaited and receive is not None and self.taken_seen:  # not while the target reads the drafts
+            self._await_taken(head.step, receive)
+            self._mark("taken")
         finish = on_engine(self._queue, head, used, n)
         self._mark("queued")
         pre = finish()

@@ -194,6 +194,23 @@ def push_from_frames(header, frames: list) -> PreDrafts:
 # (Tensor.frame indexes BoundPush.frames).  0xc1 begins no msgpack record, so no StepDone frame
 # starts so, and the doorbell's WAKE is that byte alone.
 BOUND_PUSH = b"\xc1P"
+# The target's word, on the doorbell, that it holds an awaited step's drafts (TAKEN + the step, 8 bytes
+# little-endian): the drafter starts that step's pre-draft work only then, never while the target still
+# reads the step's output (drafter.service.predraft.BoundPreDrafts).  Like WAKE, it begins no msgpack
+# record and asks for no reply.
+TAKEN = b"\xc1T"
+
+
+def taken_frame(step: int) -> bytes:
+    """TAKEN for `step`."""
+    return TAKEN + int(step).to_bytes(8, "little")
+
+
+def taken_step(frame) -> int | None:
+    """The step a TAKEN frame names; None for any other frame."""
+    if len(frame) != len(TAKEN) + 8 or bytes(frame[:2]) != TAKEN:
+        return None
+    return int.from_bytes(bytes(frame[2:]), "little")
 
 
 def _bound_push_type():

@@ -189,8 +189,65 @@ def test_the_benchs_bound_predraft_mode_runs_its_loop(engines):
                 names = [name for name, _ in seen[step]]
                 assert names[0] == "after_reply" and names[-1] == "pushed", names
                 assert names in (["after_reply", "pushed"],  # none made (a skip, budget 0)
-                                 ["after_reply", "fields", "decided", "queued", "finished", "pushed"]), names
+                                 ["after_reply", "fields", "decided", "queued", "finished", "pushed"],
+                                 ["after_reply", "fields", "decided", "taken", "queued", "finished", "pushed"]), names
                 assert [ns for _, ns in seen[step]] == sorted(ns for _, ns in seen[step])
         finally:
             service_predraft.BOUND_MARKS = None
             mode.close()
+
+
+def test_an_awaited_steps_predraft_waits_for_the_targets_taken(engines):
+    """Issue 23: the drafter's pre-draft after an awaited step queues its GPU work only once the target
+    holds that step's drafts (its TAKEN on the doorbell), never while the target still reads them;
+    an unawaited step's starts at once and no TAKEN is sent for it.  The drafter learns that the
+    target sends them from the first one (step 1's, read as a stray frame)."""
+    import threading
+
+    import drafter.service.predraft as service_predraft
+
+    served, _ = engines
+    seen, marked = {}, threading.Condition()
+
+    def hook(session, step, marks, gpu_us):
+        with marked:
+            seen[step] = dict(marks)
+            marked.notify_all()
+    service_predraft.BOUND_MARKS = hook
+    with Drafter(served) as drafter:
+        client = _client(drafter, served)
+        pd = BoundPreDrafting(client, push_wait_s=120)
+        pushed = {}
+        offer = pd.picker.offer
+        client.on_push = lambda pre: (pushed.__setitem__(pre.step, pre), offer(pre))[1]
+        rows = Rows(SimConfig(BATCH, K, ctx=8, max_len=MAX_LEN, vocab=drafter.core.desc.vocab_size,
+                              width=served.spec.hidden_input_width, seed=5), torch.device("cpu"), torch.float32,
+                    Assumptions())
+        try:
+            kw, _ = rows.call(None, rows._tokens(BATCH), rows.hidden)
+            drafts, pre_rows = pd.step(_call(kw), None, **PADDING)
+            assert client.link.bell is not None, "the doorbell carries the steps (and the TAKEN words)"
+            assert "taken" in pd.stamps, "step 1 waited: its TAKEN went out"
+            rows.set_drafts(drafts, pre_rows)
+            stamps = {}
+            for step, hit in enumerate([[False, True], [True, True], [True, False]], start=2):
+                client.poll_pushes(60, until=lambda s=step: (s - 1) in pushed)
+                kw, counts = rows.call(*_draw(rows, pushed[step - 1], hit), rows.hidden)
+                drafts, pre_rows = pd.step(_call(kw), counts, **PADDING)
+                stamps[step] = dict(pd.stamps)
+                rows.set_drafts(drafts, pre_rows)
+            client.poll_pushes(60, until=lambda: 4 in pushed)
+            with marked:
+                assert marked.wait_for(lambda: {1, 2, 3, 4} <= set(seen), timeout=120)
+            session = drafter.server._bound_plane.sessions[client.session.session_id]
+            assert session._predrafts.taken_seen and session._predrafts.taken_step == 4
+        finally:
+            service_predraft.BOUND_MARKS = None
+            client.close()
+    assert "taken" not in seen[1], "before any TAKEN came the drafter did not wait for one"
+    for step in (2, 4):  # awaited (a row missed): the pre-draft's GPU work after the target's TAKEN
+        m = seen[step]
+        assert "taken" in stamps[step] and "taken" in m, (step, m)
+        assert m["decided"] <= m["taken"] <= m["queued"], m
+        assert stamps[step]["taken"] <= m["queued"], "the pre-draft was queued only after the target's TAKEN"
+    assert "taken" not in stamps[3] and "taken" not in seen[3], "an unawaited step: no TAKEN, no wait"

@@ -64,3 +64,18 @@ def test_a_frame_that_does_not_fit_is_refused_naming_the_field():
     with pytest.raises(DrafterError) as err:
         bound_push_from_frame(BOUND_PUSH + b"\x92\x01")
     assert err.value.field == "push"
+
+
+def test_taken_names_its_step_and_is_no_other_frame():
+    """The target's TAKEN word (an awaited step's drafts are here) carries the step; no StepHeader,
+    StepDone, WAKE or push frame reads as one, and a TAKEN is neither a push nor a header."""
+    from drafter.wire.predraft import taken_frame, taken_step
+
+    for step in (1, 7, 2**40):
+        frame = taken_frame(step)
+        assert taken_step(frame) == step and not is_bound_push(frame)
+        with pytest.raises(msgspec.DecodeError):
+            wb.STEP_DECODER.decode(frame)
+    others = [wb.encode(wb.StepHeader(step=3, num_tokens=4, batch=1)), wb.encode(wb.StepDone(step=3)), doorbell.WAKE,
+              bound_push_frame(_set(), "s", 1), b"", taken_frame(3)[:-1]]
+    assert all(taken_step(f) is None for f in others)
