@@ -144,3 +144,35 @@ def test_a_bound_predraft_yields_to_a_waiting_step():
     got, session_id, epoch = bound_push_from_frame(frames[0])
     assert (got.step, session_id, epoch) == (5, "s", 1) and not bool((got.accepted >= 0).any()), "an empty set"
     assert skipped == [1] and service.budgets["s"].outcomes == 2, "skipped: the budget halved"
+
+
+def test_a_bound_predraft_waits_for_its_own_taken_only():
+    """BoundPreDrafts._await_taken: older TAKENs are noted and passed over until the step's own; a frame
+    that is not a TAKEN ends the wait and is handed back to the channel's loop; none in time (the
+    target stopped sending them) ends it and the binding stops waiting until a TAKEN comes again."""
+    from types import SimpleNamespace
+
+    from drafter.service.predraft import BoundPreDrafts, PreDraftService
+    from drafter.wire import bound as wb
+    from drafter.wire import doorbell
+    from drafter.wire.predraft import taken_frame
+
+    engine = SimpleNamespace(config=SimpleNamespace(predraft_outcomes=4, num_speculative_tokens=K))
+    session = SimpleNamespace(id="s", num_blocks=(16,), bases=(0,))
+    pre = BoundPreDrafts(PreDraftService(engine), engine, session, {wb.HIDDEN: torch.zeros(8, 4)}, {},
+                         torch.zeros(B, K, dtype=torch.long), torch.device("cpu"), epoch=1)
+    assert not pre.taken_seen and not pre.note_taken(doorbell.WAKE)
+
+    def frames(*fs):
+        queue = list(fs)
+        return lambda seconds: queue.pop(0) if queue else None
+
+    assert pre.note_taken(taken_frame(2)) and pre.taken_seen and pre.taken_step == 2
+    pre._await_taken(5, frames(taken_frame(3), taken_frame(5), b"never read"))
+    assert pre.taken_step == 5 and pre._caught is None and pre.taken_seen
+    header = wb.encode(wb.StepHeader(step=7, num_tokens=B, batch=B))
+    pre._await_taken(6, frames(header))
+    assert pre._caught == header and pre.taken_step == 5, "the next header goes back to the loop"
+    pre._caught = None
+    pre._await_taken(6, frames())
+    assert not pre.taken_seen, "no TAKEN in time: this binding's pre-drafts stop waiting"
