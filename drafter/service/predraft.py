@@ -355,6 +355,7 @@ class BoundPreDrafts:
         gpu = None
         if self._gpu is not None:
             try:
+                self._gpu[1].synchronize()  # recorded just after the outputs' copies the pre-draft waited for
                 gpu = self._gpu[0].elapsed_time(self._gpu[1]) * 1e3
             except Exception:  # noqa: BLE001 - a measurement only
                 gpu = None
