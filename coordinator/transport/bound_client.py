@@ -49,6 +49,8 @@ from drafter.wire.tensors import DTYPES
 STREAM_CONNECT_S = 0.5  # at least this long for the ring stream's hello to be answered
 STREAM_LANES = 4  # the ring stream's connections per binding: one tcp stream is bound by the core that copies it
 D2H_PIECES = 4  # a GPU source's prefix goes to the host ring in at most this many copies (device_parts)
+REPLY_SPIN_US = 0  # the ring stream's default reply_spin_us (the r18b run: 3000 took 127-184 us off p50 at batch
+# 1 / 16 / 64, one target core busy while it waits; bench/results/2026-11-26-h200x2-host-ring-lanes/)
 _ENVELOPE = msgspec.msgpack.Decoder(schema.Envelope)
 _ATTACH = msgspec.msgpack.Decoder(schema.AttachResponse)
 REBIND = (Code.NOT_FOUND, Code.FAILED_PRECONDITION)  # the drafter forgot the session: attach again
@@ -101,16 +103,17 @@ class BoundLink:
     live connection, a timeout, a lost session, a failed channel): bind again for a new link."""
 
     def __init__(self, ctx: zmq.Context, ring: BoundRing, resp: wb.BindResponse, plane: str, via: str,
-                 lanes: int = 1, d2h_pieces: int = 0, lane_bytes: int = rs.LANE_BYTES, reply_spin_us: int = 0):
+                 lanes: int = 1, d2h_pieces: int = 0, lane_bytes: int = rs.LANE_BYTES,
+                 reply_spin_us: int | None = None):
         """via: the control endpoint the Bind went to (a drafter listening on every address
         answers with a wildcard host, which is the control endpoint's host from here); lanes: the
         connections to its ring stream (BindRequest.stream_lanes, where the Bind asked for a stream);
         d2h_pieces: the device-to-host copies a GPU source's prefix goes in on the stream (0: D2H_PIECES);
         lane_bytes: the least bytes per lane a step's prefix is striped with (ring_stream.plan);
         reply_spin_us: on the stream, poll for the reply this long without sleeping before the
-        thread blocks for it (a busy core for a wake-up saved)."""
+        thread blocks for it (a busy core for a wake-up saved; None: REPLY_SPIN_US)."""
         self.ring, self.plane, self.lanes, self.lane_bytes = ring, plane, max(1, lanes), lane_bytes
-        self.reply_spin_us = reply_spin_us
+        self.reply_spin_us = REPLY_SPIN_US if reply_spin_us is None else reply_spin_us
         self.d2h_pieces = d2h_pieces or D2H_PIECES
         host = _host(via)
         self.resp = msgspec.structs.replace(resp, endpoint=reachable(resp.endpoint, host),
@@ -320,7 +323,7 @@ class HostRingClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, transport: str = "tcp", plane: str = wb.HOST_RING, timeout_s: float = 5.0,
                  stream: bool = True, lanes: int = STREAM_LANES, staging: str = "span", d2h_pieces: int = 0,
-                 lane_bytes: int = rs.LANE_BYTES, reply_spin_us: int = 0):
+                 lane_bytes: int = rs.LANE_BYTES, reply_spin_us: int | None = None):
         """stream: host_ring steps on the binding's ring stream (drafter.wire.ring_stream) where the
         drafter offers one and it can be reached, else (and with False) on the ZMQ data socket;
         lanes: the stream's connections, each prefix striped over them (1 to ring_stream.MAX_LANES);
