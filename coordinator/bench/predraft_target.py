@@ -869,8 +869,9 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
              "pre-draft best (k, hit) | pre k=3 / in-proc best | pre best / in-proc best | pre k=3 / in-proc k=3 | "
              "no-wait best (k, hit) | no-wait best / in-proc best | bound pre-draft k=3 (hit) | "
              "bound pre-draft best (k, hit) | bound pre k=3 / in-proc k=3 | bound pre best / in-proc best | "
-             "bound no-wait best (k, hit) | bound no-wait best / in-proc best |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bound no-wait best (k, hit) | bound no-wait best / in-proc best | bound early k=3 (hit) | "
+             "bound early k=3 / in-proc k=3 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in verify_ms:
         for b in batches:
             mine = [r for r in results if r["verify_ms"] == v and r["batch"] == b]
@@ -887,7 +888,7 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
                 at("in_process", 3)
             nw, eb = best("predraft_nowait"), best("exact_bound")
             bp, bp3 = best("predraft_bound"), at("predraft_bound", 3)
-            bn = best("predraft_bound_nowait")
+            bn, be3 = best("predraft_bound_nowait"), at("predraft_bound_early", 3)
 
             def cell(r, hit=False):
                 if r is None:
@@ -899,7 +900,7 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
             lines.append(f"| {v:g} | {b} | {cell(ip)} | {cell(ex)} | {cell(eb)} | {cell(p3, True)} | {cell(pb, True)} | "
                          f"{ratio(p3, ip)} | {ratio(pb, ip)} | {ratio(p3, ip3)} | {cell(nw, True)} | {ratio(nw, ip)} | "
                          f"{cell(bp3, True)} | {cell(bp, True)} | {ratio(bp3, ip3)} | {ratio(bp, ip)} | "
-                         f"{cell(bn, True)} | {ratio(bn, ip)} |")
+                         f"{cell(bn, True)} | {ratio(bn, ip)} | {cell(be3, True)} | {ratio(be3, ip3)} |")
     return lines
 
 
