@@ -400,6 +400,9 @@ class DeviceLink:
                                                              "the step's rows were masked, its drafts are void")
 
 
+_RECORDS = 16  # armed steps' records in flight a binding keeps (a step is settled before the next is sent)
+
+
 class IpcLink(DeviceLink):
     """One cuda_ipc binding's data path, for CudaIpcBoundClient and the RemoteProposer's
     BoundTransport alike: the drafter's output opened once, the data socket, header-only steps."""
@@ -414,37 +417,64 @@ class IpcLink(DeviceLink):
         DrafterError naming output.* when the drafter's output cannot be opened here."""
         self.slabs, self.inputs_event, self.host_wait = slabs, inputs_event, host_wait
         width = resp.drafts_width
-        ref = cuda_slab.check_ref(resp.output, "output", wb.output_words(max_batch, width) * 8)
+        self.armed = resp.armed
+        ref = cuda_slab.check_ref(resp.output, "output", wb.arm_words(max_batch, width, self.armed) * 8)
         out = slabs.open(ref, device, "output").view(torch.int64)  # [words]
         self.output = out[:max_batch * width + 1]  # [max_batch * width + 1]: drafts..., error word
         self.drafts_event = slabs.open_event(resp.drafts_event, device, "output")
+        self._events = (self.drafts_event,)  # the step's "drafts ready" event: by the step's parity where armed
+        if self.armed:
+            self._arm_row = out[out.numel() - wb.ARM_WORDS:]  # [ARM_WORDS] int64, the drafter's memory
+            self._events = (self.drafts_event, slabs.open_event(resp.drafts_event_odd, device, "output"))
+            pin = device.type == "cuda"
+            # a ring of records (each copied when its copy runs: a slot is rewritten RECORDS steps later)
+            self._records = torch.zeros(_RECORDS, wb.ARM_WORDS, dtype=torch.int64, pin_memory=pin)
+            self._records_np = self._records.numpy()
         self._torch = isinstance(slabs, cuda_slab.TorchSlabs)  # CUDA events: on the current stream directly
         self._setup(ctx, device, resp, groups, via)
 
     def _before_send(self, head: wb.StepHeader) -> None:
-        if self._torch:
+        if self.armed:
+            self._start(head)
+        elif self._torch:
             self.inputs_event.record(current_stream(self.device))
         else:
             self.slabs.record(self.inputs_event, self.device)
 
+    def _start(self, head: wb.StepHeader) -> None:
+        """An armed step started from this GPU (wb.ARM_WORDS): after the inputs, on the current
+        stream, the step's record and then its go word copied into the drafter's arm row."""
+        slot = head.step % _RECORDS
+        words = self._records_np[slot]  # the pinned slot's memory, written without a torch call
+        words[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD] = (head.step, head.num_tokens, head.batch,
+                                                          head.batch_padded, head.tokens_padded)
+        words[wb.ARM_GO] = head.step & 0xFFFFFFFF
+        rec = self._records[slot]  # [ARM_WORDS] int64
+        row = self._arm_row
+        self.slabs.copy_words(row[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD],
+                              rec[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD], self.device)
+        self.slabs.copy_words(row[wb.ARM_GO:wb.ARM_GO + 1].view(torch.int32)[:1],
+                              rec[wb.ARM_GO:wb.ARM_GO + 1].view(torch.int32)[:1], self.device)
+
     def _arrive(self) -> None:
         """The "drafts ready" event waited for: by the host (host_wait; the time counts as waiting,
         not as host work), else by the current stream."""
+        event = self._events[self.last_step % len(self._events)]
         if self.host_wait:
             t0 = time.perf_counter_ns()
-            self.slabs.synchronize(self.drafts_event)
+            self.slabs.synchronize(event)
             self._waited_ns += time.perf_counter_ns() - t0
         elif self._torch:
-            self.drafts_event.wait(current_stream(self.device))
+            event.wait(current_stream(self.device))
         else:
-            self.slabs.wait(self.drafts_event, self.device)
+            self.slabs.wait(event, self.device)
 
 
 class CudaIpcBoundClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, device="cuda", transport: str = "tcp", timeout_s: float = 5.0,
                  allow_fallback: bool = True, force_ring: bool = False, slabs=None, host_wait: bool | None = None,
-                 channel: bool = False, doorbell: bool = True, spin_us: int = 0):
+                 channel: bool = False, doorbell: bool = True, spin_us: int = 0, armed: bool = False):
         """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests);
         force_ring: bind the host ring even where CUDA IPC would do (to compare the planes);
         channel: bind the nccl_channel plane instead of cuda_ipc (the drafter on another GPU of this
@@ -457,11 +487,15 @@ class CudaIpcBoundClient:
         doorbell: cuda_ipc steps by the binding's same-host doorbell (drafter.wire.doorbell) where the
         drafter offers one and it can be reached, else (and with False) by the data socket;
         spin_us: with the doorbell, how long the drafter polls it for the next header after each
-        reply before its thread sleeps (BindRequest.spin_us: for steps that come back to back)."""
+        reply before its thread sleeps (BindRequest.spin_us: for steps that come back to back);
+        armed: cuda_ipc steps started from this GPU (BindRequest.armed, drafter.wire.bound.ARM_WORDS:
+        the drafter queues each next step ahead behind a GPU wait for the go word this side copies
+        after its inputs), where the drafter grants it."""
         self.endpoint, self.layout, self.buffers = endpoint, layout, list(buffers)
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
         self.allow_fallback, self.force_ring, self.host_wait = allow_fallback, force_ring, host_wait
         self.channel, self.doorbell, self.spin_us = channel, doorbell, spin_us if doorbell else 0
+        self.armed = armed
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -554,7 +588,7 @@ class CudaIpcBoundClient:
         slab = self.slabs.share(self.slab, self._inputs_handle)
         req = wb.BindRequest(session_id=self.session.session_id, epoch=self.session.epoch, plane=wb.CUDA_IPC,
                              transport=self.transport, buffers=self.buffers, max_batch=self.max_batch, slab=slab,
-                             doorbell=self.doorbell, spin_us=self.spin_us)
+                             doorbell=self.doorbell, spin_us=self.spin_us, armed=self.armed)
         resp = self._bind_call(req, deadline)
         self.width = resp.drafts_width
         wait = same_gpu(self.session.cuda_ipc, self.device) if self.host_wait is None else self.host_wait

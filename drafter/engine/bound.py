@@ -112,6 +112,37 @@ class BoundPropose:
         runner.replay(t_pad, b_pad)
         return self.drafts
 
+    def armed_graph(self, num_tokens: int, batch_size: int, batch_padded: int = 0, tokens_padded: int = 0):
+        """The replay an armed step of these sizes queues (replay_armed): the folded graph, or the
+        guard's own graph and the first-pass and loop graphs (all read the header's sizes); the
+        sizes checked as propose checks them (InvalidInput naming the field); None where no graphs
+        cover them (the step runs through propose once its inputs are known to be there)."""
+        key = (num_tokens, batch_size, batch_padded or None, tokens_padded or None)
+        b_pad, t_pad, graphs = self._plans.get(key) or self._remembered_plan(key)
+        if not graphs:
+            return None
+        folded, runner, alone = self._folded.get((t_pad, b_pad)), self.runner, self._guard_alone
+        if folded is not None:
+            return lambda: runner.replay_folded(folded)
+        return lambda: (alone is not None and alone(), runner.replay(t_pad, b_pad))
+
+    def replay_armed(self, replay, record: torch.Tensor,  # record: [ARM_WORDS] int64, the target's arm row
+                     step: int, key: tuple[int, int, int, int]) -> None:
+        """Queue an armed step (drafter.kernels.arm) behind whatever the caller queued first (the
+        wait for the target's go word): the header's sizes from the target's record where it is
+        (step, key), else 0 and 0 (the graphs then do nothing), then `replay` (armed_graph(*key)).
+        Nothing is read on the host: the header's other words are this binding's (stored here
+        where another call wrote them last)."""
+        from drafter.kernels.arm import arm
+
+        header = self.runner.header
+        if header.owner is not self:
+            words = self._words.copy()
+            words[0] = words[1] = 0
+            header.store(words, self._keep, owner=self)
+        arm(record, header.device, step, key)
+        replay()
+
     def _plan(self, num_tokens: int, batch_size: int, batch_padded, tokens_padded) -> tuple[int, int, bool]:
         """The call's padded sizes, checked, and whether graphs cover them."""
         b_pad, t_pad = self._sizes(num_tokens, batch_size, batch_padded, tokens_padded)

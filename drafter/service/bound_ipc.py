@@ -54,6 +54,7 @@ import zmq
 
 from drafter.engine.step_guard import GuardLimits, StepGuard
 from drafter.service.bound_sessions import POLL_MS, BoundSession, _view, _width
+from drafter.service.engine_lock import EngineLock
 from drafter.wire import bound as wb
 from drafter.wire import cuda_slab, doorbell
 from drafter.wire.errors import Code, DrafterError, InvalidInput, invalid
@@ -62,6 +63,7 @@ log = logging.getLogger("drafter.service.bound")
 
 BACKEND = None  # None: cuda_slab.TorchSlabs (the tests put a LocalSlabs here)
 HELLO_TIMEOUT_S = 2.0  # a doorbell connection that sends no hello in this time is closed
+DRAIN_S = 2.0  # an armed binding's queued steps get this long to run when another user drains them
 WAKE_SPIN_S = 0.002  # after the target's WAKE, the doorbell thread polls for the header this long before it sleeps
 _MESSAGE = 2000  # characters of an INTERNAL step error's message (a doorbell frame stays small)
 SLAB = "slab"
@@ -96,18 +98,21 @@ def on_engine(session, fn, *args, step: bool = True):
     lock = getattr(session.core.executor, "engine_lock", None)
     if lock is None:
         return session.core.executor.submit(fn, *args).result()
-    if getattr(_thread_device, "device", None) != session.device:  # the current device is per thread
+    stream = getattr(session, "stream", None)  # an armed binding's own stream (IpcBoundSession)
+    if getattr(_thread_device, "device", None) != (session.device, stream):  # the current device is per thread
         if session.device.type == "cuda":
             torch.cuda.set_device(session.device)
-        _thread_device.device = session.device
+            torch.cuda.set_stream(stream or torch.cuda.default_stream(session.device))
+        _thread_device.device = (session.device, stream)
+    take = (lambda blocking: lock.acquire(blocking, owner=session)) if isinstance(lock, EngineLock) \
+        else lock.acquire
     if not step:
-        with lock:
-            return fn(*args)
-    if not lock.acquire(blocking=False):  # held: wait, counted
+        take(True)
+    elif not take(False):  # held: wait, counted
         with _waiting_lock:
             _waiting[0] += 1
         try:
-            lock.acquire()
+            take(True)
         finally:
             with _waiting_lock:
                 _waiting[0] -= 1
@@ -135,11 +140,11 @@ class _Guarded:
     """The guard over the session's views, the engine bound to its outputs, the output buffer
     (drafts, then the error word)."""
 
-    def _bind_engine(self, engine, s, max_batch: int) -> None:
-        """The output allocated, the guard captured, the engine bound."""
+    def _bind_engine(self, engine, s, max_batch: int, armed: bool = False) -> None:
+        """The output allocated (with the arm row where armed), the guard captured, the engine bound."""
         width = _width(engine)
-        words = wb.output_words(max_batch, width)  # whole 64-byte rows; the target's output is as long
-        self.output = torch.zeros(words, dtype=torch.int64, device=self.device)  # [drafts..., error, pad]
+        words = wb.arm_words(max_batch, width, armed)  # whole 64-byte rows; the target's output is as long
+        self.output = torch.zeros(words, dtype=torch.int64, device=self.device)  # [drafts..., error, pad, arm row]
         self.drafts = self.output[:max_batch * width].view(max_batch, width)
         self.error = self.output[max_batch * width:max_batch * width + 1]
         desc = self.core.desc
@@ -306,6 +311,8 @@ class _Doorbell:
             conn.send(wb.encode(done))
             # pre-drafts the step asked for (issue 23); a frame read while one waited for the target's TAKEN
             caught = self._push(done, conn.send, doorbell.MAX_FRAME, lambda s: self._within(conn, s))
+            if getattr(self, "armed", False) and not done.code:  # the next step queued ahead, after the reply
+                on_engine(self, self._queue_ahead, done.step + 1, step=False)
             if accepted and not done.code:  # after the reply: off the step's path
                 self.core.metrics.record_acceptance(torch.tensor(accepted), self.core.desc.num_speculative_tokens)
             if self._spin_s and caught is None:
@@ -330,6 +337,12 @@ class _Doorbell:
             conn.send(wb.encode(wb.StepDone(step=0, code=int(Code.INVALID_ARGUMENT), field="header",
                                             message=str(exc))))
             return None
+
+
+def _predrafting(session) -> bool:
+    """Whether this drafter pre-drafts (--predraft-outcomes)."""
+    service = getattr(getattr(session.core, "runner", None), "predrafts", None)
+    return service is not None and service.enabled
 
 
 def _bound_predrafts(session):
@@ -360,11 +373,18 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         self.groups = len(s.num_blocks)
         self.inputs_event = self.backend.open_event(ref.step_event_handle, self.device, SLAB)
         self.done_event, self.done_handle = self.backend.new_event(self.device)
-        self._bind_engine(engine, s, req.max_batch)
+        # armed (wb.ARM_WORDS): where asked, and the backend can wait on words; not beside pre-drafts, whose
+        # work runs on the default stream between steps
+        self.armed = bool(req.armed) and not _predrafting(self) and self.backend.can_arm() and isinstance(
+            getattr(self.core.executor, "engine_lock", None), EngineLock)
+        self._bind_engine(engine, s, req.max_batch, self.armed)
         self.output_ref = self.backend.share(self.output.view(torch.uint8), self.done_handle)
         self._predrafts = _bound_predrafts(self)  # StepHeader.want_predrafts (drafter.service.predraft)
         self._wait_inputs = self._record_done = None  # _events(), at the first step
         self._fine: tuple[int, ...] = ()
+        self.stream = None
+        if self.armed:
+            self._arm_state()
         self._link_state(req)
         self._open_doorbell(req)
 
@@ -417,6 +437,8 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         self._check_sizes(head)
         if head.nbytes:
             raise invalid("nbytes", "a cuda_ipc step ships no bytes")
+        if self.armed:
+            return self._armed_step(head)
         if self._wait_inputs is None:  # the first step, on the thread that runs them
             self._events()
         self._wait_inputs()
@@ -455,3 +477,154 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
             backend, device = self.backend, self.device
             self._wait_inputs = lambda: backend.wait(self.inputs_event, device)
             self._record_done = lambda: backend.record(self.done_event, device)
+
+    # ------------------------------------------------------------------ armed steps (wb.ARM_WORDS)
+    # The binding's steps run on a stream of its own (on_engine makes it its threads' current one).  A
+    # step is queued as: a GPU wait until the go word reaches its number, the arm kernel (the header's
+    # sizes from the target's record where it is this step's, else none: drafter.kernels.arm), the
+    # folded graph, the step's event (drafts_event on even steps, drafts_event_odd on odd ones: the
+    # next step's record may be queued before the target waits on this one's).  After each reply the
+    # doorbell thread queues the next step ahead, with the last step's sizes, where this binding alone
+    # took the engine since its last step; its header then finds it queued (nothing to do but reply),
+    # or queues the step again for its own sizes (the one queued ahead does nothing).  Whoever else
+    # takes the engine's lock drains the binding first (drain).  On CPU (the tests' LocalSlabs) a
+    # queued step is kept and run once the go word has reached it.
+    def _arm_state(self) -> None:
+        words = self.output.numel() - wb.ARM_WORDS
+        self.arm_row = self.output[words:]  # [ARM_WORDS] int64: the go word, the target's record
+        self.go = self.arm_row[wb.ARM_GO:wb.ARM_GO + 1].view(torch.int32)[:1]  # [1] int32: the go word
+        self.odd_event, self.odd_handle = self.backend.new_event(self.device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ahead: tuple | None = None  # (step, sizes) queued ahead of its header
+        self._queued = 0  # the last step queued behind a wait for the go word
+        self._deferred: list[tuple[int, object]] = []  # CPU: (step, block) queued, not run yet
+        self._last_key: tuple | None = None
+        self._quiet = -1  # the engine lock's switches at the last attempt to queue ahead
+        self._joined = -1  # the engine lock's switches when this stream last waited for the default one
+        self.armed_steps = self.armed_hits = 0
+
+    def _armed_step(self, head: wb.StepHeader) -> bytes:
+        """One armed step, its header come: nothing to queue where the step queued ahead is this one
+        (same number and sizes); else the step queued for its own sizes (the folded graph, or the
+        guard and graphs of propose once the binding's queue has run)."""
+        key = (head.num_tokens, head.batch, head.batch_padded, head.tokens_padded)
+        started = time.perf_counter_ns()
+        self._run_ready()
+        ahead, self._ahead = self._ahead, None
+        self.armed_steps += 1
+        if ahead != (head.step, key):
+            try:
+                graph = self.bound.armed_graph(*key)
+            except InvalidInput as exc:
+                raise invalid(exc.field, str(exc)) from None
+            self._join_default()
+            if graph is not None:
+                self._enqueue(head.step, lambda: self._armed_block(head.step, key, graph))
+            else:  # sizes without a folded graph: the header's sizes are stored by the host
+                if not self._wait_queued(DRAIN_S):  # what is queued writes the header's sizes from the GPU
+                    raise DrafterError(Code.DEADLINE_EXCEEDED, "", "the steps queued before this one did not run")
+                self._enqueue(head.step, lambda: (self._replay(head), self._record(head.step)))
+        else:
+            self.armed_hits += 1
+        self._last_key = key
+        queued = time.perf_counter_ns()
+        self._fine = (started, started, queued)
+        return b""
+
+    def _armed_block(self, step: int, key: tuple, graph) -> None:
+        """Queued behind the wait for step's go word: the arm kernel, the folded replay, the step's event."""
+        self.session.calls += 1
+        self.session.last_used = time.monotonic()
+        self.bound.replay_armed(graph, self.arm_row, step, key)
+        self._record(step)
+
+    def _record(self, step: int) -> None:
+        event = self.done_event if step % 2 == 0 else self.odd_event
+        if self.stream is not None:
+            event.record(self.stream)
+        else:
+            self.backend.record(event, self.device)
+
+    def _enqueue(self, step: int, block) -> None:
+        """block() queued behind a wait until the go word reaches step (on CPU: kept until it has)."""
+        self._queued = step
+        self.core.executor.engine_lock.armed = self  # whoever takes the engine next drains this binding
+        if self.stream is not None:
+            self.backend.wait_word(self.go, step, self.device)
+            block()
+            return
+        self._deferred.append((step, block))
+        self._run_ready()
+
+    def _run_ready(self) -> None:
+        """CPU: run the queued blocks, in order, while the go word has reached theirs."""
+        while self._deferred and _reached(int(self.go[0]), self._deferred[0][0]):
+            self._deferred.pop(0)[1]()
+
+    def _join_default(self) -> None:
+        """This binding's stream waits for the default stream's work, once after another owner used the engine."""
+        lock = self.core.executor.engine_lock
+        if self.stream is not None and lock.switches != self._joined:
+            self.stream.wait_stream(torch.cuda.default_stream(self.device))
+        self._joined = lock.switches
+
+    def _queue_ahead(self, step: int) -> None:
+        """Under the engine's lock, after step - 1's reply: step queued with the last step's sizes,
+        where this binding alone took the engine since its last attempt and a folded graph covers them."""
+        lock = self.core.executor.engine_lock
+        quiet, self._quiet = lock.switches == self._quiet, lock.switches
+        key = self._last_key
+        if not quiet or key is None or self._ahead is not None or not self._alive():
+            return
+        try:
+            graph = self.bound.armed_graph(*key)
+        except InvalidInput:
+            return
+        if graph is None:
+            return
+        self._join_default()
+        self._enqueue(step, lambda: self._armed_block(step, key, graph))
+        self._ahead = (step, key)
+
+    def drain(self) -> None:
+        """Called by whoever takes the engine's lock next (drafter.service.engine_lock): the step queued
+        ahead released (its go word written here: its record is not there, so it does nothing; a
+        target whose record landed first has it run, and its header runs it again: the same writes),
+        then the binding's queue waited for.  Steps whose headers came wait for the target's go words
+        at most DRAIN_S; past that they are released too and the binding ends (its target sent
+        steps it did not start)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self.backend.release_word(self.go, ahead[0], self.device)
+        if self._wait_queued(DRAIN_S):
+            return
+        log.warning("an armed binding's steps did not start: binding ended", extra={"event": "armed_stalled"})
+        self.backend.release_word(self.go, self._queued, self.device)
+        self._wait_queued(DRAIN_S)
+        self.stop()
+
+    def _wait_queued(self, timeout_s: float) -> bool:
+        """Whether the binding's queue ran within timeout_s (the host polls an event: no unbounded wait)."""
+        if self.stream is None:
+            self._run_ready()
+            return not self._deferred
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0)  # the GPU runs the queue; other threads may run meanwhile
+        return True
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        super().join(timeout_s)
+        lock = getattr(self.core.executor, "engine_lock", None)
+        if getattr(self, "armed", False) and isinstance(lock, EngineLock) and lock.armed is self:
+            with lock:  # taken by anyone else, the lock drains the binding
+                pass
+
+
+def _reached(word: int, step: int) -> bool:
+    """The go word's cyclic comparison (int32): word has reached step."""
+    return ((word - step) & 0xFFFFFFFF) < 0x80000000

@@ -123,7 +123,8 @@ class BoundPlane:
         return wb.BindResponse(bind_id=b.bind_id, endpoint=b.endpoint, ring_bytes=total,
                                drafts_width=b.drafts.shape[1], store=b.store_endpoint, channel=b.bind_id,
                                output=getattr(b, "output_ref", None), drafts_event=getattr(b, "done_handle", b""),
-                               doorbell=getattr(b, "doorbell_address", ""), stream=getattr(b, "stream_address", ""))
+                               doorbell=getattr(b, "doorbell_address", ""), stream=getattr(b, "stream_address", ""),
+                               armed=getattr(b, "armed", False), drafts_event_odd=getattr(b, "odd_handle", b""))
 
     def close(self) -> None:
         """Stop every data thread and wait for it (its socket closes as it ends)."""

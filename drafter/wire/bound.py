@@ -103,6 +103,8 @@ class BindRequest(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # (0 or 1: one; more than ring_stream.MAX_LANES is refused naming stream_lanes)
     stream_staging: str = "span"  # a GPU drafter's host-to-device copy of a streamed prefix: "span" (each span
     # as it lands) or "step" (the whole prefix in one copy at the step); anything else is refused naming it
+    armed: bool = False  # cuda_ipc: the target starts each step from its GPU (see ARM_WORDS): after its inputs, on
+    # its stream, it copies the step's record and then the go word into the arm row of the drafter's output
 
 
 class BindResponse(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -119,6 +121,9 @@ class BindResponse(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     # (drafter.wire.doorbell), which takes the binding's steps as the data socket does
     stream: str = ""  # where BindRequest.stream asked: the ring stream's address (drafter.wire.ring_stream),
     # which takes the binding's steps, header and prefix, as the data socket does
+    armed: bool = False  # where BindRequest.armed asked and the drafter can: its output ends with the arm row
+    # (ARM_WORDS) and its steps record drafts_event (even steps) or drafts_event_odd (odd steps)
+    drafts_event_odd: bytes = b""
 
 
 class StepHeader(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -191,6 +196,23 @@ def output_words(max_batch: int, width: int) -> int:
     """int64 words of a drafter's output on the cuda_ipc and nccl_channel planes: max_batch rows of
     width drafts, then one error word, rounded up to whole 64-byte rows (both ends allocate it so)."""
     return -(-(max_batch * width + 1) // 8) * 8
+
+
+# An armed binding (BindRequest.armed) starts a step on the drafter's GPU without its host: the drafter queues
+# each next step ahead of its header behind a GPU wait on the go word, and the target, after writing its
+# inputs, copies on its own stream the step's record and then the go word into the arm row, one 64-byte row
+# after the output's words (output_words): int64 words ARM_STEP.. of the record (the step and its four sizes
+# as the header gives them), the go word the low 32 bits of word ARM_GO (the step, compared cyclically).  The
+# drafter's queued step runs only where the record equals the step and sizes it was queued for; otherwise it
+# reads and writes nothing, and the step runs once its header has come.
+ARM_WORDS = 8
+ARM_GO, ARM_STEP = 0, 1  # word indices in the arm row; the record is words ARM_STEP .. ARM_STEP + 4
+ARM_RECORD = 5  # int64 words of the record: step, num_tokens, batch, batch_padded, tokens_padded
+
+
+def arm_words(max_batch: int, width: int, armed: bool) -> int:
+    """int64 words of a cuda_ipc drafter's shared output: output_words, and the arm row where armed."""
+    return output_words(max_batch, width) + (ARM_WORDS if armed else 0)
 
 
 MAX_SPIN_US = 5000  # the most BindRequest.spin_us a drafter grants (a larger ask is refused naming spin_us)

@@ -20,7 +20,7 @@ import secrets
 
 import torch
 
-from drafter.wire import cuda_ref, schema
+from drafter.wire import cuda_ref, schema, stream_ops
 from drafter.wire.errors import invalid
 
 ROW = 16  # float32 a row: one 64-byte cache line
@@ -115,6 +115,34 @@ class TorchSlabs:
         """The host waits for the event (another process's work included)."""
         event.synchronize()
 
+    # ---- armed steps (drafter.wire.stream_ops): words one GPU waits for and another writes
+    @staticmethod
+    def can_arm() -> bool:
+        return stream_ops.available()
+
+    @staticmethod
+    def copy_words(dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
+        """Queue on the current stream the copy of pinned `src` into `dst` (device memory, possibly
+        another process's), read when the copy runs."""
+        if torch.cuda.current_device() != device.index:  # the driver call needs the stream's context current
+            with torch.cuda.device(device):
+                TorchSlabs.copy_words(dst, src, device)
+            return
+        stream_ops.copy_to_device(torch.cuda.current_stream(device).cuda_stream, dst.data_ptr(), src.data_ptr(),
+                                  src.numel() * src.element_size())
+
+    @staticmethod
+    def wait_word(word: torch.Tensor, value: int, device: torch.device) -> None:
+        """Queue on the current stream a wait until the int32 `word` (this GPU's memory) reaches `value`."""
+        stream_ops.wait_geq(torch.cuda.current_stream(device).cuda_stream, word.data_ptr(), value)
+
+    @staticmethod
+    def release_word(word: torch.Tensor, value: int, device: torch.device) -> None:
+        """Write `value` into the int32 `word` from a stream of its own (the current one may be
+        blocked on that very word), now."""
+        side = torch.cuda.Stream(device)
+        stream_ops.write(side.cuda_stream, word.data_ptr(), value)
+
 
 class LocalSlabs:
     """The same protocol inside one process on any device: a handle names a tensor registered by
@@ -155,3 +183,21 @@ class LocalSlabs:
     @staticmethod
     def synchronize(event) -> None:
         return None
+
+    # ---- armed steps: CPU work is synchronous, so a word is written at once and a wait is the
+    # caller's to emulate (drafter.service.bound_ipc runs a step queued ahead once its word is there)
+    @staticmethod
+    def can_arm() -> bool:
+        return True
+
+    @staticmethod
+    def copy_words(dst: torch.Tensor, src: torch.Tensor, device) -> None:
+        dst.view(torch.uint8).copy_(src.view(torch.uint8))
+
+    @staticmethod
+    def wait_word(word: torch.Tensor, value: int, device) -> None:
+        return None
+
+    @staticmethod
+    def release_word(word: torch.Tensor, value: int, device) -> None:
+        word.fill_(value)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from drafter.service.batching.deliver import deliver_from_thread
 from drafter.service.batching.fair import FairQueue
+from drafter.service.engine_lock import EngineLock
 from drafter.service.sessions import Session
 from drafter.wire.errors import Code, DrafterError, from_exception
 from drafter.wire.records import ProposeRequest, ProposeResult
@@ -67,7 +68,7 @@ class EngineThread(concurrent.futures.Executor):
         self._retired: list[Batcher] = []  # stopped Batchers whose backlog the engine thread still answers
         # held while a job or a batch runs: a bound session's data thread takes it to run its step
         # on its own thread (drafter.service.bound_ipc), without a hop to this one and back
-        self.engine_lock = threading.Lock()
+        self.engine_lock = EngineLock()  # drains an armed binding's step queued ahead (drafter.service.engine_lock)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
