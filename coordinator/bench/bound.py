@@ -76,10 +76,12 @@ from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats,
                                        start_server)
 
 CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
+           "cuda_ipc_armed", "cuda_ipc_armed_spin",
            "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
            "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "host_ring_spread",
            "host_ring_spin", "unbound", "unbound_cuda_ipc")
 BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
+         "cuda_ipc_armed", "cuda_ipc_armed_spin",
          "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
          "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "host_ring_spread",
          "host_ring_spin")
@@ -88,6 +90,7 @@ RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host
 # ZMQ data socket on tcp (no stream: the plane as before the stream); the stream on one lane, on eight; the stream
 # with one D2H copy and one H2D copy a step; 4 lanes, every one that gets a CHUNK; host_ring polling for its reply
 STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
+           "cuda_ipc_armed", "cuda_ipc_armed_spin",
            "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", *RINGS)
 SPIN_US = 3000  # cuda_ipc_spin's BindRequest.spin_us: covers the bench's back-to-back steps up to batch 64
 NO_DOORBELL = ("cuda_ipc_zmq", "nccl_channel_zmq")  # the header on the ZMQ data socket, to compare
@@ -125,7 +128,8 @@ def open_client(endpoint: str, args, batch: int, columns: int, name: str):
                                 transport=transport, force_ring=plane == "host_ring",
                                 host_wait={"cuda_ipc_host_wait": True, "cuda_ipc_stream_wait": False}.get(name),
                                 channel=plane == "nccl_channel", doorbell=name not in NO_DOORBELL,
-                                spin_us=SPIN_US if name == "cuda_ipc_spin" else 0)
+                                spin_us=SPIN_US if name in ("cuda_ipc_spin", "cuda_ipc_armed_spin") else 0,
+                                armed=name in ("cuda_ipc_armed", "cuda_ipc_armed_spin"))
     if plane == "host_ring":  # the ring client the fallback would make, with or without the stream
         client.ring = HostRingClient(endpoint, shape, client.buffers, max_batch=batch, transport=transport,
                                      timeout_s=args.timeout_s, stream=name != "host_ring_zmq",
@@ -175,8 +179,8 @@ def bound_client(endpoint: str, args, batch: int, columns: int, name: str) -> di
             result["stream_reason"] = client.ring.link.stream_reason
         if name in STAMPED:
             result["stages"] = stages(client, step, args.iters)
-        if name in ("cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin", "nccl_channel", "nccl_channel_ipc",
-                    "nccl_channel_zmq"):
+        if name in ("cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin", "cuda_ipc_armed", "cuda_ipc_armed_spin",
+                    "nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq"):
             host = []
             stream = torch.cuda.current_stream()
             for i in range(WARMUP + args.iters):

@@ -44,6 +44,7 @@ import zmq
 
 from coordinator.transport.bound_client import _host, connect_socket, control_call, raise_if_refused, reachable
 from drafter.wire import bound as wb
+from drafter.wire import stream_ops
 from drafter.wire import cuda_ref, cuda_slab, doorbell, schema
 from drafter.wire.errors import Code, DrafterError
 from drafter.wire.predraft import bound_push_from_frame, is_bound_push
@@ -430,6 +431,10 @@ class IpcLink(DeviceLink):
             # a ring of records (each copied when its copy runs: a slot is rewritten RECORDS steps later)
             self._records = torch.zeros(_RECORDS, wb.ARM_WORDS, dtype=torch.int64, pin_memory=pin)
             self._records_np = self._records.numpy()
+            # the copies' addresses, once: a step then makes two driver calls and no torch call
+            row, rec = self._arm_row.data_ptr(), self._records.data_ptr()
+            self._arm_dst = (row + 8 * wb.ARM_STEP, row + 8 * wb.ARM_GO)
+            self._arm_src = [(rec + 64 * i + 8 * wb.ARM_STEP, rec + 64 * i + 8 * wb.ARM_GO) for i in range(_RECORDS)]
         self._torch = isinstance(slabs, cuda_slab.TorchSlabs)  # CUDA events: on the current stream directly
         self._setup(ctx, device, resp, groups, via)
 
@@ -449,8 +454,15 @@ class IpcLink(DeviceLink):
         words[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD] = (head.step, head.num_tokens, head.batch,
                                                           head.batch_padded, head.tokens_padded)
         words[wb.ARM_GO] = head.step & 0xFFFFFFFF
-        rec = self._records[slot]  # [ARM_WORDS] int64
-        row = self._arm_row
+        if self._torch:  # the record, then the go word (4 bytes): each lands before the next copy starts
+            if torch.cuda.current_device() != self.device.index:
+                torch.cuda.set_device(self.device)  # the driver calls need this GPU's context current
+            stream = current_stream(self.device).cuda_stream
+            (dst_rec, dst_go), (src_rec, src_go) = self._arm_dst, self._arm_src[slot]
+            stream_ops.copy_to_device(stream, dst_rec, src_rec, 8 * wb.ARM_RECORD)
+            stream_ops.copy_to_device(stream, dst_go, src_go, 4)
+            return
+        rec, row = self._records[slot], self._arm_row  # [ARM_WORDS] int64 each
         self.slabs.copy_words(row[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD],
                               rec[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD], self.device)
         self.slabs.copy_words(row[wb.ARM_GO:wb.ARM_GO + 1].view(torch.int32)[:1],

@@ -375,8 +375,8 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         self.done_event, self.done_handle = self.backend.new_event(self.device)
         # armed (wb.ARM_WORDS): where asked, and the backend can wait on words; not beside pre-drafts, whose
         # work runs on the default stream between steps
-        self.armed = bool(req.armed) and not _predrafting(self) and self.backend.can_arm() and isinstance(
-            getattr(self.core.executor, "engine_lock", None), EngineLock)
+        self.armed = bool(getattr(req, "armed", False)) and not _predrafting(self) and self.backend.can_arm() \
+            and isinstance(getattr(self.core.executor, "engine_lock", None), EngineLock)  # (older decoders: no field)
         self._bind_engine(engine, s, req.max_batch, self.armed)
         self.output_ref = self.backend.share(self.output.view(torch.uint8), self.done_handle)
         self._predrafts = _bound_predrafts(self)  # StepHeader.want_predrafts (drafter.service.predraft)

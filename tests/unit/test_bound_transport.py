@@ -272,7 +272,7 @@ def test_the_host_waits_for_the_drafts_where_the_drafter_shares_the_targets_gpu(
     calls = []
     slabs = SimpleNamespace(synchronize=lambda event: calls.append(("host", event)),
                             wait=lambda event, device: calls.append(("stream", event)))
-    link = SimpleNamespace(host_wait=True, slabs=slabs, drafts_event="ev", _waited_ns=5, _torch=False,
+    link = SimpleNamespace(host_wait=True, slabs=slabs, _events=("ev",), last_step=1, _waited_ns=5, _torch=False,
                            device=torch.device("cpu"))
     bound_ipc.IpcLink._arrive(link)
     assert calls == [("host", "ev")] and link._waited_ns > 5, "the host's wait counts as waiting, not host work"
