@@ -15,7 +15,10 @@ decode step, drafts on the host:
     header on the tcp data socket (no doorbell);
   * cuda_ipc: coordinator.transport.bound_ipc over CUDA IPC (header-only steps, on the doorbell;
     with the drafter on another GPU it reads the target's slab over the peer link); cuda_ipc_zmq:
-    the same with the header on the ZMQ data socket; cuda_ipc_spin: the doorbell, the drafter
+    the same with the header on the ZMQ data socket (every cuda_ipc client but the armed ones binds
+    unarmed: armed=False); cuda_ipc_armed, cuda_ipc_armed_spin: cuda_ipc, cuda_ipc_spin armed, each
+    step started from the target's stream and queued ahead on the drafter's (drafter.wire.bound.
+    ARM_WORDS, the client's default); cuda_ipc_spin: the doorbell, the drafter
     polling it SPIN_US after each reply before it sleeps (BindRequest.spin_us: it catches the next
     header hot when steps come back to back, as here; a target step of milliseconds between them
     would find it asleep as cuda_ipc does); cuda_ipc_fill: each step first copies the call's

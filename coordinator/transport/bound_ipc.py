@@ -486,7 +486,7 @@ class CudaIpcBoundClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, device="cuda", transport: str = "tcp", timeout_s: float = 5.0,
                  allow_fallback: bool = True, force_ring: bool = False, slabs=None, host_wait: bool | None = None,
-                 channel: bool = False, doorbell: bool = True, spin_us: int = 0, armed: bool = False):
+                 channel: bool = False, doorbell: bool = True, spin_us: int = 0, armed: bool = True):
         """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests);
         force_ring: bind the host ring even where CUDA IPC would do (to compare the planes);
         channel: bind the nccl_channel plane instead of cuda_ipc (the drafter on another GPU of this
@@ -502,7 +502,8 @@ class CudaIpcBoundClient:
         reply before its thread sleeps (BindRequest.spin_us: for steps that come back to back);
         armed: cuda_ipc steps started from this GPU (BindRequest.armed, drafter.wire.bound.ARM_WORDS:
         the drafter queues each next step ahead behind a GPU wait for the go word this side copies
-        after its inputs), where the drafter grants it."""
+        after its inputs), where the drafter grants it (the default; False: the drafter's host starts
+        each step at its header)."""
         self.endpoint, self.layout, self.buffers = endpoint, layout, list(buffers)
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
         self.allow_fallback, self.force_ring, self.host_wait = allow_fallback, force_ring, host_wait
@@ -617,14 +618,18 @@ class CudaIpcBoundClient:
         self.plane = wb.CUDA_IPC
 
     def _bind_call(self, req: wb.BindRequest, deadline: float) -> wb.BindResponse:
-        """The Bind; asked again without the doorbell where the drafter does not know the field."""
-        try:
-            return self._call(wb.BIND_METHOD, req, wb.BIND_RESPONSE_DECODER, deadline)
-        except DrafterError as err:
-            if not (req.doorbell and knows_no_doorbell(err)):
-                raise
-        return self._call(wb.BIND_METHOD, msgspec.structs.replace(req, doorbell=False, spin_us=0),
-                          wb.BIND_RESPONSE_DECODER, deadline)  # a drafter from before the doorbell: the data socket
+        """The Bind; asked again without the fields a drafter from before them refuses as unknown
+        (armed, then the doorbell: such a drafter starts each step at its header, on the data socket)."""
+        while True:
+            try:
+                return self._call(wb.BIND_METHOD, req, wb.BIND_RESPONSE_DECODER, deadline)
+            except DrafterError as err:
+                if req.armed and knows_no_armed(err):
+                    req = msgspec.structs.replace(req, armed=False)
+                elif req.doorbell and knows_no_doorbell(err):
+                    req = msgspec.structs.replace(req, doorbell=False, spin_us=0)
+                else:
+                    raise
 
     def _bind_channel(self, deadline: float) -> None:
         """Bind the nccl_channel plane (this GPU named: NCCL refuses two ranks on one GPU) and join its group."""
@@ -826,6 +831,11 @@ def same_gpu(support, device: torch.device) -> bool:
     if device.type != "cuda" or support is None or not support.enabled or not support.device_uuids:
         return False
     return support.device_uuids[0] == cuda_ref.device_uuid(device)
+
+
+def knows_no_armed(err: DrafterError) -> bool:
+    """Whether a Bind refusal is a drafter's that does not know BindRequest.armed: bind again without it."""
+    return err.code == Code.INVALID_ARGUMENT and err.field == "body" and "armed" in err.message
 
 
 def knows_no_doorbell(err: DrafterError) -> bool:

@@ -73,8 +73,8 @@ from coordinator.transport.bound_client import (REBIND, STREAM_LANES, BoundLink,
                                                 knows_no_stream)
 from coordinator.transport.bound_channel import REFUSED as CHANNEL_REFUSED
 from coordinator.transport.bound_channel import ChannelLink
-from coordinator.transport.bound_ipc import (ENVIRONMENT, DeviceLink, IpcLink, cannot_share, knows_no_doorbell,
-                                            same_gpu)
+from coordinator.transport.bound_ipc import (ENVIRONMENT, DeviceLink, IpcLink, cannot_share, knows_no_armed,
+                                            knows_no_doorbell, same_gpu)
 from drafter.wire import cuda_ref
 from drafter.wire import bound as wb
 from drafter.wire import cuda_slab, schema
@@ -109,6 +109,10 @@ class BoundConfig:
     max_tokens: int = 0  # the ring's token rows; 0: max_num_seqs * (k + 1), within max_num_batched_tokens
     channel_timeout_s: float = 5.0  # gloo_channel, nccl_channel: joining (and gloo's each step's send)
     device: str = ""  # where the caller's tensors live, to bind the right plane at attach; "": learnt from the steps
+    # cuda_ipc: each step started from the caller's GPU (BindRequest.armed, drafter.wire.bound.ARM_WORDS: the
+    # drafter queues the next step ahead behind a GPU wait for the go word the caller copies after its
+    # inputs), where the drafter grants it; False: the drafter's host starts each step at its header
+    armed: bool = True
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -174,6 +178,7 @@ class BoundTransport:
         self._device: torch.device | None = _device(cfg.device) if cfg.device else None  # the caller's tensors'
         self._planes: dict[torch.device, str] = {}  # the plane for the caller's tensors on each device
         self._support = None  # the drafter's CudaIpcSupport (its AttachResponse's, or asked by Info)
+        self._armed = cfg.armed  # cuda_ipc Binds ask for armed steps (False once a drafter did not know the field)
         self._doorbell = True  # cuda_ipc and nccl_channel Binds ask for the doorbell (False once a drafter did not
         # know the field)
         self._stream = True  # host_ring Binds ask for the ring stream (False once a drafter did not know the field)
@@ -397,6 +402,7 @@ class BoundTransport:
         body = wb.BindRequest(session_id=session_id, epoch=epoch, plane=plane, transport=transport,
                               buffers=buffers, max_batch=session.max_num_seqs, slab=slab, device_uuid=uuid,
                               doorbell=plane in (wb.CUDA_IPC, wb.NCCL_CHANNEL) and self._doorbell,
+                              armed=plane == wb.CUDA_IPC and self._armed,
                               stream=plane == wb.HOST_RING and self._stream,
                               stream_lanes=STREAM_LANES if plane == wb.HOST_RING and self._stream else 0)
         env = schema.Envelope(call_id=self._calls, method=wb.BIND_METHOD)
@@ -489,6 +495,9 @@ class BoundTransport:
         if code == Code.INVALID_ARGUMENT and error.field == "transport" and pending.transport == "ipc" \
                 and self.cfg.transport == "auto":  # no ipc socket there: tcp
             self._send_bind(pending.session_id, pending.epoch, "tcp", session, pending.plane)
+        elif self._armed and knows_no_armed(DrafterError(code, error.field, error.message)):  # before armed steps
+            self._armed = False
+            self._send_bind(pending.session_id, pending.epoch, pending.transport, session, pending.plane)
         elif self._doorbell and knows_no_doorbell(
                 DrafterError(code, error.field, error.message)):  # a drafter from before the doorbell
             self._doorbell = False
