@@ -608,8 +608,9 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         if self.stream is None:
             self._run_ready()
             return not self._deferred
-        done = torch.cuda.Event()
-        done.record(self.stream)
+        with torch.cuda.device(self.device):  # a drain runs on whichever thread takes the engine's lock
+            done = torch.cuda.Event()
+            done.record(self.stream)
         deadline = time.monotonic() + timeout_s
         while not done.query():
             if time.monotonic() > deadline:

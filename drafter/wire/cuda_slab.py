@@ -140,8 +140,9 @@ class TorchSlabs:
     def release_word(word: torch.Tensor, value: int, device: torch.device) -> None:
         """Write `value` into the int32 `word` from a stream of its own (the current one may be
         blocked on that very word), now."""
-        side = torch.cuda.Stream(device)
-        stream_ops.write(side.cuda_stream, word.data_ptr(), value)
+        with torch.cuda.device(device):  # any thread (a drain runs on whoever takes the engine's lock)
+            side = torch.cuda.Stream(device)
+            stream_ops.write(side.cuda_stream, word.data_ptr(), value)
 
 
 class LocalSlabs:
