@@ -526,6 +526,7 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
                 self._enqueue(head.step, lambda: (self._replay(head), self._record(head.step)))
         else:
             self.armed_hits += 1
+        self.core.metrics.armed_steps.labels("true" if ahead == (head.step, key) else "false").inc()
         self._last_key = key
         queued = time.perf_counter_ns()
         self._fine = (started, started, queued)

@@ -145,6 +145,9 @@ class Metrics:
                                      "call that asked (the adaptive budget; 0 = none)", registry=r)
         self.predraft_late = Counter("drafter_predraft_late_total", "Calls showing a pushed set reached the target "
                                      "after it had picked (the budget then halves)", registry=r)
+        # armed cuda_ipc steps (drafter.wire.bound.ARM_WORDS): found queued ahead at their header, or queued then
+        self.armed_steps = Counter("drafter_bound_armed_steps_total", "Armed bound steps, by whether the step was "
+                                   "found queued ahead at its header", ["queued_ahead"], registry=r)
         self._lock = threading.Lock()
         self._verified: dict[int, int] = {}
         self._accepted: dict[int, int] = {}

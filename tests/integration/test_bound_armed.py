@@ -66,6 +66,9 @@ def test_armed_steps_queued_ahead_draft_what_in_process_drafts(tiny_root):
             # steps 1, 4 (other sizes than queued), 6 (other sizes) and 2 (queued ahead only after the
             # engine had one owner across a step) are queued at their header; 3 and 5 were queued ahead
             assert b.armed_hits == 2, b.armed_hits
+            metric = drafter.core.metrics.registry.get_sample_value
+            assert metric("drafter_bound_armed_steps_total", {"queued_ahead": "true"}) == 2
+            assert metric("drafter_bound_armed_steps_total", {"queued_ahead": "false"}) == 4
             assert drafter.core.executor.engine_lock.armed is b, "the next step is queued ahead"
         finally:
             t.client.close()
