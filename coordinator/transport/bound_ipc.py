@@ -438,6 +438,13 @@ class IpcLink(DeviceLink):
         self._torch = isinstance(slabs, cuda_slab.TorchSlabs)  # CUDA events: on the current stream directly
         self._setup(ctx, device, resp, groups, via)
 
+    def _copy_record(self, slot: int) -> None:
+        """Queue the record's copy, then the go word's, from the pinned slot into the drafter's arm row."""
+        stream = current_stream(self.device).cuda_stream
+        (dst_rec, dst_go), (src_rec, src_go) = self._arm_dst, self._arm_src[slot]
+        stream_ops.copy_to_device(stream, dst_rec, src_rec, 8 * wb.ARM_RECORD)
+        stream_ops.copy_to_device(stream, dst_go, src_go, 4)
+
     def _before_send(self, head: wb.StepHeader) -> None:
         if self.armed:
             self._start(head)
@@ -455,12 +462,11 @@ class IpcLink(DeviceLink):
                                                           head.batch_padded, head.tokens_padded)
         words[wb.ARM_GO] = head.step & 0xFFFFFFFF
         if self._torch:  # the record, then the go word (4 bytes): each lands before the next copy starts
-            if torch.cuda.current_device() != self.device.index:
-                torch.cuda.set_device(self.device)  # the driver calls need this GPU's context current
-            stream = current_stream(self.device).cuda_stream
-            (dst_rec, dst_go), (src_rec, src_go) = self._arm_dst, self._arm_src[slot]
-            stream_ops.copy_to_device(stream, dst_rec, src_rec, 8 * wb.ARM_RECORD)
-            stream_ops.copy_to_device(stream, dst_go, src_go, 4)
+            if torch.cuda.current_device() != self.device.index:  # the driver calls need this GPU's context
+                with torch.cuda.device(self.device):
+                    self._copy_record(slot)
+            else:
+                self._copy_record(slot)
             return
         rec, row = self._records[slot], self._arm_row  # [ARM_WORDS] int64 each
         self.slabs.copy_words(row[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD],
