@@ -39,6 +39,7 @@ import itertools
 import time
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -431,6 +432,7 @@ class IpcLink(DeviceLink):
             # a ring of records (each copied when its copy runs: a slot is rewritten RECORDS steps later)
             self._records = torch.zeros(_RECORDS, wb.ARM_WORDS, dtype=torch.int64, pin_memory=pin)
             self._records_np = self._records.numpy()
+            self._go_np = self._records_np.view(np.uint32)[:, 2 * wb.ARM_GO:2 * wb.ARM_GO + 2]  # [RECORDS, 2]
             # the copies' addresses, once: a step then makes two driver calls and no torch call
             row, rec = self._arm_row.data_ptr(), self._records.data_ptr()
             self._arm_dst = (row + 8 * wb.ARM_STEP, row + 8 * wb.ARM_GO)
@@ -439,11 +441,11 @@ class IpcLink(DeviceLink):
         self._setup(ctx, device, resp, groups, via)
 
     def _copy_record(self, slot: int) -> None:
-        """Queue the record's copy, then the go word's, from the pinned slot into the drafter's arm row."""
+        """Queue the record's copy, then the go words', from the pinned slot into the drafter's arm row."""
         stream = current_stream(self.device).cuda_stream
         (dst_rec, dst_go), (src_rec, src_go) = self._arm_dst, self._arm_src[slot]
         stream_ops.copy_to_device(stream, dst_rec, src_rec, 8 * wb.ARM_RECORD)
-        stream_ops.copy_to_device(stream, dst_go, src_go, 4)
+        stream_ops.copy_to_device(stream, dst_go, src_go, 8)  # the two go words
 
     def _before_send(self, head: wb.StepHeader) -> None:
         if self.armed:
@@ -455,12 +457,12 @@ class IpcLink(DeviceLink):
 
     def _start(self, head: wb.StepHeader) -> None:
         """An armed step started from this GPU (wb.ARM_WORDS): after the inputs, on the current
-        stream, the step's record and then its go word copied into the drafter's arm row."""
+        stream, the step's record and then its two go words copied into the drafter's arm row."""
         slot = head.step % _RECORDS
         words = self._records_np[slot]  # the pinned slot's memory, written without a torch call
         words[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD] = (head.step, head.num_tokens, head.batch,
                                                           head.batch_padded, head.tokens_padded)
-        words[wb.ARM_GO] = head.step & 0xFFFFFFFF
+        self._go_np[slot] = head.step & 0xFFFFFFFF  # both go words (uint32 halves of word ARM_GO)
         if self._torch:  # the record, then the go word (4 bytes): each lands before the next copy starts
             if torch.cuda.current_device() != self.device.index:  # the driver calls need this GPU's context
                 with torch.cuda.device(self.device):
@@ -471,8 +473,7 @@ class IpcLink(DeviceLink):
         rec, row = self._records[slot], self._arm_row  # [ARM_WORDS] int64 each
         self.slabs.copy_words(row[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD],
                               rec[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD], self.device)
-        self.slabs.copy_words(row[wb.ARM_GO:wb.ARM_GO + 1].view(torch.int32)[:1],
-                              rec[wb.ARM_GO:wb.ARM_GO + 1].view(torch.int32)[:1], self.device)
+        self.slabs.copy_words(row[wb.ARM_GO:wb.ARM_GO + 1], rec[wb.ARM_GO:wb.ARM_GO + 1], self.device)
 
     def _arrive(self) -> None:
         """The "drafts ready" event waited for: by the host (host_wait; the time counts as waiting,

@@ -492,12 +492,13 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
     def _arm_state(self) -> None:
         words = self.output.numel() - wb.ARM_WORDS
         self.arm_row = self.output[words:]  # [ARM_WORDS] int64: the go word, the target's record
-        self.go = self.arm_row[wb.ARM_GO:wb.ARM_GO + 1].view(torch.int32)[:1]  # [1] int32: the go word
+        self.go = self.arm_row[wb.ARM_GO:wb.ARM_GO + 1].view(torch.int32)  # [2] int32: the two go words
+        self._half = 0  # the go word this binding waits on (the other after it released one itself)
         self.odd_event, self.odd_handle = self.backend.new_event(self.device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._ahead: tuple | None = None  # (step, sizes) queued ahead of its header
         self._queued = 0  # the last step queued behind a wait for the go word
-        self._deferred: list[tuple[int, object]] = []  # CPU: (step, block) queued, not run yet
+        self._deferred: list[tuple[int, int, object]] = []  # CPU: (step, go word, block) queued, not run yet
         self._last_key: tuple | None = None
         self._quiet = -1  # the engine lock's switches at the last attempt to queue ahead
         self._joined = -1  # the engine lock's switches when this stream last waited for the default one
@@ -551,16 +552,16 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         self._queued = step
         self.core.executor.engine_lock.armed = self  # whoever takes the engine next drains this binding
         if self.stream is not None:
-            self.backend.wait_word(self.go, step, self.device)
+            self.backend.wait_word(self.go[self._half:self._half + 1], step, self.device)
             block()
             return
-        self._deferred.append((step, block))
+        self._deferred.append((step, self._half, block))
         self._run_ready()
 
     def _run_ready(self) -> None:
         """CPU: run the queued blocks, in order, while the go word has reached theirs."""
-        while self._deferred and _reached(int(self.go[0]), self._deferred[0][0]):
-            self._deferred.pop(0)[1]()
+        while self._deferred and _reached(int(self.go[self._deferred[0][1]]), self._deferred[0][0]):
+            self._deferred.pop(0)[2]()
 
     def _join_default(self) -> None:
         """This binding's stream waits for the default stream's work, once after another owner used the engine."""
@@ -596,13 +597,20 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         steps it did not start)."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
-            self.backend.release_word(self.go, ahead[0], self.device)
+            self._release(ahead[0])
         if self._wait_queued(DRAIN_S):
             return
         log.warning("an armed binding's steps did not start: binding ended", extra={"event": "armed_stalled"})
-        self.backend.release_word(self.go, self._queued, self.device)
+        for _ in range(2):  # every queued wait released (the binding ends: nothing waits on the words again)
+            self._release(self._queued)
         self._wait_queued(DRAIN_S)
         self.stop()
+
+    def _release(self, step: int) -> None:
+        """The go word waited on written here (to step), and the other waited on from now: the
+        target's own write of step is still waited for when its header comes (wb.ARM_GO)."""
+        self.backend.release_word(self.go[self._half:self._half + 1], step, self.device)
+        self._half ^= 1
 
     def _wait_queued(self, timeout_s: float) -> bool:
         """Whether the binding's queue ran within timeout_s (the host polls an event: no unbounded wait)."""

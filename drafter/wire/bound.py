@@ -202,9 +202,12 @@ def output_words(max_batch: int, width: int) -> int:
 # each next step ahead of its header behind a GPU wait on the go word, and the target, after writing its
 # inputs, copies on its own stream the step's record and then the go word into the arm row, one 64-byte row
 # after the output's words (output_words): int64 words ARM_STEP.. of the record (the step and its four sizes
-# as the header gives them), the go word the low 32 bits of word ARM_GO (the step, compared cyclically).  The
-# drafter's queued step runs only where the record equals the step and sizes it was queued for; otherwise it
-# reads and writes nothing, and the step runs once its header has come.
+# as the header gives them), then word ARM_GO: two 32-bit go words, both the step (compared cyclically), in one
+# 8-byte copy.  The drafter waits on one of the two; to release a step queued ahead whose header has not come
+# (another user takes the engine) it writes that word itself and waits on the other from then on, so a step
+# it released is never taken for started when its header comes.  The drafter's queued step runs only where
+# the record equals the step and sizes it was queued for; otherwise it reads and writes nothing, and the step
+# runs once its header has come.
 ARM_WORDS = 8
 ARM_GO, ARM_STEP = 0, 1  # word indices in the arm row; the record is words ARM_STEP .. ARM_STEP + 4
 ARM_RECORD = 5  # int64 words of the record: step, num_tokens, batch, batch_padded, tokens_padded

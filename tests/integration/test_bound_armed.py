@@ -95,9 +95,12 @@ def test_another_user_of_the_engine_drains_the_armed_binding(tiny_root):
             n, nb = _fill(a.client.views, a.s_remote.call(PLANS[0]).kwargs)
             words = b.drafts.numel() + 1  # the drafts and the error word (the arm row follows)
             before = b.output[:words].clone()
+            released, half = b._queued, b._half
             other.step(PLANS[0])
             assert b._ahead is None and not b._deferred and lock.armed is not b
             assert torch.equal(b.output[:words], before), "the released step wrote drafts"
+            # the go word it released is not the one waited on next: the step's own go is still waited for
+            assert b._half != half and int(b.go[half]) == released and int(b.go[b._half]) == released - 1
             hits = b.armed_hits
             assert torch.equal(a.client.step(n, nb, **PADDING), expected)  # queued at its header
             other.step(PLANS[1])

@@ -25,7 +25,7 @@ STEP, KEY = 41, (13, 3, 4, 16)
 
 def _record(values) -> torch.Tensor:  # [ARM_WORDS] int64: go word, then the record
     row = torch.zeros(wb.ARM_WORDS, dtype=torch.int64)
-    row[wb.ARM_GO] = values[0]
+    row[wb.ARM_GO:wb.ARM_GO + 1].view(torch.int32)[:] = values[0]  # the two go words
     row[wb.ARM_STEP:wb.ARM_STEP + wb.ARM_RECORD] = torch.tensor(values)
     return row
 
