@@ -39,6 +39,7 @@ import msgspec
 import torch
 import zmq
 
+from coordinator.transport.zmq_client import CurveConfig
 from drafter.wire import bound as wb
 from drafter.wire import ring_stream as rs
 from drafter.wire import schema
@@ -323,7 +324,7 @@ class HostRingClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, transport: str = "tcp", plane: str = wb.HOST_RING, timeout_s: float = 5.0,
                  stream: bool = True, lanes: int = STREAM_LANES, staging: str = "span", d2h_pieces: int = 0,
-                 lane_bytes: int = rs.LANE_BYTES, reply_spin_us: int | None = None):
+                 lane_bytes: int = rs.LANE_BYTES, reply_spin_us: int | None = None, curve: CurveConfig | None = None):
         """stream: host_ring steps on the binding's ring stream (drafter.wire.ring_stream) where the
         drafter offers one and it can be reached, else (and with False) on the ZMQ data socket;
         lanes: the stream's connections, each prefix striped over them (1 to ring_stream.MAX_LANES);
@@ -332,7 +333,8 @@ class HostRingClient:
         GPU source's prefix (0: D2H_PIECES; 1: one copy, the body sent once it is whole); lane_bytes:
         a step's prefix goes on as many lanes as give each at least this many bytes (ring_stream.plan:
         a small prefix on lane 0 alone; 0: every lane once it holds ring_stream.CHUNK per lane);
-        reply_spin_us: BoundLink's."""
+        reply_spin_us: BoundLink's; curve: the drafter's CURVE keys (coordinator.transport.zmq_client),
+        used by the control socket and every binding's data socket alike."""
         if not 1 <= lanes <= rs.MAX_LANES:
             raise ValueError(f"lanes must lie in [1, {rs.MAX_LANES}], got {lanes}")
         self.endpoint, self.layout, self.plane = endpoint, layout, plane
@@ -343,6 +345,8 @@ class HostRingClient:
         self.ring = BoundRing(buffers)
         self.views = self.ring.views
         self.ctx = zmq.Context()
+        if curve is not None:
+            curve.apply_to_context(self.ctx)
         self.control = connect_socket(self.ctx, endpoint, data=False)
         self.link: BoundLink | None = None
         self.session: schema.AttachResponse | None = None
@@ -379,7 +383,7 @@ class HostRingClient:
         except DrafterError as err:
             if not (req.stream and knows_no_stream(err)):
                 raise
-            self.stream = False  # a drafter from before the ring stream: the data socket
+            self.stream = False  # a drafter from before the ring stream, or one that refuses it: the data socket
             resp = self._call(wb.BIND_METHOD, msgspec.structs.replace(req, stream=False, stream_lanes=0,
                                                                       stream_staging="span"),
                               wb.BIND_RESPONSE_DECODER, deadline)
@@ -508,9 +512,11 @@ def device_parts(source: torch.Tensor, slab: torch.Tensor, view: memoryview, nby
 
 
 def knows_no_stream(err: DrafterError) -> bool:
-    """Whether a Bind refusal is a drafter's that does not know BindRequest.stream (its decoder
-    refuses the unknown field): bind again without it."""
-    return err.code == Code.INVALID_ARGUMENT and err.field == "body" and "stream" in err.message
+    """Whether a Bind refusal says bind again without BindRequest.stream: a drafter that does not
+    know the field (its decoder refuses it), or one that refuses the ring stream (FAILED_PRECONDITION
+    "stream": over tcp it is not authenticated and the drafter requires auth)."""
+    return (err.code == Code.INVALID_ARGUMENT and err.field == "body" and "stream" in err.message) or (
+        err.code == Code.FAILED_PRECONDITION and err.field == "stream")
 
 
 def raise_if_refused(done: wb.StepDone, close) -> None:

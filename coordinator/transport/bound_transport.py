@@ -160,7 +160,11 @@ class BoundTransport:
     def __init__(self, inner, spec, cfg: BoundConfig):
         self.inner, self.spec, self.cfg = inner, spec, cfg
         self.endpoint = inner.client.endpoint
-        self.ctx = zmq.Context.instance()
+        curve = getattr(inner.client, "curve", None)  # the ZMQ client's CURVE keys: every bound socket's too
+        self._own_ctx = curve is not None
+        self.ctx = zmq.Context() if curve is not None else zmq.Context.instance()
+        if curve is not None:
+            curve.apply_to_context(self.ctx)
         self.control: zmq.Socket | None = None  # Bind's own socket: its reply may come during a later step
         self.ring: BoundRing | None = None
         self._mirror: BoundRing | None = None  # the ring's layout on the inputs' GPU
@@ -242,6 +246,8 @@ class BoundTransport:
         if self.control is not None:
             self.control.close(linger=0)
             self.control = None
+        if self._own_ctx:  # the CURVE context: every link's socket goes with it
+            self.ctx.destroy(linger=0)
         self.inner.close()
 
     # ------------------------------------------------------------------ the bound step

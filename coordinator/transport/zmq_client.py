@@ -56,7 +56,8 @@ class CurveConfig:
     server_public: str | bytes
     client_secret: str | None = None
 
-    def apply(self, sock: zmq.Socket) -> None:
+    def keys(self) -> tuple[bytes, bytes, bytes]:
+        """(server public, client public, client secret) z85 keys; a fresh client pair without client_secret."""
         server = self.server_public
         if isinstance(server, str):
             server, _ = zmq.auth.load_certificate(server)
@@ -64,9 +65,16 @@ class CurveConfig:
             public, secret = zmq.auth.load_certificate(self.client_secret)
         else:
             public, secret = zmq.curve_keypair()
-        sock.curve_serverkey = server
-        sock.curve_publickey = public
-        sock.curve_secretkey = secret
+        return server, public, secret
+
+    def apply(self, sock: zmq.Socket) -> None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.keys()
+
+    def apply_to_context(self, ctx: zmq.Context) -> None:
+        """Make every socket ctx creates from now on a CURVE client with these keys (one key pair for
+        all of them: a bound session's control, data and device sockets)."""
+        for opt, key in zip((zmq.CURVE_SERVERKEY, zmq.CURVE_PUBLICKEY, zmq.CURVE_SECRETKEY), self.keys()):
+            ctx.setsockopt(opt, key)
 
 
 class ZmqDrafterClient:
@@ -80,6 +88,7 @@ class ZmqDrafterClient:
             check_client_path(endpoint)  # raises IpcPathError (a ValueError) for a path anyone could hijack
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self.curve = curve  # kept for a bound session's sockets (coordinator.transport.bound_transport)
         self._probe_label = "client-zmq-ipc" if endpoint.startswith("ipc://") else "client-zmq-tcp"
         self.ctx = context or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)

@@ -29,12 +29,21 @@ slot and reports the first bad field in an error word.
 A session's data thread ends when the session is gone (detach, expiry), the server closes, or the
 session binds again.  The data sockets use a context of their own, so the server's context can
 terminate while one is still closing.
+
+Auth (docs/security.md): where the server's ZMQ has CURVE, every data socket is a CURVE server with
+the same key pair, and the plane's context runs its own ZAP handler over the same client allow
+list, so only an allowed client key completes the handshake.  Where any auth is configured (CURVE
+or mTLS), a Bind for a plane that cannot be authenticated is refused with FAILED_PRECONDITION
+naming its field: the ring stream over tcp ("stream") and the channel planes, whose TCPStore and
+gloo/NCCL connections are plain tcp ("plane"), unless the server runs with --insecure-bound-planes.
+Same-host names (the ring stream and doorbell on abstract UNIX names, cuda_ipc) stay allowed.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+from dataclasses import dataclass
 import secrets
 import threading
 import time
@@ -63,13 +72,46 @@ def _kind(name: str) -> str:
     return name.split("[", 1)[0]
 
 
+@dataclass(frozen=True)
+class BoundAuth:
+    """What the bound planes must authenticate (set by drafter.service.server on the ZmqServer as
+    `bound_auth`).  required: some auth is configured (CURVE or mTLS); insecure_planes: serve the
+    planes that cannot be authenticated anyway (--insecure-bound-planes)."""
+
+    required: bool = False
+    insecure_planes: bool = False
+
+
+def auth_of(server) -> BoundAuth:
+    """The server's BoundAuth; a ZmqServer built without one requires auth exactly when it has CURVE."""
+    auth = getattr(server, "bound_auth", None)
+    return auth if auth is not None else BoundAuth(required=bool(server.curve_server_cert))
+
+
 class BoundPlane:
     """Every bound session of one ZmqServer (created at the first Bind)."""
 
     def __init__(self, server):
         self.server, self.core = server, server.core
+        self.auth = auth_of(server)
         self.ctx = zmq.Context()
+        self.curve: tuple[bytes, bytes] | None = None  # the server's CURVE (public, secret) key, when it has CURVE
+        self._zap = None  # the ZAP handler of this plane's context (CURVE's client allow list)
+        if server.curve_server_cert:
+            self._start_curve(server.curve_server_cert, server.curve_clients_dir)
         self.sessions: dict[str, "BoundSession"] = {}  # session id -> its binding
+
+    def _start_curve(self, cert: str, clients_dir: str | None) -> None:
+        """The server's key pair for every data socket, and a ZAP handler on this plane's own context
+        over the same allow list as the control socket's (ZAP is per context: without it CURVE would
+        accept any client key)."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public, secret = zmq.auth.load_certificate(cert)
+        self.curve = (public, secret)
+        self._zap = ThreadAuthenticator(self.ctx, log=logging.getLogger("drafter.service.bound.zap"))
+        self._zap.start()
+        self._zap.configure_curve(domain="*", location=clients_dir or zmq.auth.CURVE_ALLOW_ANY)
 
     @classmethod
     def of(cls, server) -> "BoundPlane":
@@ -98,6 +140,7 @@ class BoundPlane:
             raise invalid("spin_us", f"{req.spin_us} must lie in [0, {wb.MAX_SPIN_US}]")
         if req.transport not in wb.TRANSPORTS or (req.transport == "ipc" and not self.server.ipc_endpoint):
             raise invalid("transport", f"{req.transport!r}: tcp, or ipc where the server listens on ipc")
+        self.check_authenticated(req)
         slots, total = check_layout(req, s, core.desc)
         if total > core.max_message_bytes:
             raise invalid("buffers", f"the ring needs {total} bytes, more than max_message_bytes "
@@ -126,6 +169,23 @@ class BoundPlane:
                                doorbell=getattr(b, "doorbell_address", ""), stream=getattr(b, "stream_address", ""),
                                armed=getattr(b, "armed", False), drafts_event_odd=getattr(b, "odd_handle", b""))
 
+    def check_authenticated(self, req: wb.BindRequest) -> None:
+        """Where the server authenticates its clients, refuse a plane whose listeners could not
+        (FAILED_PRECONDITION naming the field), unless --insecure-bound-planes says serve it anyway:
+        the channel planes (a TCPStore and gloo/NCCL connections, plain tcp) and the ring stream
+        over tcp.  The clients bind again without them (the host ring; the data socket's frames)."""
+        if not self.auth.required or self.auth.insecure_planes:
+            return
+        if req.plane in wb.CHANNELS:
+            raise DrafterError(Code.FAILED_PRECONDITION, "plane", (
+                f"{req.plane} listens on plain tcp (a TCPStore, {req.plane.split('_')[0]}) and this server requires "
+                "auth: bind host_ring or cuda_ipc, or start the drafter with --insecure-bound-planes"))
+        if req.plane == wb.HOST_RING and req.stream and req.transport == "tcp":
+            raise DrafterError(Code.FAILED_PRECONDITION, "stream", (
+                "the ring stream over tcp is not authenticated and this server requires auth: bind without the "
+                "stream (steps on the CURVE data socket), with transport ipc, or start the drafter with "
+                "--insecure-bound-planes"))
+
     def close(self) -> None:
         """Stop every data thread and wait for it (its socket closes as it ends)."""
         for b in self.sessions.values():
@@ -133,6 +193,8 @@ class BoundPlane:
         for b in self.sessions.values():
             b.join()
         self.sessions.clear()
+        if self._zap is not None:
+            self._zap.stop()
         self.ctx.term()
 
     def _endpoint(self, transport: str, bind_id: str) -> str:
@@ -230,6 +292,9 @@ class BoundSession:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.ring.numel() + 4096)
+        if self.plane.curve is not None:  # the server's key pair; the plane's ZAP handler checks the client's key
+            sock.curve_publickey, sock.curve_secretkey = self.plane.curve
+            sock.curve_server = True
         if endpoint.startswith("ipc://"):
             from drafter.wire.ipc import bind_ipc
 

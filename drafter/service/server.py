@@ -23,6 +23,7 @@ import time
 
 from drafter.engine.config import EngineConfig, KVGroupSpec
 from drafter.service import cuda_support
+from drafter.service.bound_sessions import BoundAuth
 from drafter.service.config import ServerConfig
 from drafter.service.core import ServiceCore
 from drafter.service.grpc_server import DrafterGrpcService, HealthState, build_health_server, build_main_server
@@ -161,6 +162,8 @@ async def _listen(cfg: ServerConfig, core: ServiceCore, metrics: Metrics, health
                                curve_clients_dir=cfg.curve_clients_dir or None, ipc_path=cfg.zmq_ipc or None,
                                ipc_mode=cfg.ipc_mode, drop_burst=cfg.zmq_drop_burst,
                                drop_budget_s=cfg.zmq_drop_budget_us / 1e6)
+        zmq_server.bound_auth = BoundAuth(required=bool(cfg.tls_client_ca or cfg.curve_server_cert),
+                                          insecure_planes=cfg.insecure_bound_planes)
         opened.append(lambda: zmq_server.close(timeout=0.1))
         # the tcp socket binds first: a failure after it is the ipc socket's
         ports["zmq_port"] = _bind("zmq-port", cfg, cfg.zmq_port, lambda: _start_zmq(zmq_server, cfg))
@@ -219,6 +222,10 @@ async def serve(cfg: ServerConfig) -> int:
     for name in cfg.insecure_transports():  # only reachable through an explicit --insecure-* flag
         log.warning(f"{name} serves unauthenticated clients although the other transport requires auth",
                     extra={"event": "insecure_transport", "transport": name})
+    if cfg.insecure_bound_planes and (cfg.tls_client_ca or cfg.curve_server_cert):
+        log.warning("--insecure-bound-planes: the ring stream over tcp and the gloo/nccl channels serve anyone who "
+                    "can reach their ports and holds a bind id, although the server requires auth",
+                    extra={"event": "insecure_transport", "transport": "bound_planes"})
     log.info("listening", extra={"event": "listening", "host": cfg.host, **ports,
                                  "grpc_tls": bool(cfg.tls_cert), "grpc_mtls": bool(cfg.tls_client_ca),
                                  "zmq_curve": bool(cfg.curve_server_cert), "gil_switch_interval_us": switch_us})

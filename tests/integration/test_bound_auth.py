@@ -1,0 +1,254 @@
+"""Bound sessions under auth (issue 19, item 3: every listening transport requires auth, or is refused).
+
+A drafter service in this process (tests.integration.test_bound_remote.Drafter's loop, here with CURVE
+and a client allow list generated in tmp_path) serves HostRingClients.  With CURVE on:
+* a host-ring binding's data socket is a CURVE server: the allowed client's steps draft what an
+  in-process engine drafts; a plaintext client, or one whose key is not on the allow list, that
+  sends a step with the right bind id to that socket gets no reply at all;
+* a Bind for the ring stream over tcp (not authenticated) is refused naming "stream", and the client
+  binds again without it and drafts on the data socket; over ipc (a same-host abstract UNIX name) the
+  stream is served;
+* a Bind for a channel plane (a TCPStore and gloo/NCCL over plain tcp) is refused naming "plane";
+* with --insecure-bound-planes (BoundAuth.insecure_planes) the ring stream over tcp is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from tests.integration.test_bound_remote import MAX_BATCH, PLANS, SESSIONS, Drafter, Target, _buffers, _engine, _fill
+
+from coordinator.transport.bound_client import _ATTACH, HostRingClient  # noqa: E402
+from coordinator.transport.zmq_client import CurveConfig  # noqa: E402
+from drafter.service.bound_sessions import BoundAuth  # noqa: E402
+from drafter.service.core import ServiceCore  # noqa: E402
+from drafter.service.metrics import Metrics  # noqa: E402
+from drafter.service.zmq_server import ZmqServer  # noqa: E402
+from drafter.wire import bound as wb  # noqa: E402
+from drafter.wire.errors import Code, DrafterError  # noqa: E402
+from tests.support.certs import curve_certificates  # noqa: E402
+
+NOTHING_S = 1.0  # how long a client the data socket must not serve waits for a reply
+
+
+class CurveDrafter(Drafter):
+    """Drafter with CURVE on its ZMQ (the allow list holds keys["client"] only) and the given BoundAuth."""
+
+    def __init__(self, engine, keys: dict, clients_dir: str, auth: BoundAuth | None = None,
+                 ipc_path: str | None = None):
+        super().__init__(engine, ipc_path=ipc_path)
+        self.keys, self.clients_dir, self.auth = keys, clients_dir, auth
+
+    async def _main(self):
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        core = ServiceCore(metrics=Metrics(), max_sessions=SESSIONS, batch_window_s=0.0, max_message_bytes=1 << 24)
+        core.set_engine(self.engine)
+        self.core = core
+        self.server = ZmqServer(core, host="127.0.0.1", port=0, max_message_bytes=1 << 24, ipc_path=self.ipc_path,
+                                curve_server_cert=self.keys["server"][1], curve_clients_dir=self.clients_dir)
+        if self.auth is not None:
+            self.server.bound_auth = self.auth
+        self.port = self.server.start()
+        self._ready.set()
+        await self._stop.wait()
+        await self.server.close()
+        await core.close()
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("curve")
+    keys = curve_certificates(d)
+    clients = d / "clients"
+    clients.mkdir()
+    shutil.copy(keys["client"][0], clients)  # only "client" is allowed; "intruder" has a key, not on the list
+    return keys, str(clients)
+
+
+class CurveTarget(Target):
+    """A Target whose HostRingClient speaks CURVE with the allowed client's keys."""
+
+    def __init__(self, root, drafter: CurveDrafter, seed: int, transport: str = "tcp", plane: str = wb.HOST_RING):
+        self.root, self.method = root, "eagle3"
+        curve = CurveConfig(server_public=drafter.keys["server"][0], client_secret=drafter.keys["client"][1])
+        self.client = HostRingClient(drafter.endpoint if transport == "tcp" else drafter.server.ipc_endpoint,
+                                     self._layout(drafter), _buffers(drafter.engine), max_batch=MAX_BATCH,
+                                     transport=transport, plane=plane, timeout_s=60, curve=curve)
+        self.reset(seed)
+
+
+def _step_message(client: HostRingClient) -> list[bytes]:
+    """A step for the client's binding (its bind id) that the drafter answers at once, before the
+    engine runs: batch 0 (refused naming "batch_size", after the bind id was accepted)."""
+    head = wb.StepHeader(step=1, num_tokens=1, batch=0, nbytes=client.ring.step_bytes(1),
+                         bind_id=client.link.resp.bind_id)
+    return [wb.encode(head), bytes(client.ring.bytes[:head.nbytes])]
+
+
+def _answer(endpoint: str, message: list[bytes], curve: CurveConfig | None, wait_s: float) -> wb.StepDone | None:
+    """What a DEALER connecting to endpoint (with curve, or plaintext) gets back for message within
+    wait_s: the StepDone, or None."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(sock)
+        sock.connect(endpoint)
+        sock.send_multipart(message)  # queued until a connection is up (never, where the handshake fails)
+        if not sock.poll(int(wait_s * 1000)):
+            return None
+        return wb.DONE_DECODER.decode(sock.recv_multipart()[0])
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_data_socket_serves_only_the_allowed_curve_key(tiny_root, keys):
+    """The stream refused over tcp, the client drafts on the CURVE data socket what in-process drafts;
+    a plaintext or unlisted-key client with the right bind id gets no reply; the allowed key does."""
+    keys, clients = keys
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
+        t = CurveTarget(tiny_root, drafter, seed=1)
+        try:
+            t.step(PLANS[0])
+            link = t.client.link
+            assert link.resp.stream == "" and link.conn is None and not t.client.stream, \
+                "the ring stream over tcp was refused: the steps go on the data socket"
+            t.step(PLANS[1])
+            message, endpoint = _step_message(t.client), link.resp.endpoint
+            allowed = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
+            t0 = time.monotonic()
+            done = _answer(endpoint, message, allowed, wait_s=30)
+            took = time.monotonic() - t0
+            assert done is not None and (done.code, done.field) == (Code.INVALID_ARGUMENT, "batch_size"), done
+            wait = max(NOTHING_S, 10 * took)  # far longer than the allowed key's answer took
+            assert _answer(endpoint, message, None, wait) is None, "a plaintext client was answered on the data socket"
+            intruder = CurveConfig(server_public=keys["server"][0], client_secret=keys["intruder"][1])
+            assert _answer(endpoint, message, intruder, wait) is None, "a key not on the allow list was answered"
+        finally:
+            t.close()
+
+
+def test_a_bind_for_the_tcp_ring_stream_or_a_channel_is_refused_by_name(tiny_root, keys):
+    keys, clients = keys
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
+        t = CurveTarget(tiny_root, drafter, seed=1)
+        c = t.client
+        try:
+            deadline = time.monotonic() + 60
+            c.session = c._call("Attach", c.layout, _ATTACH, deadline)
+            req = wb.BindRequest(session_id=c.session.session_id, epoch=c.session.epoch, transport="tcp",
+                                 plane=wb.HOST_RING, buffers=c.ring.buffers, max_batch=MAX_BATCH, stream=True)
+            with pytest.raises(DrafterError) as err:
+                c._call(wb.BIND_METHOD, req, wb.BIND_RESPONSE_DECODER, deadline)
+            assert (err.value.code, err.value.field) == (Code.FAILED_PRECONDITION, "stream"), err.value
+            assert "--insecure-bound-planes" in err.value.message
+            for plane in wb.CHANNELS:
+                with pytest.raises(DrafterError) as err:
+                    c._call(wb.BIND_METHOD, msgspec.structs.replace(req, plane=plane, stream=False),
+                            wb.BIND_RESPONSE_DECODER, deadline)
+                assert (err.value.code, err.value.field) == (Code.FAILED_PRECONDITION, "plane"), (plane, err.value)
+            assert not drafter.server._bound_plane.sessions, "nothing was bound"
+        finally:
+            t.close()
+
+
+def test_the_ring_stream_on_a_same_host_name_is_served_under_curve(tiny_root, keys, tmp_path):
+    keys, clients = keys
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients, ipc_path=str(tmp_path / "zmq.sock")) as drafter:
+        t = CurveTarget(tiny_root, drafter, seed=2, transport="ipc")
+        try:
+            t.step(PLANS[0])
+            link = t.client.link
+            assert link.resp.stream and not link.resp.stream.startswith("tcp://") and link.conn is not None, \
+                link.stream_reason
+            link.sock.close(linger=0)  # only the stream can carry the next step
+            t.step(PLANS[1])
+        finally:
+            t.close()
+
+
+def test_insecure_bound_planes_serves_the_tcp_ring_stream(tiny_root, keys):
+    keys, clients = keys
+    auth = BoundAuth(required=True, insecure_planes=True)
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients, auth=auth) as drafter:
+        t = CurveTarget(tiny_root, drafter, seed=3)
+        try:
+            t.step(PLANS[0])
+            link = t.client.link
+            assert link.resp.stream.startswith("tcp://") and link.conn is not None, link.stream_reason
+            link.sock.close(linger=0)
+            t.step(PLANS[1])
+        finally:
+            t.close()
+
+
+
+# ---------------------------------------------------------------- `drafter serve`: the flag, end to end
+def _bind_refusal(endpoint: str, curve: CurveConfig | None, plane: str = wb.HOST_RING) -> DrafterError:
+    """Attach, then Bind with the ring stream over tcp on a `drafter serve` (its Info's sizes): the
+    refusal (a CPU `drafter serve` has no graphs, so a Bind past the auth checks is refused "engine")."""
+    from coordinator.transport import ZmqDrafterClient
+    from tests.support.servers import layout_for
+
+    with ZmqDrafterClient(endpoint, curve=curve, timeout_s=30) as c:
+        info = c.info()
+    lim = info.limits
+    buffers = [wb.BufferSpec("target_token_ids", "int64", [8]), wb.BufferSpec("target_positions", "int64", [8]),
+               wb.BufferSpec(wb.HIDDEN, "float32", [8, lim.hidden_width]),
+               wb.BufferSpec("next_token_ids", "int64", [2]), wb.BufferSpec("query_start_loc", "int32", [3]),
+               wb.BufferSpec("seq_lens", "int32", [2])]
+    for g in range(len(lim.kv_groups)):
+        buffers += [wb.BufferSpec(f"block_tables[{g}]", "int32", [2, 4]),
+                    wb.BufferSpec(f"slot_mappings[{g}]", "int64", [8])]
+    client = HostRingClient(endpoint, layout_for(info, 8, max_num_seqs=2, max_num_batched_tokens=8), buffers,
+                            max_batch=2, timeout_s=30, curve=curve)
+    try:
+        deadline = time.monotonic() + 30
+        s = client._call("Attach", client.layout, _ATTACH, deadline)
+        req = wb.BindRequest(session_id=s.session_id, epoch=s.epoch, transport="tcp", plane=plane, buffers=buffers,
+                             max_batch=2, stream=plane == wb.HOST_RING)
+        with pytest.raises(DrafterError) as err:
+            client._call(wb.BIND_METHOD, req, wb.BIND_RESPONSE_DECODER, deadline)
+        return err.value
+    finally:
+        client.close()
+
+
+def test_serve_refuses_the_tcp_stream_under_mtls_and_serves_it_with_the_flag(tiny_root, keys, tmp_path,
+                                                                             one_torch_thread):
+    """mTLS alone (ZMQ opted out with --insecure-zmq) still requires the bound planes' auth: the stream
+    over tcp and the channels are refused by name; with CURVE and --insecure-bound-planes a Bind for the
+    stream passes the auth checks (refused only for this CPU server's engine), and the flag is logged."""
+    from tests.integration.conftest import SERVER_SETTINGS
+    from tests.support.certs import CA
+    from tests.support.engines import tiny_dirs
+    from tests.support.servers import DrafterServer
+
+    keys, clients = keys
+    _, model = tiny_dirs(tiny_root, "eagle3")
+    ca = CA(tmp_path, "drafter-ca")
+    cert, key = ca.issue("drafter", server=True)
+    mtls = dict(tls_cert=cert, tls_key=key, tls_client_ca=ca.cert_path, insecure_zmq="true")
+    with DrafterServer(model, "eagle3", log_path=tmp_path / "a.log", kv_blocks=64, block_sizes=16, **mtls,
+                       **SERVER_SETTINGS) as server:
+        err = _bind_refusal(server.zmq_endpoint, None)
+        assert (err.code, err.field) == (Code.FAILED_PRECONDITION, "stream"), err
+        err = _bind_refusal(server.zmq_endpoint, None, plane=wb.GLOO_CHANNEL)
+        assert (err.code, err.field) == (Code.FAILED_PRECONDITION, "plane"), err
+    log = tmp_path / "b.log"
+    with DrafterServer(model, "eagle3", log_path=log, kv_blocks=64, block_sizes=16, transports="zmq",
+                       curve_server_cert=keys["server"][1], curve_clients_dir=clients, insecure_bound_planes="true",
+                       **SERVER_SETTINGS) as server:
+        curve = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
+        assert _bind_refusal(server.zmq_endpoint, curve).field == "engine"
+    warnings = [json.loads(ln) for ln in log.read_text().splitlines() if "insecure_transport" in ln]
+    assert [w["transport"] for w in warnings] == ["bound_planes"] and warnings[0]["level"] == "warning"
