@@ -23,6 +23,10 @@
     "lane", the connections closed; a header that does not decode or whose nbytes is not the
     body's is answered so with its body drained into the ring, and the stream goes on.
 
+The stream is not authenticated beyond its hello's bind id: while the server requires auth, a Bind
+for it over tcp is refused before it is built (BoundPlane.check_authenticated, field "stream", unless
+--insecure-bound-planes); over ipc it is a same-host abstract name and is served.
+
 Every host-ring step of these sessions, on the stream or the data socket, is stamped with the
 drafter's perf_counter_ns (StepDone.stamps: wb.STAMPS then wb.RING_STAMPS) for the bench's breakdown.
 """

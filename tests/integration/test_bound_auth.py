@@ -23,7 +23,8 @@ import msgspec
 import pytest
 import zmq
 
-from tests.integration.test_bound_remote import MAX_BATCH, PLANS, SESSIONS, Drafter, Target, _buffers, _engine, _fill
+from tests.integration.test_bound_remote import (MAX_BATCH, PLANS, SESSIONS, Drafter, ProposerTarget, Target,
+                                                 _buffers, _engine)
 
 from coordinator.transport.bound_client import _ATTACH, HostRingClient  # noqa: E402
 from coordinator.transport.zmq_client import CurveConfig  # noqa: E402
@@ -190,6 +191,33 @@ def test_insecure_bound_planes_serves_the_tcp_ring_stream(tiny_root, keys):
         finally:
             t.close()
 
+
+
+def test_the_remote_proposer_binds_over_curve_and_drafts_what_in_process_drafts(tiny_root, keys, monkeypatch):
+    """BoundTransport under a ZMQ client with CURVE keys: its control and data sockets speak CURVE with
+    them, the tcp ring stream is refused and it binds again without; both steps go bound."""
+    from coordinator import clients as coordinator_clients
+    from coordinator.transport import ZmqDrafterClient
+
+    keys, clients = keys
+    curve = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
+
+    class CurveZmqClient(ZmqDrafterClient):  # what ServiceTransport would build with a CURVE setting
+        def __init__(self, endpoint, **kw):
+            super().__init__(endpoint, curve=curve, **kw)
+
+    monkeypatch.setattr(coordinator_clients, "ZmqDrafterClient", CurveZmqClient)
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
+        p = ProposerTarget(tiny_root, "eagle3", drafter, seed=4, transport="tcp")
+        try:
+            assert p.proposer.start(), "attached"
+            assert p.step(PLANS[0]) is not None and p.step(PLANS[1]) is not None
+            t = p.transport
+            assert t.steps == {"bound": 2, "unbound": 0}, t.steps
+            assert t.link.resp.stream == "" and t.link.conn is None, "the tcp ring stream was refused"
+            assert t.link.resp.endpoint.startswith("tcp://")
+        finally:
+            p.close()
 
 
 # ---------------------------------------------------------------- `drafter serve`: the flag, end to end
