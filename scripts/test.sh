@@ -3,16 +3,21 @@
 #   vLLM lane (background): build the vLLM 0.32 CPU venv (.venv-vllm, inside the clone), record proposer
 #            calls from a real vLLM engine on tiny checkpoints (.vllm-recordings), then run the tests
 #            marked `vllm` (they need that venv or those recordings).  Its output is printed when it ends.
-#   main lane (foreground): every other test, at once.
-# Why side by side: pip's venv build keeps one core busy and the main lane averages about one core of
-# CI's two, so the two lanes together take about the main lane's time instead of the sum of both.
+#   main lane (foreground): every other test, on two pytest-xdist workers (XDIST below).
+# Why side by side: one pytest process alone keeps a core only ~3/4 busy (many tests wait on the servers
+# and ranks they start), so the vLLM lane and two workers together fill CI's two cores.
+# XDIST: a whole file to a worker (module fixtures start once, the docs' commands run in order in one
+# directory), the slowest files first (tests/conftest.py's SLOW_FILES, not xdist's reordering by size);
+# a -n of your own after it wins (-n 0: one process).
 # Set DRAFTER_VLLM_RECORDINGS=DIR to reuse a recorded suite: no vLLM stage, one pytest run of every test.
 # A -m/--markexpr of your own also gets one run of everything after the vLLM stage (no lanes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTEST=(python3 -m pytest -q -p no:cacheprovider)
+# (-p no:benchmark: a pytest-benchmark on the machine, which no test uses, would warn that xdist turns it off)
+XDIST=(-n 2 --dist loadfile --no-loadscope-reorder -p no:benchmark)
 if [ -n "${DRAFTER_VLLM_RECORDINGS:-}" ]; then
-  exec "${PYTEST[@]}" tests "$@"
+  exec "${PYTEST[@]}" "${XDIST[@]}" tests "$@"
 fi
 RECORDINGS="$PWD/.vllm-recordings"
 
@@ -34,7 +39,7 @@ done
 if [ "$own_marker" = 1 ]; then
   vllm_stage
   export DRAFTER_VLLM_RECORDINGS="$RECORDINGS"
-  exec "${PYTEST[@]}" tests "$@"
+  exec "${PYTEST[@]}" "${XDIST[@]}" tests "$@"
 fi
 
 mkdir -p "$RECORDINGS"
@@ -60,7 +65,7 @@ lane=$!
 trap 'kill -- -$lane 2>/dev/null || kill $lane 2>/dev/null; exit 130' INT TERM HUP
 
 main_rc=0
-"${PYTEST[@]}" -m "not vllm" tests "$@" | tee "$main_out" || main_rc=${PIPESTATUS[0]}
+"${PYTEST[@]}" "${XDIST[@]}" -m "not vllm" tests "$@" | tee "$main_out" || main_rc=${PIPESTATUS[0]}
 
 # the vLLM lane usually ends first; while it has not, a line every 20 s says it is still going
 bash -c 'while sleep 20 > /dev/null 2>&1; do echo "  ... waiting for the vLLM lane: $(( $(date +%s) - $1 ))s"; done' ticker "$t0" &
