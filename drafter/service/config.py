@@ -123,10 +123,10 @@ class ServerConfig:
                                              "reach the gRPC port may call; logged as a warning at start)")
     insecure_zmq: bool = _opt(_bool, False, "serve ZMQ without CURVE although gRPC requires mTLS (anyone who can "
                                             "reach the ZMQ port may call; logged as a warning at start)")
-    insecure_bound_planes: bool = _opt(_bool, False, "with auth configured, still serve the bound planes that cannot be "
-                                                      "authenticated: the ring stream over tcp and the gloo/nccl "
-                                                      "channels (anyone who can reach their ports and has a bind id "
-                                                      "may send steps; logged as a warning at start)")
+    insecure_bound_planes: bool = _opt(_bool, False, "with auth configured, still serve the bound planes that "
+                                                      "cannot be authenticated: the ring stream over tcp and the "
+                                                      "gloo/nccl channels (anyone who can reach their ports and has "
+                                                      "a bind id may send steps; logged as a warning at start)")
     # ---- logs
     log_format: str = _opt(str, "json", "json | text", choices=("json", "text"))
     log_level: str = _opt(str, "info", "debug | info | warning | error")
