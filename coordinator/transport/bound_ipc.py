@@ -493,7 +493,8 @@ class CudaIpcBoundClient:
     def __init__(self, endpoint: str, layout: schema.AttachRequest, buffers: list[wb.BufferSpec], *,
                  max_batch: int, device="cuda", transport: str = "tcp", timeout_s: float = 5.0,
                  allow_fallback: bool = True, force_ring: bool = False, slabs=None, host_wait: bool | None = None,
-                 channel: bool = False, doorbell: bool = True, spin_us: int = 0, armed: bool = True):
+                 channel: bool = False, doorbell: bool = True, spin_us: int = 0, armed: bool = True,
+                 curve=None):
         """slabs: drafter.wire.cuda_slab's TorchSlabs (default) or LocalSlabs (one process, the tests);
         force_ring: bind the host ring even where CUDA IPC would do (to compare the planes);
         channel: bind the nccl_channel plane instead of cuda_ipc (the drafter on another GPU of this
@@ -510,7 +511,9 @@ class CudaIpcBoundClient:
         armed: cuda_ipc steps started from this GPU (BindRequest.armed, drafter.wire.bound.ARM_WORDS:
         the drafter queues each next step ahead behind a GPU wait for the go word this side copies
         after its inputs), where the drafter grants it (the default; False: the drafter's host starts
-        each step at its header)."""
+        each step at its header);
+        curve: a coordinator.transport.zmq_client.CurveConfig for a drafter whose ZMQ has CURVE: every
+        socket of this client (control, data) takes its keys."""
         self.endpoint, self.layout, self.buffers = endpoint, layout, list(buffers)
         self.max_batch, self.transport, self.timeout_s = max_batch, transport, timeout_s
         self.allow_fallback, self.force_ring, self.host_wait = allow_fallback, force_ring, host_wait
@@ -526,6 +529,8 @@ class CudaIpcBoundClient:
                       for s in self.slots}
         self.groups = len(layout.kv_groups)
         self.ctx = zmq.Context()
+        if curve is not None:
+            curve.apply_to_context(self.ctx)
         self.control = self._socket(endpoint, data=False)
         self.link: DeviceLink | None = None  # the cuda_ipc (IpcLink) or nccl_channel (ChannelLink) data path
         self.session: schema.AttachResponse | None = None

@@ -280,3 +280,31 @@ def test_serve_refuses_the_tcp_stream_under_mtls_and_serves_it_with_the_flag(tin
         assert _bind_refusal(server.zmq_endpoint, curve).field == "engine"
     warnings = [json.loads(ln) for ln in log.read_text().splitlines() if "insecure_transport" in ln]
     assert [w["transport"] for w in warnings] == ["bound_planes"] and warnings[0]["level"] == "warning"
+
+
+def test_an_armed_cuda_ipc_binding_drafts_over_curve(tiny_root, keys, monkeypatch):
+    """CudaIpcBoundClient(curve=...): its control and data sockets CURVE clients with the allowed key;
+    the cuda_ipc plane (LocalSlabs on CPU; same-host by construction) binds armed and drafts what an
+    in-process engine drafts."""
+    from tests.integration.test_bound_ipc import IpcTarget
+
+    from coordinator.transport.bound_ipc import CudaIpcBoundClient
+    from drafter.service import bound_ipc
+    from drafter.wire.cuda_slab import LocalSlabs
+
+    monkeypatch.setattr(bound_ipc, "BACKEND", LocalSlabs())
+    keys, clients = keys
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
+        t = IpcTarget(tiny_root, "eagle3", drafter, seed=4)
+        plain = t.client
+        curve = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
+        t.client = CudaIpcBoundClient(drafter.endpoint, plain.layout, plain.buffers, max_batch=plain.max_batch,
+                                      device="cpu", timeout_s=60, allow_fallback=False, slabs=LocalSlabs(),
+                                      curve=curve)
+        plain.close()
+        try:
+            for plan in (PLANS[0], PLANS[0], PLANS[0]):
+                t.step(plan)
+            assert t.client.plane == wb.CUDA_IPC and t.client.link.armed
+        finally:
+            t.client.close()
