@@ -6,31 +6,50 @@ answer can never be taken for a later step's); ZMQ keeps them on one DEALER sock
 are dropped by call id).  The RemoteProposer throws a transport away after a failure and
 connects afresh after the breaker's backoff, which sidesteps gRPC's own reconnect backoff
 (up to minutes) after a drafter restart.
+
+Auth: `curve` (a ZMQ endpoint's CURVE keys) and `tls` (a gRPC endpoint's TLS / mTLS files) go to
+the client made here; each belongs to one scheme, and one given for the other scheme is refused
+rather than ignored (a plaintext connection to a drafter that requires auth would fail closed on
+every step).  A bound session (coordinator.transport.bound_transport) takes the ZMQ client's
+CURVE keys for its own sockets.
 """
 
 from __future__ import annotations
 
 from coordinator.routing import Endpoint
 from coordinator.session import PROTOCOL_VERSION, SessionInfo, SessionSpec
-from coordinator.transport.grpc_client import GrpcDrafterClient
-from coordinator.transport.zmq_client import ZmqDrafterClient
+from coordinator.transport.grpc_client import GrpcDrafterClient, TlsConfig
+from coordinator.transport.zmq_client import CurveConfig, ZmqDrafterClient
 from drafter.wire import schema
 from drafter.wire.records import DraftOutput, ProposeRequest
 
 
+def _check_auth_scheme(scheme: str, curve: CurveConfig | None, tls: TlsConfig | None) -> None:
+    """Each auth setting belongs to one scheme: refused by name when given for the other."""
+    if scheme not in ("grpc", "zmq"):
+        raise ValueError(f"ServiceTransport speaks grpc or zmq, not {scheme}")
+    if scheme == "zmq" and tls is not None:
+        raise ValueError("tls is the grpc transport's setting; a zmq endpoint authenticates with curve")
+    if scheme == "grpc" and curve is not None:
+        raise ValueError("curve is the zmq transport's setting; a grpc endpoint authenticates with tls")
+
+
 class ServiceTransport:
-    def __init__(self, endpoint: Endpoint, *, timeout_s: float = 1.0, stream: bool = True, share_cuda: bool = False):
+    def __init__(self, endpoint: Endpoint, *, timeout_s: float = 1.0, stream: bool = True, share_cuda: bool = False,
+                 curve: CurveConfig | None = None, tls: TlsConfig | None = None):
         """share_cuda: CUDA hidden states go as CUDA IPC references to a drafter on this host that
         accepts them (coordinator.transport.cuda_share), e.g.
-        RemoteProposer(..., connect=functools.partial(ServiceTransport, share_cuda=True))."""
+        RemoteProposer(..., connect=functools.partial(ServiceTransport, share_cuda=True)).
+        curve: the CURVE keys for a zmq endpoint; tls: the TLS files for a grpc endpoint (ValueError
+        naming the argument when given for the other scheme)."""
         self.name = endpoint.scheme
         self.endpoint = endpoint
+        _check_auth_scheme(endpoint.scheme, curve, tls)
         if endpoint.scheme == "grpc":
-            self.client = GrpcDrafterClient(endpoint.address, timeout_s=timeout_s, share_cuda=share_cuda)
-        elif endpoint.scheme == "zmq":
-            self.client = ZmqDrafterClient(f"tcp://{endpoint.address}", timeout_s=timeout_s, share_cuda=share_cuda)
+            self.client = GrpcDrafterClient(endpoint.address, timeout_s=timeout_s, tls=tls, share_cuda=share_cuda)
         else:
-            raise ValueError(f"ServiceTransport speaks grpc or zmq, not {endpoint.scheme}")
+            self.client = ZmqDrafterClient(f"tcp://{endpoint.address}", timeout_s=timeout_s, curve=curve,
+                                           share_cuda=share_cuda)
         self.use_stream = stream and endpoint.scheme == "grpc"
         self._stream = None
 

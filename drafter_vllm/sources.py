@@ -130,10 +130,12 @@ def _connector(settings: PluginSettings, facts: TargetFacts):
 
         return connect_inprocess
 
+    curve, tls = settings.curve_config(), settings.tls_config()  # None unless set (validated in settings)
+
     def connect(ep):
         from coordinator.clients import ServiceTransport
 
-        return ServiceTransport(ep, timeout_s=settings.deadline_s)
+        return ServiceTransport(ep, timeout_s=settings.deadline_s, curve=curve, tls=tls)
 
     return connect
 
