@@ -193,22 +193,16 @@ def test_insecure_bound_planes_serves_the_tcp_ring_stream(tiny_root, keys):
 
 
 
-def test_the_remote_proposer_binds_over_curve_and_drafts_what_in_process_drafts(tiny_root, keys, monkeypatch):
-    """BoundTransport under a ZMQ client with CURVE keys: its control and data sockets speak CURVE with
-    them, the tcp ring stream is refused and it binds again without; both steps go bound."""
-    from coordinator import clients as coordinator_clients
-    from coordinator.transport import ZmqDrafterClient
+def test_the_remote_proposer_binds_over_curve_and_drafts_what_in_process_drafts(tiny_root, keys):
+    """BoundTransport under ServiceTransport(curve=...): its control and data sockets speak CURVE with
+    the ZMQ client's keys, the tcp ring stream is refused and it binds again without; both steps go bound."""
+    from coordinator.clients import ServiceTransport
 
     keys, clients = keys
     curve = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
-
-    class CurveZmqClient(ZmqDrafterClient):  # what ServiceTransport would build with a CURVE setting
-        def __init__(self, endpoint, **kw):
-            super().__init__(endpoint, curve=curve, **kw)
-
-    monkeypatch.setattr(coordinator_clients, "ZmqDrafterClient", CurveZmqClient)
     with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
         p = ProposerTarget(tiny_root, "eagle3", drafter, seed=4, transport="tcp")
+        p.proposer.connect = lambda ep: ServiceTransport(ep, timeout_s=20.0, curve=curve)
         try:
             assert p.proposer.start(), "attached"
             assert p.step(PLANS[0]) is not None and p.step(PLANS[1]) is not None
