@@ -18,9 +18,9 @@ Environment (the names the k8s target-wiring overlay sets):
     DRAFTER_TLS_SERVER_NAME      grpc: the name the drafter's certificate carries, where the address differs
     A setting of the other transport's scheme (or of inprocess) is refused, naming it.
 vLLM's speculative_config rejects unknown keys, so a per-engine setting goes into
-`additional_config={"drafter": {"endpoints": ..., "transport": ..., "deadline_ms": ...}}` (the auth
-settings under their lower-case names without DRAFTER_, e.g. "tls_root_ca")
-(`--additional-config` on the CLI), which wins over the environment key by key.
+`additional_config={"drafter": {"endpoints": ..., "transport": ..., "deadline_ms": ...}}`
+(`--additional-config` on the CLI), which wins over the environment key by key; the auth settings'
+keys are their names in lower case without DRAFTER_, e.g. "tls_root_ca".
 Remote drafting is on when an endpoint is given, or the transport is inprocess.
 """
 
