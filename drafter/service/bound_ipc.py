@@ -26,6 +26,11 @@
     target's WAKE (rung before it fills its buffers) has the thread poll for the header awake up
     to WAKE_SPIN_S; a Bind's spin_us has it poll that long after each reply.
 
+An armed binding (BindRequest.armed, wb.ARM_WORDS) starts each step from the target's GPU instead: the
+steps run on the binding's own stream, each behind a GPU wait for a go word the target copies after its
+inputs, and after each reply the doorbell thread queues the next step ahead (IpcBoundSession's "armed
+steps" section; whoever else takes the engine's lock drains it first, drafter.service.engine_lock).
+
 The target reads the drafts and the error word together after its stream waited on the event,
 and turns a set word into INVALID_ARGUMENT naming the first bad field (coordinator.transport.
 bound_ipc).  Whatever the slab holds, every KV write of the step stays inside the session's own
