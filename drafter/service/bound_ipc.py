@@ -516,9 +516,10 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         key = (head.num_tokens, head.batch, head.batch_padded, head.tokens_padded)
         started = time.perf_counter_ns()
         self._run_ready()
-        ahead, self._ahead = self._ahead, None
+        hit = self._ahead == (head.step, key)
+        self._ahead = None
         self.armed_steps += 1
-        if ahead != (head.step, key):
+        if not hit:
             try:
                 graph = self.bound.armed_graph(*key)
             except InvalidInput as exc:
@@ -530,9 +531,8 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
                 if not self._wait_queued(DRAIN_S):  # what is queued writes the header's sizes from the GPU
                     raise DrafterError(Code.DEADLINE_EXCEEDED, "", "the steps queued before this one did not run")
                 self._enqueue(head.step, lambda: (self._replay(head), self._record(head.step)))
-        else:
-            self.armed_hits += 1
-        self.core.metrics.armed_steps.labels("true" if ahead == (head.step, key) else "false").inc()
+        self.armed_hits += hit
+        self.core.metrics.armed_steps.labels("true" if hit else "false").inc()
         self._last_key = key
         queued = time.perf_counter_ns()
         self._fine = (started, started, queued)

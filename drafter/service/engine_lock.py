@@ -42,9 +42,6 @@ class EngineLock:
     def release(self) -> None:
         self._lock.release()
 
-    def locked(self) -> bool:
-        return self._lock.locked()
-
     def __enter__(self) -> "EngineLock":
         self.acquire()
         return self
