@@ -660,19 +660,27 @@ def _d_span(d: dict, end: str, start: str) -> int | None:
     return d[end] - d[start] if end in d and start in d else None
 
 
+def _records(path: str) -> list[dict]:
+    """The JSON lines of the drafter's stage marks file (none where it is missing; a line still being
+    written is skipped)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def server_marks(path: str, first: int, last: int) -> dict[int, dict[str, int]]:
     """The drafter's stage marks (drafter.tools.bench.predraft record_stages) of calls first..last,
     by request id: {stage: perf_counter_ns}, each stage's first mark."""
     out: dict[int, dict[str, int]] = {}
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        return out
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:  # the line being written
-            continue
+    for rec in _records(path):
         if "request_id" not in rec:  # a bound step's pre-draft (bound_marks)
             continue
         if first <= rec["request_id"] <= last:  # a call may have several lines (the loop's own marks apart)
@@ -687,15 +695,7 @@ def bound_marks(path: str, start_ns: int, end_ns: int) -> dict[int, dict]:
     in [start_ns, end_ns] (one binding runs at a time here), by the binding's step: {stage: ns,
     "gpu_us": the pre-draft's GPU microseconds or None}."""
     out: dict[int, dict] = {}
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        return out
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
+    for rec in _records(path):
         if "bound_step" not in rec or not rec["marks"] or not start_ns <= rec["marks"][0][1] <= end_ns:
             continue
         marks = {name: ns for name, ns in rec["marks"]}

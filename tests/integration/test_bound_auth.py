@@ -14,7 +14,6 @@ and a client allow list generated in tmp_path) serves HostRingClients.  With CUR
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 import time
@@ -29,8 +28,6 @@ from tests.integration.test_bound_remote import (MAX_BATCH, PLANS, SESSIONS, Dra
 from coordinator.transport.bound_client import _ATTACH, HostRingClient  # noqa: E402
 from coordinator.transport.zmq_client import CurveConfig  # noqa: E402
 from drafter.service.bound_sessions import BoundAuth  # noqa: E402
-from drafter.service.core import ServiceCore  # noqa: E402
-from drafter.service.metrics import Metrics  # noqa: E402
 from drafter.service.zmq_server import ZmqServer  # noqa: E402
 from drafter.wire import bound as wb  # noqa: E402
 from drafter.wire.errors import Code, DrafterError  # noqa: E402
@@ -47,21 +44,12 @@ class CurveDrafter(Drafter):
         super().__init__(engine, ipc_path=ipc_path)
         self.keys, self.clients_dir, self.auth = keys, clients_dir, auth
 
-    async def _main(self):
-        self.loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        core = ServiceCore(metrics=Metrics(), max_sessions=SESSIONS, batch_window_s=0.0, max_message_bytes=1 << 24)
-        core.set_engine(self.engine)
-        self.core = core
-        self.server = ZmqServer(core, host="127.0.0.1", port=0, max_message_bytes=1 << 24, ipc_path=self.ipc_path,
-                                curve_server_cert=self.keys["server"][1], curve_clients_dir=self.clients_dir)
+    def _server(self, core) -> ZmqServer:
+        server = ZmqServer(core, host="127.0.0.1", port=0, max_message_bytes=1 << 24, ipc_path=self.ipc_path,
+                           curve_server_cert=self.keys["server"][1], curve_clients_dir=self.clients_dir)
         if self.auth is not None:
-            self.server.bound_auth = self.auth
-        self.port = self.server.start()
-        self._ready.set()
-        await self._stop.wait()
-        await self.server.close()
-        await core.close()
+            server.bound_auth = self.auth
+        return server
 
 
 @pytest.fixture(scope="module")

@@ -86,13 +86,16 @@ class Drafter:
         core = ServiceCore(metrics=Metrics(), max_sessions=SESSIONS, batch_window_s=0.0, max_message_bytes=1 << 24)
         core.set_engine(self.engine)
         self.core = core
-        self.server = ZmqServer(core, host="127.0.0.1", port=self.port, max_message_bytes=1 << 24,
-                                ipc_path=self.ipc_path)
+        self.server = self._server(core)
         self.port = self.server.start()
         self._ready.set()
         await self._stop.wait()
         await self.server.close()
         await core.close()
+
+    def _server(self, core) -> ZmqServer:
+        """The ZMQ server the drafter serves (a subclass may add auth)."""
+        return ZmqServer(core, host="127.0.0.1", port=self.port, max_message_bytes=1 << 24, ipc_path=self.ipc_path)
 
     def __enter__(self):
         self._thread.start()
