@@ -31,8 +31,9 @@ session binds again.  The data sockets use a context of their own, so the server
 terminate while one is still closing.
 
 Auth (docs/security.md): where the server's ZMQ has CURVE, every data socket is a CURVE server with
-the same key pair, and the plane's context runs its own ZAP handler over the same client allow
-list, so only an allowed client key completes the handshake.  Where any auth is configured (CURVE
+the same key pair under a ZAP domain of its own, and the plane's context runs its own ZAP handler
+that completes a data socket's handshake only for the CURVE key that made its Bind (the binder;
+the session's owner), so no other client, allowed on the control socket or not, can send it steps.  Where any auth is configured (CURVE
 or mTLS), a Bind for a plane that cannot be authenticated is refused with FAILED_PRECONDITION
 naming its field: the ring stream over tcp ("stream") and the channel planes, whose TCPStore and
 gloo/NCCL connections are plain tcp ("plane"), unless the server runs with --insecure-bound-planes.
@@ -96,22 +97,38 @@ class BoundPlane:
         self.auth = auth_of(server)
         self.ctx = zmq.Context()
         self.curve: tuple[bytes, bytes] | None = None  # the server's CURVE (public, secret) key, when it has CURVE
-        self._zap = None  # the ZAP handler of this plane's context (CURVE's client allow list)
+        self._zap = None  # the ZAP handler of this plane's context: each data socket admits its binder only
+        self._binders = _Binders()
         if server.curve_server_cert:
-            self._start_curve(server.curve_server_cert, server.curve_clients_dir)
+            self._start_curve(server.curve_server_cert)
         self.sessions: dict[str, "BoundSession"] = {}  # session id -> its binding
 
-    def _start_curve(self, cert: str, clients_dir: str | None) -> None:
+    def _start_curve(self, cert: str) -> None:
         """The server's key pair for every data socket, and a ZAP handler on this plane's own context
-        over the same allow list as the control socket's (ZAP is per context: without it CURVE would
-        accept any client key)."""
+        (ZAP is per context: without one CURVE would accept any client key) that asks _Binders."""
         from zmq.auth.thread import ThreadAuthenticator
 
         public, secret = zmq.auth.load_certificate(cert)
         self.curve = (public, secret)
         self._zap = ThreadAuthenticator(self.ctx, log=logging.getLogger("drafter.service.bound.zap"))
         self._zap.start()
-        self._zap.configure_curve(domain="*", location=clients_dir or zmq.auth.CURVE_ALLOW_ANY)
+
+    def secure(self, sock: zmq.Socket, binder: str) -> str:
+        """Make sock (before it binds) a CURVE server whose handshake completes only for binder
+        ("curve:<z85 key>", the peer that made the Bind; "" admits nobody): a ZAP domain of its own,
+        answered by _Binders.  The domain, for release() when the socket closes."""
+        domain = self._binders.add(binder.removeprefix("curve:") if binder.startswith("curve:") else "")
+        sock.curve_publickey, sock.curve_secretkey = self.curve
+        sock.zap_domain = domain.encode()
+        sock.curve_server = True
+        self._zap.configure_curve_callback(domain=domain, credentials_provider=self._binders)
+        return domain
+
+    def release(self, domain: str) -> None:
+        """Forget a closed data socket's domain (its binder no longer completes a handshake)."""
+        self._binders.remove(domain)
+        if self._zap is not None:
+            self._zap.credentials_providers.pop(domain, None)
 
     @classmethod
     def of(cls, server) -> "BoundPlane":
@@ -159,6 +176,7 @@ class BoundPlane:
 
             cls = ring_session_class(core.engine)
         b = await loop.run_in_executor(core.executor, cls, self, s, req, slots, total)
+        b.binder = caller.peer if caller is not None else ""
         b.open(self.ctx, self._endpoint(req.transport, b.bind_id))
         self.sessions[s.id] = b
         log.info("session bound", extra={"event": "bind", "session": s.id, "ring_bytes": total,
@@ -204,6 +222,29 @@ class BoundPlane:
         return f"tcp://{'[' + host + ']' if ':' in host else host}:*"
 
 
+class _Binders:
+    """The ZAP answer of the bound data sockets (pyzmq's credentials provider, called on the ZAP
+    thread): a handshake on a data socket's domain completes only for the key that bound it."""
+
+    def __init__(self):
+        self._keys: dict[str, str] = {}  # ZAP domain -> the binder's z85 public key ("" admits nobody)
+        self._count = 0
+
+    def add(self, key: str) -> str:
+        self._count += 1
+        domain = f"drafter-bound-{self._count}"
+        self._keys[domain] = key
+        return domain
+
+    def remove(self, domain: str) -> None:
+        self._keys.pop(domain, None)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """key: the client's z85 public key, as pyzmq passes it."""
+        want = self._keys.get(domain, "")
+        return bool(want) and secrets.compare_digest(want.encode(), key)
+
+
 def check_layout(req: wb.BindRequest, s, desc) -> tuple[list[wb.Slot], int]:
     """The buffers' structure, once: known names, one per field, wire dtypes the engine reads,
     shapes that fit the session; InvalidInput-style refusals naming the buffer."""
@@ -245,6 +286,9 @@ def _check_buffer(b: wb.BufferSpec, s, desc) -> None:
 
 class BoundSession:
     """One session's ring, its engine binding and its data socket (built on the engine thread)."""
+
+    binder = ""  # the authenticated peer that made the Bind (set before open); under CURVE the only key served
+    zap_domain = ""  # under CURVE: the data socket's ZAP domain (BoundPlane.secure)
 
     def __init__(self, plane: BoundPlane, s, req: wb.BindRequest, slots: list[wb.Slot], total: int):
         self._own(plane, s, slots)
@@ -292,9 +336,8 @@ class BoundSession:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.ring.numel() + 4096)
-        if self.plane.curve is not None:  # the server's key pair; the plane's ZAP handler checks the client's key
-            sock.curve_publickey, sock.curve_secretkey = self.plane.curve
-            sock.curve_server = True
+        if self.plane.curve is not None:  # the server's key pair; the handshake completes for the binder only
+            self.zap_domain = self.plane.secure(sock, self.binder)
         if endpoint.startswith("ipc://"):
             from drafter.wire.ipc import bind_ipc
 
@@ -350,6 +393,8 @@ class BoundSession:
             close_group(self.channel)
             self.channel = self.store = None
             sock.close(linger=0)
+            if self.zap_domain:
+                self.plane.release(self.zap_domain)
             if self.endpoint.startswith("ipc://"):
                 from drafter.wire.ipc import unlink_ipc
 

@@ -9,7 +9,9 @@ and a client allow list generated in tmp_path) serves HostRingClients.  With CUR
   binds again without it and drafts on the data socket; over ipc (a same-host abstract UNIX name) the
   stream is served;
 * a Bind for a channel plane (a TCPStore and gloo/NCCL over plain tcp) is refused naming "plane";
-* with --insecure-bound-planes (BoundAuth.insecure_planes) the ring stream over tcp is served.
+* with --insecure-bound-planes (BoundAuth.insecure_planes) the ring stream over tcp is served;
+* a binding's data socket completes the handshake only for the key that made the Bind: another
+  client whose key is on the allow list, holding the endpoint and bind id, gets no reply and runs nothing.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import time
 
 import msgspec
 import pytest
+import torch
 import zmq
 
-from tests.integration.test_bound_remote import (MAX_BATCH, PLANS, SESSIONS, Drafter, ProposerTarget, Target,
-                                                 _buffers, _engine)
+from tests.integration.test_bound_remote import (MAX_BATCH, PADDING, PLANS, SESSIONS, Drafter, ProposerTarget,
+                                                 Target, _buffers, _engine)
 
 from coordinator.transport.bound_client import _ATTACH, HostRingClient  # noqa: E402
 from coordinator.transport.zmq_client import CurveConfig  # noqa: E402
@@ -290,3 +293,61 @@ def test_an_armed_cuda_ipc_binding_drafts_over_curve(tiny_root, keys, monkeypatc
             assert t.client.plane == wb.CUDA_IPC and t.client.link.armed
         finally:
             t.client.close()
+
+
+# ---------------------------------------------------------------- a binding belongs to the key that bound it
+@pytest.fixture(scope="module")
+def two_clients(tmp_path_factory):
+    """Keys and an allow list holding two clients' keys: "client" (A) and "intruder" (B, allowed here)."""
+    d = tmp_path_factory.mktemp("curve2")
+    keys = curve_certificates(d)
+    clients = d / "clients"
+    clients.mkdir()
+    for name in ("client", "intruder"):
+        shutil.copy(keys[name][0], clients)
+    return keys, str(clients)
+
+
+def _corrupting_step(client: HostRingClient, num_tokens: int, batch: int) -> list[bytes]:
+    """A step for the client's binding that, if run, writes KV from other hidden states into the rows of
+    the client's last step (its ring's token ids, positions and slots; noise for the hidden states)."""
+    from coordinator.transport.bound_client import BoundRing
+
+    ring = BoundRing(client.ring.buffers)
+    ring.slab.copy_(client.ring.slab)
+    ring.views[wb.HIDDEN].normal_(generator=torch.Generator().manual_seed(7))
+    head = wb.StepHeader(step=99, num_tokens=num_tokens, batch=batch, nbytes=ring.step_bytes(num_tokens),
+                         bind_id=client.link.resp.bind_id, **PADDING)
+    return [wb.encode(head), bytes(ring.bytes[:head.nbytes])]
+
+
+def test_another_allowed_key_cannot_drive_a_binding(tiny_root, two_clients):
+    """Client B, whose key is on the allow list (the control socket answers it), holding A's binding's
+    endpoint and bind id: its steps on A's data socket get no answer at all and run nothing (A's session
+    counts no call, A's next step drafts what in-process drafts); A's own key is answered there."""
+    from coordinator.transport import ZmqDrafterClient
+
+    keys, clients = two_clients
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
+        a = CurveTarget(tiny_root, drafter, seed=2)
+        try:
+            a.step(PLANS[0])
+            endpoint, message = a.client.link.resp.endpoint, _step_message(a.client)
+            b = CurveConfig(server_public=keys["server"][0], client_secret=keys["intruder"][1])
+            with ZmqDrafterClient(drafter.endpoint, curve=b, timeout_s=30) as control:
+                assert control.info().method, "B's key is allowed on the control socket"
+            mine = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
+            t0 = time.monotonic()
+            done = _answer(endpoint, message, mine, wait_s=30)
+            took = time.monotonic() - t0
+            assert done is not None and (done.code, done.field) == (Code.INVALID_ARGUMENT, "batch_size"), done
+            session = drafter.core.sessions.get(a.client.session.session_id)
+            calls = session.calls
+            wait = max(NOTHING_S, 10 * took)
+            assert _answer(endpoint, message, b, wait) is None, "another allowed key was answered on A's data socket"
+            n = sum(q for _, q, _ in PLANS[0])
+            assert _answer(endpoint, _corrupting_step(a.client, n, len(PLANS[0])), b, wait) is None
+            assert session.calls == calls, "a step of B's ran on A's binding"
+            a.step(PLANS[1])  # A's KV as A wrote it: drafts what in-process drafts
+        finally:
+            a.close()
