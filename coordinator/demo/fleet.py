@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from coordinator.client_auth import ClientAuth
 from coordinator.remote_proposer import ProposerConfig, RemoteProposer
 from coordinator.routing import DnsEndpoints, Endpoint, Router, StaticEndpoints, session_key
 from coordinator.target.engine import CallRecord, EngineStats, StepRecord, TargetConfig, TargetEngine
@@ -51,6 +52,7 @@ class FleetConfig:
     dns: tuple[str, int, str] | None = None  # (name, port, scheme): a headless Service instead of a list
     head_dir: str | None = None  # what an "inprocess" endpoint loads
     proposer: ProposerConfig = ProposerConfig()
+    auth: ClientAuth = ClientAuth()  # the drafters' auth: CURVE keys for zmq endpoints, TLS files for grpc ones
     threads: int = 1  # torch threads per rank: tiny matmuls, and several ranks share few cores
     timeout_s: float = 300.0
     gate_steps: tuple[int, ...] = ()  # steps before which every rank waits for the harness (tests)
@@ -105,8 +107,10 @@ class FleetResult:
 
 
 # --------------------------------------------------------------------------- worker side
-def make_connect(head_dir: str | None, target: TargetConfig) -> Callable[[Endpoint], object]:
-    """Endpoint -> transport.  'inprocess' endpoints get an engine in this process."""
+def make_connect(head_dir: str | None, target: TargetConfig,
+                 auth: ClientAuth = ClientAuth()) -> Callable[[Endpoint], object]:
+    """Endpoint -> transport.  'inprocess' endpoints get an engine in this process; zmq and grpc
+    ones a ServiceTransport with auth's setting for that scheme."""
     cache = {}
 
     def connect(ep: Endpoint):
@@ -121,7 +125,7 @@ def make_connect(head_dir: str | None, target: TargetConfig) -> Callable[[Endpoi
         if ep.scheme in ("grpc", "zmq"):
             from coordinator.clients import ServiceTransport
 
-            return ServiceTransport(ep)
+            return ServiceTransport(ep, **auth.for_scheme(ep.scheme))
         raise FleetError(f"no transport for {ep}")
 
     return connect
@@ -158,7 +162,7 @@ def _worker(rank: int, cfg: FleetConfig, requests_by_dp, out_dir: str, init: str
         if tp_rank == 0 and t.num_speculative_tokens:
             key = session_key(cfg.name, dp_rank)
             proposer = RemoteProposer(engine.session_spec(client=key), router=Router(_endpoint_source(cfg)), key=key,
-                                      connect=make_connect(cfg.head_dir, t), config=cfg.proposer)
+                                      connect=make_connect(cfg.head_dir, t, cfg.auth), config=cfg.proposer)
             proposer.start()
             engine.proposer = proposer
         for spec in requests_by_dp[dp_rank]:

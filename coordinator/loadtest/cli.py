@@ -29,6 +29,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from coordinator import client_auth
 from coordinator.loadtest.clients import TRANSPORTS
 from coordinator.loadtest.schedule import ARRIVALS, ClosedLoop, OpenLoop
 from coordinator.loadtest.workload import Dist, SessionShape, WorkloadConfig, blocks_per_slot
@@ -89,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--server-arg=--batch-window-us=200 (on a CPU it runs --torch-threads 1 unless given)")
     g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the spawned "
                                                                       "drafter's ready line [600]")
+
+    g = p.add_argument_group("client auth (a drafter serving with CURVE or mTLS; docs/security.md)")
+    client_auth.add_arguments(g)
 
     g = p.add_argument_group("simulated target")
     g.add_argument("--dp", type=int, default=1, help="sessions = DP ranks of the target, each attached once [1]")
@@ -209,6 +213,7 @@ def _check(ns) -> str | None:
                "--predraft-batch >= 1"
     try:
         _workload(ns)
+        ns.auth = client_auth.ClientAuth.from_args(ns, {"zmq" if t == "zmq" else "grpc" for t in ns.transport})
     except ValueError as exc:
         return str(exc)
     return None
@@ -345,7 +350,7 @@ class _Session:
         wl = _workload(ns)
         runner = Runner(RunConfig(transport=transport, endpoint=endpoint, schedule=sched, workload=wl, dp=ns.dp,
                                   tp=ns.tp, duration_s=ns.duration, warmup_s=ns.warmup,
-                                  max_requests=ns.max_requests, timeout_s=ns.timeout, seed=ns.seed))
+                                  max_requests=ns.max_requests, timeout_s=ns.timeout, seed=ns.seed, auth=ns.auth))
         with progress_bar(name, ns.duration, ns.quiet) as bar:
             result = runner.run(bar)
         wl_used = replace(wl, max_num_seqs=result.layout.max_num_seqs,
@@ -478,7 +483,7 @@ def _predraft(ns, out: Path, server, profile: str) -> int:
     verify_ms = ns.verify_ms if ns.verify_ms is not None else (200.0 if profile == "cpu" else 10.0)
     runs = predraft.run(zmq_endpoint(_endpoint(ns, "zmq", server)), out, dp=ns.dp, batch=ns.predraft_batch, verify_ms=verify_ms,
                         acceptance=ns.acceptance, duration_s=ns.duration, warmup_s=ns.warmup, seed=ns.seed,
-                        timeout_s=max(ns.timeout, 10.0))
+                        timeout_s=max(ns.timeout, 10.0), curve=ns.auth.curve)
     _say(f"report in {out / 'predraft.json'}")
     return 1 if any(r["errors"] for r in runs) else 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
+from coordinator.client_auth import ClientAuth
 from coordinator.transport.grpc_client import GrpcDrafterClient, GrpcProposeStream
 from coordinator.transport.zmq_client import ZmqDrafterClient
 from drafter.wire import schema
@@ -60,15 +61,16 @@ class Connection:
     """One sender's connection to the drafter: attach/info/detach on `client`, propose on `caller`
     (the client itself, or its bidi stream for "grpc")."""
 
-    def __init__(self, transport: str, endpoint: str, timeout_s: float):
+    def __init__(self, transport: str, endpoint: str, timeout_s: float, auth: ClientAuth = ClientAuth()):
+        """auth: the run's client auth (--curve-* for zmq, --tls-* for grpc)."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
         if transport == "zmq":
-            self.client = MeasuredZmqClient(zmq_endpoint(endpoint), timeout_s=timeout_s)
+            self.client = MeasuredZmqClient(zmq_endpoint(endpoint), timeout_s=timeout_s, **auth.for_scheme("zmq"))
             self.caller = self.client
         else:
-            self.client = MeasuredGrpcClient(grpc_target(endpoint), timeout_s=timeout_s)
+            self.client = MeasuredGrpcClient(grpc_target(endpoint), timeout_s=timeout_s, **auth.for_scheme("grpc"))
             self.caller = MeasuredGrpcStream(self.client) if transport == "grpc" else self.client
 
     def share_session(self, resp: schema.AttachResponse) -> None:

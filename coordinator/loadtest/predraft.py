@@ -26,7 +26,7 @@ import torch
 
 from coordinator.bench.predraft_target import Assumptions, ExactRemote, PreDraft, Rows, SimConfig
 from coordinator.predraft import PickerStats
-from coordinator.transport.zmq_client import ZmqDrafterClient
+from coordinator.transport.zmq_client import CurveConfig, ZmqDrafterClient
 from drafter.wire import schema
 from drafter.wire.tensors import DTYPES
 
@@ -48,8 +48,9 @@ class HostVerify:
             time.sleep(left)  # the simulated target's verification time, not synchronisation
 
 
-def _attach(endpoint: str, batch: int, timeout_s: float) -> tuple[ZmqDrafterClient, schema.InfoResponse]:
-    client = ZmqDrafterClient(endpoint, timeout_s=timeout_s)
+def _attach(endpoint: str, batch: int, timeout_s: float,
+            curve: CurveConfig | None = None) -> tuple[ZmqDrafterClient, schema.InfoResponse]:
+    client = ZmqDrafterClient(endpoint, timeout_s=timeout_s, curve=curve)
     info = client.info(timeout=max(timeout_s, 10.0))
     lim = info.limits
     client.attach(schema.AttachRequest(
@@ -64,9 +65,9 @@ def _attach(endpoint: str, batch: int, timeout_s: float) -> tuple[ZmqDrafterClie
 
 
 def _session(endpoint: str, predraft: bool, batch: int, verify_ms: float, acceptance: float, duration_s: float,
-             warmup_s: float, seed: int, timeout_s: float, out: dict) -> None:
+             warmup_s: float, seed: int, timeout_s: float, out: dict, curve: CurveConfig | None = None) -> None:
     """One target session's loop; fills `out` with its latencies and counts."""
-    client, info = _attach(endpoint, batch, timeout_s)
+    client, info = _attach(endpoint, batch, timeout_s, curve)
     k, lim = info.num_speculative_tokens, info.limits
     assume = Assumptions(acceptance=(acceptance,))
     cfg = SimConfig(batch, k, ctx=2 * (k + 2), max_len=lim.max_model_len, vocab=lim.vocab_size,
@@ -114,15 +115,16 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def run_mode(endpoint: str, predraft: bool, *, dp: int, batch: int, verify_ms: float, acceptance: float,
-             duration_s: float, warmup_s: float, seed: int, timeout_s: float) -> dict:
-    """dp sessions side by side for duration_s; the summary of the measured window."""
+             duration_s: float, warmup_s: float, seed: int, timeout_s: float, curve: CurveConfig | None = None) -> dict:
+    """dp sessions side by side for duration_s; the summary of the measured window (curve: the
+    client's CURVE keys, --curve-*)."""
     outs = [{} for _ in range(dp)]
     errors: list[str] = []
 
     def one(s: int) -> None:
         try:
             _session(endpoint, predraft, batch, verify_ms, acceptance, duration_s, warmup_s, seed * 7919 + s,
-                     timeout_s, outs[s])
+                     timeout_s, outs[s], curve)
         except Exception as exc:  # noqa: BLE001 - reported, the other sessions go on
             errors.append(f"session {s}: {type(exc).__name__}: {exc}")
 
@@ -163,13 +165,13 @@ def line(s: dict) -> str:
             + (f"  errors: {s['errors']}" if s["errors"] else ""))
 
 
-def run(endpoint: str, out: Path, **kw) -> list[dict]:
+def run(endpoint: str, out: Path, curve: CurveConfig | None = None, **kw) -> list[dict]:
     """Without, then with pre-drafting; prints a line per run, writes predraft.json."""
     print(f"{'run':<10} {'steps/s':>8} {'tokens/s':>9} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}   (draft latency: "
           "verification's end to drafts in hand)", flush=True)
     results = []
     for predraft in (False, True):
-        s = run_mode(endpoint, predraft, **kw)
+        s = run_mode(endpoint, predraft, curve=curve, **kw)
         print(line(s), flush=True)
         results.append(s)
     (out / "predraft.json").write_text(json.dumps({"config": {"endpoint": endpoint, **kw}, "runs": results},

@@ -29,6 +29,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+from coordinator.client_auth import ClientAuth
 from coordinator.loadtest.clients import Connection
 from coordinator.loadtest.schedule import ClosedLoop, OpenLoop
 from coordinator.loadtest.stats import OK, Samples
@@ -54,6 +55,7 @@ class RunConfig:
     timeout_s: float = 1.0  # per-call deadline
     seed: int = 0
     client_name: str = "drafter-loadtest"
+    auth: ClientAuth = ClientAuth()  # --curve-* / --tls-* (coordinator.client_auth)
 
 
 @dataclass
@@ -234,7 +236,7 @@ class Runner:
         conns: list[list[Connection]] = []
         try:
             check_reachable(cfg.transport, cfg.endpoint, max(cfg.timeout_s, 5.0))
-            first = Connection(cfg.transport, cfg.endpoint, cfg.timeout_s)
+            first = Connection(cfg.transport, cfg.endpoint, cfg.timeout_s, cfg.auth)
             conns.append([first])
             try:
                 info = first.client.info(timeout=max(cfg.timeout_s, 10.0))
@@ -249,7 +251,7 @@ class Runner:
             attached = []
             for s in range(cfg.dp):
                 if s > 0:
-                    conns.append([Connection(cfg.transport, cfg.endpoint, cfg.timeout_s)])
+                    conns.append([Connection(cfg.transport, cfg.endpoint, cfg.timeout_s, cfg.auth)])
                 layout.client_name = f"{cfg.client_name}/dp{s}"
                 try:
                     resp = conns[s][0].client.attach(layout, timeout=max(cfg.timeout_s, 10.0))
@@ -260,7 +262,7 @@ class Runner:
                                        "--max-request-len)") from None
                 attached.append(resp)
                 for _ in range(senders - 1):
-                    c = Connection(cfg.transport, cfg.endpoint, cfg.timeout_s)
+                    c = Connection(cfg.transport, cfg.endpoint, cfg.timeout_s, cfg.auth)
                     c.share_session(resp)
                     conns[s].append(c)
             workloads = [SessionWorkload(shape, wl, seed=cfg.seed * 7919 + s) for s in range(cfg.dp)]
