@@ -127,6 +127,10 @@ class ServerConfig:
                                                       "cannot be authenticated: the ring stream over tcp and the "
                                                       "gloo/nccl channels (anyone who can reach their ports and has "
                                                       "a bind id may send steps; logged as a warning at start)")
+    front_processes: bool = _opt(_bool, False, "receive in processes apart from the engine's: one child process per "
+                                               "listening transport binds the public port, decodes and refuses, and "
+                                               "forwards admitted calls to the engine process over a private ipc "
+                                               "socket (Bind, the bound sessions, is not served)")
     # ---- logs
     log_format: str = _opt(str, "json", "json | text", choices=("json", "text"))
     log_level: str = _opt(str, "info", "debug | info | warning | error")

@@ -147,6 +147,11 @@ async def _listen(cfg: ServerConfig, core: ServiceCore, metrics: Metrics, health
     opened.append(lambda: health_server.stop(0))
     ports = {"health_port": health_port, "metrics_port": metrics_port}
     grpc_server = zmq_server = None
+    if cfg.front_processes:  # the public listeners in processes of their own (drafter.service.front)
+        fronts = _start_fronts(cfg, core, health_state)
+        opened.append(fronts.close)
+        ports.update(await fronts.start())
+        return ports, health_server, None, None, fronts
     if cfg.serves_grpc:
         grpc_server, ports["grpc_port"] = _bind("grpc-port", cfg, cfg.grpc_port, lambda: build_main_server(
             DrafterGrpcService(core, drain_event), health_state, host=cfg.host, port=cfg.grpc_port,
@@ -167,7 +172,27 @@ async def _listen(cfg: ServerConfig, core: ServiceCore, metrics: Metrics, health
         opened.append(lambda: zmq_server.close(timeout=0.1))
         # the tcp socket binds first: a failure after it is the ipc socket's
         ports["zmq_port"] = _bind("zmq-port", cfg, cfg.zmq_port, lambda: _start_zmq(zmq_server, cfg))
-    return ports, health_server, grpc_server, zmq_server
+    return ports, health_server, grpc_server, zmq_server, None
+
+
+def _start_fronts(cfg: ServerConfig, core: ServiceCore, health_state: HealthState):
+    """The front processes' handle; a front that exits unasked takes the server out of service (fail closed:
+    calls UNAVAILABLE, health and liveness NOT_SERVING, a "front_failed" event and error line)."""
+    from drafter.service.front import Fronts
+
+    loop = asyncio.get_running_loop()
+
+    async def take_down(transport: str, code: int) -> None:
+        core.start_draining()
+        await health_state.set_serving(False)
+        await health_state.set_live(False)
+        event("front_failed", transport=transport, returncode=code)
+        log.error(f"the {transport} front process exited (code {code}): out of service",
+                  extra={"event": "front_failed", "transport": transport, "returncode": code})
+
+    fronts = Fronts(cfg, core, lambda transport, code: loop.create_task(take_down(transport, code)))
+    health_state.fronts = fronts
+    return fronts
 
 
 def _start_zmq(zmq_server: ZmqServer, cfg: ServerConfig) -> int:
@@ -205,13 +230,18 @@ async def serve(cfg: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     drain_event = asyncio.Event()
-    health_state = HealthState()
+    if cfg.front_processes:
+        from drafter.service.front import FanoutHealth
+
+        health_state = FanoutHealth()
+    else:
+        health_state = HealthState()
     await health_state.set_serving(False)
     await health_state.set_live(True)
     opened: list = []
     try:
-        ports, health_server, grpc_server, zmq_server = await _listen(cfg, core, metrics, health_state, drain_event,
-                                                                      opened)
+        ports, health_server, grpc_server, zmq_server, fronts = await _listen(cfg, core, metrics, health_state,
+                                                                              drain_event, opened)
     except BaseException:
         await _close_opened(opened)
         await core.close()
@@ -227,6 +257,7 @@ async def serve(cfg: ServerConfig) -> int:
                     "can reach their ports and holds a bind id, although the server requires auth",
                     extra={"event": "insecure_transport", "transport": "bound_planes"})
     log.info("listening", extra={"event": "listening", "host": cfg.host, **ports,
+                                 "front_processes": cfg.front_processes,
                                  "grpc_tls": bool(cfg.tls_cert), "grpc_mtls": bool(cfg.tls_client_ca),
                                  "zmq_curve": bool(cfg.curve_server_cert), "gil_switch_interval_us": switch_us})
 
@@ -271,7 +302,11 @@ async def serve(cfg: ServerConfig) -> int:
     await health_state.set_serving(False)
     event("draining", inflight=core.inflight)
     log.info("draining", extra={"event": "draining", "inflight": core.inflight})
+    if fronts is not None:  # they refuse new calls and pass on the replies of open ones, then exit
+        await fronts.drain(max(0.0, deadline - time.monotonic()))
     clean = await core.wait_idle(max(0.0, deadline - time.monotonic()))
+    if fronts is not None:
+        await fronts.close()
     if grpc_server is not None:
         await grpc_server.stop(max(0.0, deadline - time.monotonic()))
     if zmq_server is not None:

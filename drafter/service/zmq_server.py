@@ -186,6 +186,8 @@ class _ProposeReply:
 
 
 class ZmqServer:
+    LOCAL_INFO = True  # Info answered in the reader callback (a front process forwards it instead)
+
     def __init__(self, core: ServiceCore, *, host: str, port: int, max_message_bytes: int,
                  heartbeat_s: float = 30.0, heartbeat_timeout_s: float = 10.0,
                  curve_server_cert: str | None = None, curve_clients_dir: str | None = None,
@@ -374,17 +376,15 @@ class ZmqServer:
         try:
             if not rest:
                 raise invalid("envelope", "missing envelope frame")
+            transport, caller, rest = self._who(ep, identity, rest)
             env = decode_struct(_ENVELOPE, rest[0].buffer, "envelope")
             if over:  # the rest of it was dropped while receiving
                 raise invalid("frames", f"message refused and dropped: {over} "
                                         f"(max_message_bytes {self.max_message_bytes}, at most {MAX_FRAMES} frames)")
-            # the connection: the peer's routing id on this socket; the peer: its CURVE key, when CURVE is on
-            caller = Caller(peer=peer_identity(rest[0]) if self.curve_server_cert else "",
-                            connection=f"{ep.label}:{identity.hex()}")
             if env.method == "Propose":
-                self._propose(ep, head, env, rest[1:], probe, caller)
+                self._propose(ep, head, env, rest[1:], probe, caller, transport)
                 return
-            rec, req = self._admit_unary(env, rest[1:], caller)
+            rec, req = self._admit_unary(env, rest[1:], caller, transport)
             if rec is None:  # answered in this callback (Info)
                 self._send(ep, head + [_ENCODER.encode(schema.Envelope(call_id=env.call_id, method=env.method)),
                                        _ENCODER.encode(req)])
@@ -398,15 +398,23 @@ class ZmqServer:
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
+    def _who(self, ep: _Endpoint, identity: bytes, rest: list) -> tuple[str, Caller, list]:
+        """(transport label, caller, frames from the envelope on) of a received message; rest[0] is its
+        first frame after the delimiter.  The connection: the peer's routing id on this socket; the peer:
+        its CURVE key, when CURVE is on.  (drafter.service.front's engine side reads both from a frame.)"""
+        return "zmq", Caller(peer=peer_identity(rest[0]) if self.curve_server_cert else "",
+                             connection=f"{ep.label}:{identity.hex()}"), rest
+
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         self._end()
         if not task.cancelled() and task.exception() is not None:
             log.error("zmq handler failed", exc_info=task.exception())
 
-    def _propose(self, ep: _Endpoint, head: list, env: schema.Envelope, rest: list, probe, caller: Caller) -> None:
+    def _propose(self, ep: _Endpoint, head: list, env: schema.Envelope, rest: list, probe, caller: Caller,
+                 transport: str = "zmq") -> None:
         """Decode, check and post one Propose; replies (or raises for the caller to answer) exactly once."""
-        rec = self.core.begin("zmq", "Propose", caller)
+        rec = self.core.begin(transport, "Propose", caller)
         try:
             _check_frames(rest, self.max_message_bytes)
             body = rest[0].buffer
@@ -426,13 +434,13 @@ class ZmqServer:
         except BaseException as exc:
             raise self.core.finish(rec, exc) or exc from None
 
-    def _admit_unary(self, env: schema.Envelope, rest: list, caller: Caller):
+    def _admit_unary(self, env: schema.Envelope, rest: list, caller: Caller, transport: str = "zmq"):
         """Any method but Propose, in the reader callback: begin the call and decode and check its body
         here, so a refused message costs no task.  Returns (record, request) for a call that awaits the
         core (Attach, Detach; Bind with request None), or (None, reply) for one answered here (Info).
         Raises the refusal (the call already finished) for the caller to answer."""
         method = env.method
-        rec = self.core.begin("zmq", method if method in schema.METHODS else "unknown", caller)
+        rec = self.core.begin(transport, method if method in schema.METHODS else "unknown", caller)
         try:
             if method == "Bind":  # bound sessions (drafter.service.bound_sessions) decode their own frames
                 return rec, None
@@ -443,7 +451,7 @@ class ZmqServer:
             req = decode_struct(_DECODERS[method], body, "body") if len(body) else schema.METHODS[method][0]()
             if rest[1:]:
                 raise invalid("frames", f"{method} takes no tensor frames")
-            if method == "Info":
+            if method == "Info" and self.LOCAL_INFO:
                 out = self.core.info(req)
                 self.core.finish(rec)
                 return None, out
@@ -475,6 +483,8 @@ class ZmqServer:
             return await BoundPlane.of(self).bind(rest, caller)
         if method == "Attach":
             return await self.core.attach(req, caller)
+        if method == "Info":  # only where LOCAL_INFO is off
+            return await self.core.info_of(req, caller)
         return await self.core.detach(req, caller=caller)
 
     # ------------------------------------------------------------------ shutdown
