@@ -4,10 +4,13 @@ valid clients' p99 step, printed as one JSON line each (and, with --py-spy DIR, 
 server per attack, DIR/<attack>.txt, when py-spy is installed).  A probe, not a test:
 
     python -m tests.support.abuse_probe [--seconds 8] [--only NAME]... [--together] [--py-spy DIR]
-        [--set SETTING=VALUE]...
+        [--set SETTING=VALUE]... [--front-processes | --compare-fronts]
 
 --set passes a `drafter serve` setting to the server (e.g. gil_switch_interval_us=5000 for Python's own
-hand-off interval); every JSON line names the settings so given.
+hand-off interval); every JSON line names the settings so given.  --front-processes serves with
+`--front-processes` (the listeners in processes of their own; each line adds the fronts' CPU seconds per
+second, fronts_cpu_per_s); --compare-fronts runs everything twice, plain then with front processes, and
+ends with the two side by side.
 """
 
 from __future__ import annotations
@@ -23,15 +26,25 @@ import torch
 
 from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS
 from tests.integration import test_abuse_soak as soak
+from tests.support import attacks
 from tests.support.attacks import ATTACKS
 from tests.support.engines import tiny_dirs
 from tests.support.servers import DrafterServer
 
 
+def _fronts_cpu_s(server) -> float:
+    """The front processes' CPU seconds so far (0 without --front-processes)."""
+    pids = (server.ready.get("front_pids") or {}).values()
+    return sum(attacks.process_cpu_s(pid) for pid in pids)
+
+
 def _measure(server, tiny_root, expected, seconds: float) -> dict:
+    fronts0 = _fronts_cpu_s(server)
     lat, wall, cpu = soak._phase(server, tiny_root, expected, seconds)
     every = lat["grpc"] + lat["zmq"]
-    return {"cpu_per_s": round(cpu / wall, 3), "p99_grpc_ms": round(soak._p99(lat["grpc"]), 1),
+    fronts = {"fronts_cpu_per_s": round((_fronts_cpu_s(server) - fronts0) / wall, 3)} \
+        if server.ready.get("front_pids") else {}
+    return {"cpu_per_s": round(cpu / wall, 3), **fronts, "p99_grpc_ms": round(soak._p99(lat["grpc"]), 1),
             "p99_zmq_ms": round(soak._p99(lat["zmq"]), 1), "p99_all_ms": round(soak._p99(every), 1),
             "steps": len(every)}
 
@@ -70,8 +83,11 @@ def main(argv=None) -> int:
     p.add_argument("--py-spy", type=Path, default=None)
     p.add_argument("--set", type=_setting, action="append", default=[], metavar="SETTING=VALUE",
                    help="a drafter serve setting for the server (repeatable)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--front-processes", action="store_true", help="serve with --front-processes")
+    mode.add_argument("--compare-fronts", action="store_true",
+                      help="run plain, then with --front-processes, and print the two side by side")
     args = p.parse_args(argv)
-    settings = dict(args.set)
     spy = args.py_spy if args.py_spy is not None and shutil.which("py-spy") else None
     if spy is not None:
         spy.mkdir(parents=True, exist_ok=True)
@@ -79,17 +95,42 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp(prefix="abuse-probe-"))
     _, model = tiny_dirs(root, "eagle3")
     expected = [soak._expected(root, 11 + i) for i in range(3)]
+    modes = [False, True] if args.compare_fronts else [args.front_processes]
+    runs = [_run(args, root, model, expected, spy, {**dict(args.set), **({"front_processes": "true"} if f else {})})
+            for f in modes]
+    if len(runs) == 2:
+        _side_by_side(*runs)
+    return 0
+
+
+def _run(args, root: Path, model: Path, expected: list, spy: Path | None, settings: dict) -> list[dict]:
+    """One server with `settings`: the unloaded line, then one per attack (or group); each printed."""
+    lines = []
     with DrafterServer(model, "eagle3", log_path=root / "server.log", kv_blocks=8 * SESSION_BLOCKS,
                        block_sizes=16, batch_window_us=500, max_message_bytes=soak.MAX_MESSAGE,
                        **{**SERVER_SETTINGS, **settings}) as server:
         _measure(server, root, expected, 2.0)  # warm-up
-        print(json.dumps({"attack": "none", "settings": settings, **_measure(server, root, expected, args.seconds)}),
-              flush=True)
+        lines.append({"attack": "none", "settings": settings, **_measure(server, root, expected, args.seconds)})
+        print(json.dumps(lines[-1]), flush=True)
         names = list(args.only or ATTACKS)
         for group in ([names] if args.together else [[n] for n in names]):
-            print(json.dumps({"settings": settings, **_attacked(server, root, expected, args.seconds, group, spy)}),
-                  flush=True)
-    return 0
+            lines.append({"settings": settings, **_attacked(server, root, expected, args.seconds, group, spy)})
+            print(json.dumps(lines[-1]), flush=True)
+    return lines
+
+
+def _side_by_side(plain: list[dict], fronts: list[dict]) -> None:
+    """Per attack: the valid clients' p99 (gRPC / ZMQ, ms) and its ratio to the same mode's unloaded p99."""
+    print(f"{'attack':<24} {'plain p99 grpc/zmq ms':>22} {'x unloaded':>11}   {'fronts p99 grpc/zmq ms':>23} "
+          f"{'x unloaded':>11}")
+    base = {id(plain): plain[0], id(fronts): fronts[0]}
+    for a, b in zip(plain, fronts):
+        cells = []
+        for runs, line in ((plain, a), (fronts, b)):
+            u = base[id(runs)]
+            cells.append(f"{line['p99_grpc_ms']:>10.1f} / {line['p99_zmq_ms']:<9.1f}")
+            cells.append(f"{line['p99_grpc_ms'] / u['p99_grpc_ms']:>5.2f}/{line['p99_zmq_ms'] / u['p99_zmq_ms']:<5.2f}")
+        print(f"{a['attack']:<24} {cells[0]:>22} {cells[1]:>11}   {cells[2]:>23} {cells[3]:>11}", flush=True)
 
 
 if __name__ == "__main__":
