@@ -267,10 +267,11 @@ def test_serve_refuses_the_tcp_stream_under_mtls_and_serves_it_with_the_flag(tin
     assert [w["transport"] for w in warnings] == ["bound_planes"] and warnings[0]["level"] == "warning"
 
 
-def test_an_armed_cuda_ipc_binding_drafts_over_curve(tiny_root, keys, monkeypatch):
+def test_an_armed_cuda_ipc_binding_drafts_over_curve(tiny_root, two_clients, monkeypatch):
     """CudaIpcBoundClient(curve=...): its control and data sockets CURVE clients with the allowed key;
     the cuda_ipc plane (LocalSlabs on CPU; same-host by construction) binds armed and drafts what an
-    in-process engine drafts."""
+    in-process engine drafts.  Its data socket (headers only) admits only the binder's key: A's key is
+    answered there, B's (on the allow list too) gets nothing, and A drafts on."""
     from tests.integration.test_bound_ipc import IpcTarget
 
     from coordinator.transport.bound_ipc import CudaIpcBoundClient
@@ -278,7 +279,7 @@ def test_an_armed_cuda_ipc_binding_drafts_over_curve(tiny_root, keys, monkeypatc
     from drafter.wire.cuda_slab import LocalSlabs
 
     monkeypatch.setattr(bound_ipc, "BACKEND", LocalSlabs())
-    keys, clients = keys
+    keys, clients = two_clients
     with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
         t = IpcTarget(tiny_root, "eagle3", drafter, seed=4)
         plain = t.client
@@ -288,9 +289,17 @@ def test_an_armed_cuda_ipc_binding_drafts_over_curve(tiny_root, keys, monkeypatc
                                       curve=curve)
         plain.close()
         try:
-            for plan in (PLANS[0], PLANS[0], PLANS[0]):
-                t.step(plan)
+            t.step(PLANS[0])
             assert t.client.plane == wb.CUDA_IPC and t.client.link.armed
+            resp = t.client.link.resp
+            header = [wb.encode(wb.StepHeader(step=1, num_tokens=1, batch=0, nbytes=0, bind_id=resp.bind_id))]
+            t0 = time.monotonic()
+            assert _answer(resp.endpoint, header, curve, wait_s=30) is not None, "the binder's key was not answered"
+            wait = max(NOTHING_S, 10 * (time.monotonic() - t0))
+            b = CurveConfig(server_public=keys["server"][0], client_secret=keys["intruder"][1])
+            assert _answer(resp.endpoint, header, b, wait) is None, "another allowed key was answered"
+            for plan in (PLANS[0], PLANS[0]):
+                t.step(plan)
         finally:
             t.client.close()
 
@@ -351,3 +360,4 @@ def test_another_allowed_key_cannot_drive_a_binding(tiny_root, two_clients):
             a.step(PLANS[1])  # A's KV as A wrote it: drafts what in-process drafts
         finally:
             a.close()
+
