@@ -114,7 +114,8 @@ def call_inputs(kwargs: dict) -> ProposeInputs:
 
 
 class PreDraftingTransport(InProcessTransport):
-    """The in-process drafter whose sessions pre-draft `outcomes` outcomes per request (k' = k)."""
+    """The in-process drafter whose sessions pre-draft `outcomes` outcomes per request, each
+    `predraft_tokens` long (k'; 0 = k)."""
 
     name = "inprocess"
 
@@ -236,7 +237,9 @@ class PushedPreDrafting:
         if (not self.wait_on_hit and client is not None and hits and self.proposer.session is not None
                 and all(h is not None and h.shape[0] >= k for h in hits) and _send_nowait(client, request)):
             self.unawaited += 1
-            return torch.stack([h[:k] for h in hits]).to(request.inputs.next_token_ids.device)
+            # every row verifies its whole pre-draft: k' drafts, deeper than k where the drafter pre-drafts so
+            return merge(torch.full((len(hits), k), -1, dtype=torch.long), hits)[0].to(
+                request.inputs.next_token_ids.device)
         exact = self.proposer.request_drafts(request)
         if exact is None:
             return None
@@ -303,7 +306,8 @@ class BoundPreDrafting:
 
     def step(self, inputs: ProposeInputs, accepted_counts: torch.Tensor | None,  # [batch] int, -1: none
              batch_padded: int = 0, tokens_padded: int = 0) -> tuple[torch.Tensor, list[bool]]:
-        """([batch, k] int64 drafts on the host, per row whether it is a pre-draft)."""
+        """([batch, k] int64 drafts on the host, per row whether it is a pre-draft; [batch, k'] when
+        the step went without waiting on pre-drafts deeper than k, -1 where a row verifies none)."""
         from coordinator.transport.bound_transport import fill
 
         client = self.client
@@ -328,16 +332,17 @@ class BoundPreDrafting:
         k = client.width or max((int(h.shape[0]) for h in hits if h is not None), default=1)
         hits = [h if h is not None and h.shape[0] >= k else None for h in hits]
         got = [h is not None for h in hits]
+        width = max([k] + [int(h.shape[0]) for h in hits if h is not None])  # k' > k: hits verify all k'
         min_hits = self.min_hits or 0.0
         if (not self.wait_on_hit and client.link is self._link and self._link is not None
                 and verifies_predrafts(hits, min_hits)):
             client.step_nowait(n, b, batch_padded, tokens_padded, counts)
             stamps["sent"] = clock()
             self.unawaited += 1
-            drafts = torch.full((b, k), -1, dtype=torch.long)
+            drafts = torch.full((b, width), -1, dtype=torch.long)
             for r, h in enumerate(hits):
                 if got[r]:
-                    drafts[r] = h[:k]
+                    drafts[r, : h.shape[0]] = h
             return drafts, got
         exact = client.step(n, b, batch_padded, tokens_padded, counts, want_predrafts=True)
         if self.signal_taken:

@@ -155,25 +155,34 @@ class SimConfig:
     vocab: int
     width: int  # the hidden states' width (3 x hidden for EAGLE-3)
     seed: int = 0
+    predraft_k: int = 0  # k': drafts a row verifies when they are a (deeper) pre-draft; 0 = k
+
+    @property
+    def span(self) -> int:
+        """The most drafts a row verifies: max(k, k')."""
+        return max(self.k, self.predraft_k)
 
 
 class Rows:
     """The target's batch: per row the drafted-from position p, x_{p+1}, and the drafts it will
-    verify; builds each step's propose call from the outcome it draws."""
+    verify (k exact drafts, k' when they are a deeper pre-draft, none); builds each step's propose
+    call from the outcome it draws."""
 
     def __init__(self, cfg: SimConfig, device: torch.device, dtype: torch.dtype, assume: Assumptions):
         self.cfg, self.assume = cfg, assume
         self.gen = torch.Generator().manual_seed(cfg.seed)
         per_req = -(-cfg.max_len // BLOCK_SIZE)
         self.tables = torch.arange(cfg.batch * per_req, dtype=torch.int32).view(cfg.batch, per_req)
-        self.hidden = torch.randn(cfg.batch * (cfg.k + 1), cfg.width, generator=self.gen).to(device, dtype)
+        self.hidden = torch.randn(cfg.batch * (cfg.span + 1), cfg.width, generator=self.gen).to(device, dtype)
         self.p = torch.full((cfg.batch,), cfg.ctx - cfg.k - 2, dtype=torch.long)  # before the first call
         self.x = self._tokens(cfg.batch)
-        self.drafts = self._tokens(cfg.batch * cfg.k).view(cfg.batch, cfg.k)
+        self.drafts = torch.full((cfg.batch, cfg.span), -1, dtype=torch.long)  # [batch, max(k, k')], -1: none
+        self.drafts[:, : cfg.k] = self._tokens(cfg.batch * cfg.k).view(cfg.batch, cfg.k)
         self.pre = torch.zeros(cfg.batch, dtype=torch.bool)  # rows whose drafts are a pre-draft
-        self.ndraft = torch.full((cfg.batch,), cfg.k, dtype=torch.long)  # drafts each row verifies: k, or 0
-        self.scale = assume.predraft_scale(cfg.k)
+        self.ndraft = torch.full((cfg.batch,), cfg.k, dtype=torch.long)  # drafts each row verifies: k, k', or 0
+        self.scales = {n: assume.predraft_scale(n) for n in {cfg.k, cfg.span}}  # a pre-draft's alphas, by length
         self.tokens = 0
+        self.pre_rows, self.pre_tokens = 0, 0  # rows that verified a pre-draft, and the tokens they emitted
 
     def _tokens(self, n: int) -> torch.Tensor:
         return torch.randint(0, self.cfg.vocab, (n,), generator=self.gen)
@@ -185,10 +194,14 @@ class Rows:
         """Each row's accepted length, from the acceptance (scaled for pre-drafted rows)."""
         out = []
         for r in range(self.cfg.batch):
-            scale = self.scale if bool(self.pre[r]) else 1.0
+            n = int(self.ndraft[r])
+            pre = bool(self.pre[r]) and n > 0
+            scale = self.scales.get(n) or self.assume.predraft_scale(n) if pre else 1.0
             a = 0
-            while a < int(self.ndraft[r]) and self.uniform() < min(1.0, self.assume.alpha(a + 1) * scale):
+            while a < n and self.uniform() < min(1.0, self.assume.alpha(a + 1) * scale):
                 a += 1
+            if pre:
+                self.pre_rows, self.pre_tokens = self.pre_rows + 1, self.pre_tokens + a + 1
             out.append(a)
         return out
 
@@ -197,12 +210,12 @@ class Rows:
         """The propose keywords for outcome (accepted, next_tokens) of the drafts in self.drafts;
         accepted None: the first call (all k + 1 tokens are context).  Returns (keywords, the
         accepted counts to report or None) and moves every row on to its new drafted-from row."""
-        b, k = self.cfg.batch, self.cfg.k
+        b, k, w = self.cfg.batch, self.cfg.k, self.cfg.span
         n = self.ndraft if accepted is not None else torch.full((b,), k, dtype=torch.long)  # [b] drafts verified
         a = torch.tensor(accepted if accepted is not None else [k] * b, dtype=torch.long)
         q = n + 1  # [b] query tokens per row: x_{p+1} and the drafts it verified
-        full = self.p[:, None] + 1 + torch.arange(k + 1)[None, :]  # [b, k + 1]
-        keep = torch.arange(k + 1)[None, :] < q[:, None]  # [b, k + 1]
+        full = self.p[:, None] + 1 + torch.arange(w + 1)[None, :]  # [b, w + 1]
+        keep = torch.arange(w + 1)[None, :] < q[:, None]  # [b, w + 1]
         positions = full[keep]  # [tokens], row after row
         ids = torch.cat([self.x[:, None], self.drafts.clamp(min=0)], 1)[keep]  # [tokens]
         owner = torch.arange(b).repeat_interleave(q)  # [tokens]
@@ -217,11 +230,14 @@ class Rows:
         self.x = next_tokens.clone()
         return kw, (a if accepted is not None else None)
 
-    def set_drafts(self, drafts: torch.Tensor, pre: list[bool]) -> None:  # [batch, k] int64, -1: none
-        """The drafts each row verifies next; a row of -1 verifies none (sent without drafts)."""
-        self.drafts = drafts.to("cpu", torch.long)[:, : self.cfg.k]
+    def set_drafts(self, drafts: torch.Tensor, pre: list[bool]) -> None:  # [batch, <= max(k, k')] int64, -1: none
+        """The drafts each row verifies next: its drafts up to the first -1 (a row of -1 verifies none,
+        an exact row padded to a deeper pre-draft's width verifies k)."""
+        got = drafts.to("cpu", torch.long)[:, : self.cfg.span]
+        self.drafts = torch.full((got.shape[0], self.cfg.span), -1, dtype=torch.long)
+        self.drafts[:, : got.shape[1]] = got
         self.pre = torch.tensor(pre, dtype=torch.bool)
-        self.ndraft = torch.where(self.drafts[:, 0] < 0, 0, self.cfg.k)
+        self.ndraft = (self.drafts >= 0).long().cumprod(1).sum(1)
 
 
 # --------------------------------------------------------------------------- three ways to draft
@@ -317,11 +333,12 @@ class PreDraft(ExactRemote):
         for r, a in enumerate(accepted):
             got = index.get((firsts[r], ps[r]))
             bare = ndraft[r] == 0  # verified no drafts: only a = 0 outcomes can match
-            ok = got is not None and (bare or list(got[1]) == drafts[r])
+            n = ndraft[r]
+            ok = got is not None and (bare or (len(got[1]) >= n and list(got[1][:n]) == drafts[r][:n]))
             row = got[0] if got is not None else None
             valid = [] if not ok else [i for i in range(len(acc[row])) if acc[row][i] >= 0
                                        and (not bare or acc[row][i] == 0)]
-            if valid and rows.uniform() < rows.assume.hit(a, rows.cfg.k):
+            if valid and rows.uniform() < rows.assume.hit(a, n or rows.cfg.k):
                 same = [i for i in valid if acc[row][i] == a]
                 i = same[0] if same else valid[0]
                 stats["remapped"] += int(not same)
@@ -498,7 +515,7 @@ class PreDraftBoundEarly(PreDraftBound):
         self.pd.signal_taken = False
 
 
-def bound_client(endpoint: str, batch: int, k: int, args):
+def bound_client(endpoint: str, batch: int, k: int, args, span: int = 0):
     """A bound session of the product's client for the bench's calls (plane: cuda_ipc where the
     drafter can read the target's GPU, else the host ring)."""
     from types import SimpleNamespace
@@ -509,7 +526,8 @@ def bound_client(endpoint: str, batch: int, k: int, args):
     layout = attach_request(endpoint, batch, args)
     spec = SimpleNamespace(num_speculative_tokens=k, hidden_width=layout.hidden_size * max(1, layout.num_aux_layers),
                            dtype="bfloat16", kv_groups=layout.kv_groups, max_model_len=layout.max_model_len)
-    buffers = session_buffers(spec, SimpleNamespace(max_num_seqs=batch, max_num_batched_tokens=batch * (k + 1)),
+    # a step after hits on deeper pre-drafts carries k' + 1 tokens a row (span = max(k, k'))
+    buffers = session_buffers(spec, SimpleNamespace(max_num_seqs=batch, max_num_batched_tokens=batch * (max(k, span) + 1)),
                               0, 0, 0)
     client = CudaIpcBoundClient(endpoint, layout, buffers, max_batch=batch, device=args.target_device, timeout_s=20,
                                 transport="ipc" if endpoint.startswith("ipc://") else "tcp")
@@ -538,6 +556,7 @@ def run(rows: Rows, drafter, verify: Verify, steps: int, warmup: int) -> dict:
         if t == warmup:
             t0, tokens0, wall_start = time.perf_counter(), rows.tokens, time.time()
             stats = {"not_arrived": 0, "remapped": 0, "empty": 0}
+            rows.pre_rows, rows.pre_tokens = 0, 0
             if picker is not None:  # hit rates and late sets of the timed steps only
                 picker.stats = PickerStats()
                 drafter.unawaited = 0
@@ -565,7 +584,8 @@ def run(rows: Rows, drafter, verify: Verify, steps: int, warmup: int) -> dict:
     out = {"tokens_per_s": (rows.tokens - tokens0) / wall, "steps": steps, "wall": [wall_start, time.time()],
            "tokens_per_step": (rows.tokens - tokens0) / steps / rows.cfg.batch,
            "step_ms_p50": statistics.median(step_ms[warmup:]), "step_ms_mean": 1e3 * wall / steps, **stats,
-           "marks": marks}
+           "predrafted_rows": rows.pre_rows,
+           "tokens_per_predrafted_row": rows.pre_tokens / rows.pre_rows if rows.pre_rows else None, "marks": marks}
     if picker is not None:
         out.update(hit_rate=picker.stats.hit_rate, hits_by_a=picker.stats.hit_rate_by_a(),
                    sets=picker.stats.offered, late_sets=picker.stats.late, unawaited=drafter.unawaited)
@@ -772,31 +792,43 @@ def _model_dir(tiny: bool) -> str:
     return d
 
 
-def _server_argv(model_dir: str, k: int, args, outcomes: int) -> list[str]:
+def _server_argv(model_dir: str, k: int, args, outcomes: int, kp: int = 0) -> list[str]:
+    """The served drafter's arguments; kp > k: pre-drafts of k' = kp drafts (--predraft-k), the token
+    buffers and graphs sized for a step after hits (k' + 1 tokens a row) besides exact steps (k + 1)."""
     from drafter.tools.bench.remote import server_args
 
     b = max(args.batches)
+    span = max(k, kp)
     base = server_args(model_dir, b, k, args.max_len - 64, _kv_blocks(args, b), args.drafter_device)
+    base[base.index("--max-num-batched-tokens") + 1] = str(b * (span + 1))
+    tokens = sorted({x * (k + 1) for x in args.batches} | {x * (span + 1) for x in args.batches})
+    deeper = ["--predraft-k", str(kp)] if outcomes and kp > k else []
     return base + ["--capture-sizes", ",".join(map(str, args.batches)),
-                   "--token-capture-sizes", ",".join(str(x * (k + 1)) for x in args.batches),
-                   "--predraft-outcomes", str(outcomes), "--log-level", "info"]
+                   "--token-capture-sizes", ",".join(map(str, tokens)),
+                   "--predraft-outcomes", str(outcomes), *deeper, "--log-level", "info"]
 
 
 def _kv_blocks(args, batch: int) -> int:
     return batch * -(-args.max_len // BLOCK_SIZE) + 8
 
 
-def start_server(model_dir: str, k: int, args, run_dir: str) -> tuple[subprocess.Popen, str]:
-    sock = f"{run_dir}/k{k}.sock"
-    cmd = [sys.executable, "-m", "drafter.tools.bench.predraft", "serve", *_server_argv(model_dir, k, args, args.outcomes),
-           "--zmq-ipc", sock]
-    env = {**os.environ, "DRAFTER_STAGES_OUT": stages_path(args.out, k)}  # every call's stage marks (JSON lines)
+def start_server(model_dir: str, k: int, args, run_dir: str, kp: int = 0) -> tuple[subprocess.Popen, str]:
+    tag = _tag(k, kp)
+    sock = f"{run_dir}/{tag}.sock"
+    cmd = [sys.executable, "-m", "drafter.tools.bench.predraft", "serve",
+           *_server_argv(model_dir, k, args, args.outcomes, kp), "--zmq-ipc", sock]
+    env = {**os.environ, "DRAFTER_STAGES_OUT": stages_path(args.out, k, kp)}  # every call's stage marks (JSON lines)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env), f"ipc://{sock}"
 
 
-def stages_path(out_dir, k: int) -> str:
+def _tag(k: int, kp: int = 0) -> str:
+    """A server's name: k3, or k3p6 where it pre-drafts k' = 6 > k."""
+    return f"k{k}" + (f"p{kp}" if kp > k else "")
+
+
+def stages_path(out_dir, k: int, kp: int = 0) -> str:
     """The server's per-call stage marks (JSON lines), kept beside the results."""
-    return f"{out_dir}/predraft_stages_k{k}.jsonl"
+    return f"{out_dir}/predraft_stages_{_tag(k, kp)}.jsonl"
 
 
 def attach(endpoint: str, batch: int, args):
@@ -847,20 +879,89 @@ def drain(proc: subprocess.Popen, path: Path, label: str) -> threading.Thread:
     return t
 
 
-def prime(endpoint: str, k: int, args, target, assume: Assumptions, verify: Verify) -> None:
+def prime(endpoint: str, k: int, args, target, assume: Assumptions, verify: Verify, kp: int = 0) -> None:
     """A throwaway pre-drafting session: the server's first pre-drafts (and its graph capture)."""
     b = max(args.batches)
     rows = Rows(SimConfig(b, k, args.ctx, args.max_len, 1000 if args.tiny else 128256,
-                          3 * (128 if args.tiny else 4096), seed=1), target, torch.bfloat16, assume)
+                          3 * (128 if args.tiny else 4096), seed=1, predraft_k=kp), target, torch.bfloat16, assume)
     drafter = PreDraft(attach(endpoint, b, args))
     try:
         t0 = time.perf_counter()
         run(rows, drafter, verify, steps=6, warmup=0)
-        print(f"  server k={k} primed in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"  server {_tag(k, kp)} primed in {time.perf_counter() - t0:.1f} s", flush=True)
     except Exception:  # noqa: BLE001 - the timed runs will say what fails
         traceback.print_exc()
     finally:
         drafter.close()
+
+
+# --------------------------------------------------------------------------- what is reachable
+def reachable(v_ms: float, batch: int, d_ms: float, tau_k: float, h: float, t_hit: float) -> dict:
+    """The best pre-drafting can do in target tokens/s, given: the verify V, the in-process draft's
+    cost past it D (a waited step costs V + D, i.e. exact remote drafting as cheap as in-process),
+    the exact drafts' tokens per row and step tau_k, the per-row hit rate h and the tokens a row
+    emits when it verifies a pre-draft t_hit (E[accepted | hit] + 1), and hits costing nothing past
+    the verify.  Rows hit independently, j of b with Binomial(b, h).  Two round-trip rules:
+
+      all_hit   a step goes without waiting only when every row hits (h^b of steps); otherwise it
+                waits and verifies exact drafts in every row
+      no_wait   the best threshold t: a step with at least t hit rows goes without waiting, its
+                missed rows verifying no drafts (one token each); t = b is all_hit
+
+    and perfect: every row hits every step (b t_hit / V).  Tokens/s, and the threshold chosen."""
+    from math import comb
+
+    def at(t: int) -> float:
+        tokens = time_ms = 0.0
+        for j in range(batch + 1):
+            pj = comb(batch, j) * h ** j * (1 - h) ** (batch - j)
+            if j >= t:
+                tokens += pj * (j * t_hit + (batch - j))
+                time_ms += pj * v_ms
+            else:
+                tokens += pj * batch * tau_k
+                time_ms += pj * (v_ms + d_ms)
+        return 1e3 * tokens / time_ms
+
+    best_t = max(range(1, batch + 1), key=at)
+    return {"all_hit": at(batch), "no_wait": at(best_t), "threshold": best_t, "perfect": 1e3 * batch * t_hit / v_ms}
+
+
+def deeper_table(results: list[dict], assume: Assumptions, verify_ms, batches) -> list[str]:
+    """Pre-drafts at each depth k' (bound pushes and the others measured) against in-process at its
+    best k, with what is reachable in principle (`reachable`) from each run's own hit rate and
+    tokens per pre-drafted row, and the in-process run's draft cost at the same k."""
+    lines = ["| V ms | batch | in-process best (k) | pre-draft run (mode, k -> k') | tok/s | hit | hits by a | "
+             "tok per pre-drafted row | unawaited | pre-draft GPU ms | / in-proc same k | / in-proc best | "
+             "reachable, all rows hit | reachable, best no-wait (t) | reachable at h = 1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v in verify_ms:
+        for b in batches:
+            mine = [r for r in results if r["verify_ms"] == v and r["batch"] == b]
+            inproc = {r["k"]: r for r in mine if r["mode"] == "in_process"}
+            best = max(inproc.values(), key=lambda r: r["tokens_per_s"], default=None)
+            for r in (x for x in mine if x["mode"].startswith("predraft")):
+                same = inproc.get(r["k"])
+                kp = r.get("predraft_k", r["k"])
+                hit = r.get("hit_rate", 0.0)
+                t_hit = r.get("tokens_per_predrafted_row") or assume.predraft_factor * assume.tau(kp)
+                cells = ["-"] * 3
+                if same is not None and best is not None:
+                    got = reachable(v, b, max(0.0, same["step_ms_mean"] - v), same["tokens_per_step"], hit, t_hit)
+                    cells = [f"{got['all_hit'] / best['tokens_per_s']:.3f}",
+                             f"{got['no_wait'] / best['tokens_per_s']:.3f} ({got['threshold']})",
+                             f"{got['perfect'] / best['tokens_per_s']:.3f}"]
+                gpu = (r.get("stages") or {}).get(next((n for n, _ in STAGES if n.startswith("WG ")), ""), {})
+                by_a = "/".join(f"{x:.2f}" for _, x in sorted((r.get("hits_by_a") or {}).items()))
+                lines.append(
+                    f"| {v:g} | {b} | " + (f"{best['tokens_per_s']:.0f} ({best['k']})" if best else "-") +
+                    f" | {r['mode']}, {r['k']} -> {kp} | {r['tokens_per_s']:.0f} | {hit:.2f} | {by_a or '-'} | "
+                    f"{t_hit:.2f} | {r.get('unawaited', '-')}/{r['steps']} | "
+                    + (f"{gpu['p50_us'] / 1e3:.2f}" if gpu else "-") + " | "
+                    + (f"{r['tokens_per_s'] / same['tokens_per_s']:.3f}" if same else "-") + " | "
+                    + (f"{r['tokens_per_s'] / best['tokens_per_s']:.3f}" if best else "-") + " | "
+                    + " | ".join(cells) + " |")
+    return lines
 
 
 # --------------------------------------------------------------------------- the table
@@ -883,7 +984,7 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
                 return max(got, key=lambda r: r["tokens_per_s"]) if got else None
 
             def at(mode, k):
-                return next((r for r in mine if r["mode"] == mode and r["k"] == k), None)
+                return next((r for r in mine if r["mode"] == mode and r["k"] == k and r.get("predraft_k", k) == k), None)
             ip, ex, pb, p3, ip3 = best("in_process"), best("exact_remote"), best("predraft"), at("predraft", 3), \
                 at("in_process", 3)
             nw, eb = best("predraft_nowait"), best("exact_bound")
@@ -926,6 +1027,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-device", default="cuda:0")
     p.add_argument("--drafter-device", default="cuda:1")
     p.add_argument("--tiny", action="store_true", help="a tiny head (a smoke run on CPU)")
+    p.add_argument("--remote-ks", default="", help="the ks the served modes run at (default: --ks); in-process "
+                   "runs every --ks, so its best k stands beside pre-drafts at fewer ks")
+    p.add_argument("--predraft-ks", default="", help="pre-draft depths k' for the pre-draft modes (each k' > k a "
+                   "server of its own with --predraft-k; default: k' = k)")
     d = Assumptions()
     p.add_argument("--acceptance", default=",".join(map(str, d.acceptance)))
     p.add_argument("--hit-by-a", default=",".join(map(str, d.hit_by_a)))
@@ -933,17 +1038,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predraft-factor", type=float, default=d.predraft_factor)
     args = p.parse_args(argv)
     args.batches, args.ks, modes = _ints(args.batches), _ints(args.ks), [m for m in args.modes.split(",") if m]
+    args.remote_ks = _ints(args.remote_ks) or args.ks
+    args.predraft_ks = _ints(args.predraft_ks)
     unknown = set(modes) - {"in_process", *REMOTE}
     if unknown:
         p.error(f"--modes: unknown {sorted(unknown)}; choose from in_process, {', '.join(REMOTE)}")
     verify_ms = _floats(args.verify_ms)
     assume = Assumptions(_floats(args.acceptance), _floats(args.hit_by_a), args.hit_all, args.predraft_factor)
     runs = len(verify_ms) * (args.warmup + args.steps + 2)
-    args.max_len = args.ctx + runs * (max(args.ks) + 1) + 2 * max(args.ks) + 64
+    deepest = max(args.ks + args.predraft_ks)
+    args.max_len = args.ctx + runs * (deepest + 1) + 2 * deepest + 64
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for k in args.ks:  # this run's servers append to them
-        Path(stages_path(out, k)).unlink(missing_ok=True)
+    plan = server_plan(args.remote_ks, args.predraft_ks, modes)  # (k, k') of each server
+    for k, kp in plan:  # this run's servers append to them
+        Path(stages_path(out, k, kp)).unlink(missing_ok=True)
     target = torch.device(args.target_device)
     name = torch.cuda.get_device_name(target) if target.type == "cuda" else "cpu"
     print(f"pre-draft target bench on {name}: target {args.target_device}, drafter {args.drafter_device}, "
@@ -959,36 +1068,36 @@ def main(argv: list[str] | None = None) -> int:
     sessions = 0
     try:
         # the first server alone (a cold Triton cache compiles once), then the others side by side
-        for group in ([args.ks[0]], args.ks[1:]) if remote else ():
-            started = {k: start_server(model_dir, k, args, run_dir) for k in group}
+        for group in (plan[:1], plan[1:]) if remote else ():
+            started = {key: start_server(model_dir, *key[:1], args, run_dir, key[1]) for key in group}
             servers.update(started)
-            for k, (proc, _) in started.items():
+            for key, (proc, _) in started.items():
                 wait_ready(proc, timeout_s=300)
-                drain(proc, out / "predraft_servers.log", f"k={k}")
-                print(f"  server k={k} ready", flush=True)
+                drain(proc, out / "predraft_servers.log", _tag(*key))
+                print(f"  server {_tag(*key)} ready", flush=True)
         verifies = {v: Verify(target, v) for v in verify_ms}
         if any(m.startswith("predraft") for m in modes):
-            for k in servers:  # a server captures its pre-draft graphs at its first pre-draft: not in a timed run
-                prime(servers[k][1], k, args, target, assume, verifies[verify_ms[0]])
+            for key in servers:  # a server captures its pre-draft graphs at its first pre-draft: not in a timed run
+                prime(servers[key][1], key[0], args, target, assume, verifies[verify_ms[0]], key[1])
         for k in args.ks:
             engine = in_process_engine(model_dir, k, args) if "in_process" in modes else None
             for b in args.batches:
-                for mode in modes:
-                    # one session (one attach) per (k, batch, mode): its rows run through every V in turn
+                for mode, kp in runs_at(k, modes, plan):
+                    # one session (one attach) per (k, k', batch, mode): its rows run through every V in turn
                     rows = Rows(SimConfig(b, k, args.ctx, args.max_len, 1000 if args.tiny else 128256,
-                                          3 * (128 if args.tiny else 4096), seed=b * 100 + k), target,
+                                          3 * (128 if args.tiny else 4096), seed=b * 100 + k, predraft_k=kp), target,
                                 torch.bfloat16, assume)
                     try:
                         if mode == "in_process":
                             drafter = InProcess(engine)
                         elif mode in ("exact_bound", "predraft_bound", "predraft_bound_nowait", "predraft_bound_early"):
-                            drafter = REMOTE[mode](bound_client(servers[k][1], b, k, args))
+                            drafter = REMOTE[mode](bound_client(servers[(k, kp)][1], b, k, args, kp))
                         else:
-                            drafter = REMOTE[mode](attach(servers[k][1], b, args))
+                            drafter = REMOTE[mode](attach(servers[(k, kp)][1], b, args))
                         sessions += 1
                         drafter.steps = sessions * STEP_BASE  # call ids unique per server: its stage marks join
                     except Exception as exc:  # noqa: BLE001 - one configuration failing leaves the others
-                        print(f"  b={b} k={k} {mode}: FAILED to start: {exc!r}", flush=True)
+                        print(f"  b={b} {_tag(k, kp)} {mode}: FAILED to start: {exc!r}", flush=True)
                         continue
                     try:
                         for v in verify_ms:
@@ -997,12 +1106,13 @@ def main(argv: list[str] | None = None) -> int:
                                 drafter.unawaited = 0
                             first = drafter.steps + 1
                             r = run(rows, drafter, verifies[v], args.steps, args.warmup)
-                            r.update(mode=mode, verify_ms=v, batch=b, k=k, outcomes=args.outcomes)
-                            d = server_marks(stages_path(args.out, k), first, drafter.steps) if k in servers else {}
+                            r.update(mode=mode, verify_ms=v, batch=b, k=k, predraft_k=max(k, kp), outcomes=args.outcomes)
+                            served = (k, kp) in servers
+                            d = server_marks(stages_path(args.out, k, kp), first, drafter.steps) if served else {}
                             marks = r.pop("marks")
                             bound = None
-                            if isinstance(drafter, PreDraftBound) and marks and k in servers:
-                                bound = bound_marks(stages_path(args.out, k), marks[0]["launch"],
+                            if isinstance(drafter, PreDraftBound) and marks and served:
+                                bound = bound_marks(stages_path(args.out, k, kp), marks[0]["launch"],
                                                     marks[-1]["drafts"] + 50_000_000)
                             steps = step_values(marks, d, bound)
                             r["stages"] = summarize(steps)
@@ -1017,7 +1127,7 @@ def main(argv: list[str] | None = None) -> int:
                             write(out, args, assume, name, modes, verify_ms, results, quiet=True)
                     except Exception:  # noqa: BLE001
                         traceback.print_exc()
-                        print(f"  b={b} k={k} {mode}: FAILED (above)", flush=True)
+                        print(f"  b={b} {_tag(k, kp)} {mode}: FAILED (above)", flush=True)
                     finally:
                         try:
                             drafter.close()
@@ -1036,6 +1146,35 @@ def main(argv: list[str] | None = None) -> int:
                 proc.kill()
     write(out, args, assume, name, modes, verify_ms, results)
     return 0
+
+
+def server_plan(remote_ks: list[int], predraft_ks: list[int], modes) -> list[tuple[int, int]]:
+    """The servers to start, (k, k'), k' = k for the plain one: every remote k gets one, and where a
+    pre-draft mode runs, each k' > k of --predraft-ks one more (a server pre-drafts one depth)."""
+    if not any(m != "in_process" for m in modes):
+        return []
+    deeper = any(m.startswith("predraft") for m in modes)
+    plan = []
+    for k in remote_ks:
+        if any(not m.startswith("predraft") and m != "in_process" for m in modes) or not deeper or \
+                not predraft_ks or any(kp <= k for kp in predraft_ks):
+            plan.append((k, k))
+        plan += [(k, kp) for kp in predraft_ks if deeper and kp > k]
+    return plan
+
+
+def runs_at(k: int, modes, plan: list[tuple[int, int]]) -> list[tuple[str, int]]:
+    """(mode, k') of every session at this k: in-process always (k' = k), exact modes on the plain
+    server, pre-draft modes on each server of this k."""
+    out = []
+    for mode in modes:
+        if mode == "in_process":
+            out.append((mode, k))
+        elif mode.startswith("predraft"):
+            out += [(mode, kp) for kk, kp in plan if kk == k]
+        elif (k, k) in plan:
+            out.append((mode, k))
+    return out
 
 
 REMOTE = {"exact_remote": ExactRemote, "exact_bound": ExactBound, "predraft": PreDraft,
@@ -1062,7 +1201,9 @@ def write(out: Path, args, assume: Assumptions, name: str, modes, verify_ms, res
             f"pre-draft accept with those alphas times {scales} (pre-drafts give {assume.predraft_factor}x the exact "
             f"drafts' tokens per step); an arrived pre-draft set predicts the outcome with probability "
             f"{assume.hit_by_a} when a < k (last repeats) and {assume.hit_all} when all k are accepted; "
-            f"{args.outcomes} outcomes pre-drafted per row (k' = k); drafter: random-weight EAGLE-3 head of "
+            f"{args.outcomes} outcomes pre-drafted per row (k' = k unless the run says k -> k'; a row that verifies a "
+            f"pre-draft of k' > k drafts accepts with the same alphas per position, the last repeating, scaled so its "
+            f"tokens per step are {assume.predraft_factor}x the exact k'-chain's); drafter: random-weight EAGLE-3 head of "
             f"Llama-3.1-8B shapes ({'tiny' if args.tiny else 'bf16'}), Triton + CUDA graphs for drafts and for "
             f"pre-drafts (one replay per call, captured per batch size), on {args.drafter_device} (exact remote and "
             f"pre-draft: unbound ZMQ over ipc://, hidden states copied to the host each step; exact bound: the "
@@ -1073,12 +1214,22 @@ def write(out: Path, args, assume: Assumptions, name: str, modes, verify_ms, res
             "torch": torch.__version__, "command": " ".join(sys.argv), "assumptions": text,
             "model": asdict(assume), "modes": modes}
     (out / "predraft_target.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    deeper = deeper_table(results, assume, verify_ms, args.batches)
     body = [f"# Pre-drafting against a simulated target ({name}, {meta['date']})", "",
-            "Target tokens/s (measured):", "", *lines, "", text, "", "Every run:", "",
-            "| V ms | batch | k | mode | tok/s | tok/step/row | step p50 ms | hit | unawaited | not arrived | late sets |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "Target tokens/s (measured):", "", *lines, "", text, ""]
+    if len(deeper) > 2:
+        body += ["Pre-draft depth k' against in-process at its best k, and what is reachable in principle "
+                 "(ratios to in-process best; `reachable`: each run's own hit rate h and tokens per pre-drafted row, "
+                 "the in-process run's step past V at the same k as a waited step's cost, a hit step costing V alone; "
+                 "all rows hit: a step skips the round trip only when every row hits, ~h^b; best no-wait: the best "
+                 "threshold t of hit rows to send a step unawaited, its missed rows verifying nothing; h = 1: every "
+                 "row hits every step):", "", *deeper, ""]
+    body += ["Every run:", "",
+            "| V ms | batch | k | k' | mode | tok/s | tok/step/row | step p50 ms | hit | unawaited | not arrived | late sets |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        body.append(f"| {r['verify_ms']:g} | {r['batch']} | {r['k']} | {r['mode']} | {r['tokens_per_s']:.0f} | "
+        body.append(f"| {r['verify_ms']:g} | {r['batch']} | {r['k']} | {r.get('predraft_k', r['k'])} | {r['mode']} | "
+                    f"{r['tokens_per_s']:.0f} | "
                     f"{r['tokens_per_step']:.2f} | {r['step_ms_p50']:.2f} | {r.get('hit_rate', 0):.2f} | "
                     f"{r.get('unawaited', '-')} | {r.get('not_arrived', '-')} | {r.get('late_sets', '-')} |")
     stages = stage_lines(results)

@@ -35,6 +35,7 @@ class TargetConfig:
     method: str = "eagle3"  # the drafter's method: which hidden states the drafter consumes
     aux_layer_ids: tuple[int, ...] = ()  # the head's aux layer ids (eagle3 / extract_hidden_states)
     num_speculative_tokens: int = 3  # k; 0 = decode without speculation
+    predraft_tokens: int = 0  # k': drafts a row verifies when the drafter sent a deeper pre-draft (0 = k)
     max_model_len: int = 256
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 1024  # the drafter session's limit on one call's rows
@@ -117,6 +118,11 @@ class EngineStats:
         return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
 
 
+def _drafted(row: list[int]) -> list[int]:
+    """A row's drafts up to its first -1 (no draft: a row padded to a deeper pre-draft's width)."""
+    return row[: row.index(-1)] if -1 in row else row
+
+
 class TargetEngine:
     def __init__(self, cfg: TargetConfig, *, proposer=None, agreement: DPAgreement | None = None,
                  fanout: TPFanout | None = None, runner: ModelRunner | None = None, predraft=None):
@@ -125,6 +131,7 @@ class TargetEngine:
         # exact drafts of its row; None = off
         self.predraft = predraft
         self.k = cfg.num_speculative_tokens
+        self.verify_k = max(self.k, cfg.predraft_tokens)  # the most drafts one row verifies
         self.runner = runner or ModelRunner(RunnerConfig(
             cfg.target_dir, cfg.block_size, cfg.num_blocks,
             cfg.aux_layer_ids if cfg.method in AUX_METHODS else (), cfg.dtype))
@@ -138,7 +145,7 @@ class TargetEngine:
         self.waiting: deque[RequestSpec] = deque()
         self.running: list[Request] = []
         self.finished: dict[int, Request] = {}
-        self.stats = EngineStats(self.k)
+        self.stats = EngineStats(self.verify_k)
         self.steps: list[StepRecord] = []
         self.calls: list[CallRecord] = []
 
@@ -152,7 +159,7 @@ class TargetEngine:
 
     def _blocks_needed(self, spec: RequestSpec) -> int:
         # reserve the whole lifetime up front (no preemption), plus the drafter's lookahead slots
-        span = min(self.cfg.max_model_len, len(spec.prompt) + spec.max_new_tokens + self.k + 1)
+        span = min(self.cfg.max_model_len, len(spec.prompt) + spec.max_new_tokens + self.verify_k + 1)
         return -(-span // self.cfg.block_size)
 
     def _admit(self) -> list[Request]:
@@ -219,9 +226,10 @@ class TargetEngine:
                 plan.append((req, 0, list(req.tokens), 0))
                 continue
             start = req.num_computed
-            j = min(len(req.drafts), self.k, req.remaining - 1, self.cfg.max_model_len - 1 - start)
+            drafts = _drafted(req.drafts)
+            j = min(len(drafts), self.verify_k, req.remaining - 1, self.cfg.max_model_len - 1 - start)
             j = max(0, j)
-            plan.append((req, start, [req.tokens[-1]] + req.drafts[:j], j))
+            plan.append((req, start, [req.tokens[-1]] + drafts[:j], j))
         if not plan:
             return 0
         bs = self.cfg.block_size

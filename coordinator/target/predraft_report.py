@@ -28,6 +28,7 @@ class LoopConfig:
     pair: str
     k: int = 3
     outcomes: int = 0  # pre-drafts per request; 0 = off
+    predraft_tokens: int = 0  # k': drafts per pre-draft (0 = k); deeper, a hit's row verifies k'
     max_model_len: int = 128
     max_num_seqs: int = 4
     num_blocks: int = 64
@@ -40,10 +41,12 @@ def run_loop(cfg: LoopConfig, requests: list[RequestSpec]) -> tuple[TargetEngine
     pair = Path(cfg.pair)
     engine = TargetEngine(TargetConfig(str(pair / "target"), method="eagle3", aux_layer_ids=(1, 2, 3),
                                        num_speculative_tokens=cfg.k, max_model_len=cfg.max_model_len,
-                                       max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_blocks, record_calls=True))
+                                       max_num_seqs=cfg.max_num_seqs, num_blocks=cfg.num_blocks, record_calls=True,
+                                       predraft_tokens=cfg.predraft_tokens if cfg.outcomes else 0))
     if cfg.k:
         args = (pair / "head", pair / "target", "eagle3")
-        transport = (PreDraftingTransport(*args, outcomes=cfg.outcomes) if cfg.outcomes
+        transport = (PreDraftingTransport(*args, outcomes=cfg.outcomes, predraft_tokens=cfg.predraft_tokens)
+                     if cfg.outcomes
                      else InProcessTransport(*args))
         proposer = RemoteProposer(engine.session_spec("report"),
                                   router=Router(StaticEndpoints(["inprocess://local:0"])), key="report/dp0",

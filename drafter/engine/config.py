@@ -162,6 +162,13 @@ def _check_predraft(cfg: EngineConfig) -> None:
         raise ValueError(f"predraft_outcomes: pre-drafting supports eagle and eagle3, not {cfg.method}")
     if cfg.predraft_outcomes and cfg.speculative_token_tree is not None:
         raise ValueError("predraft_outcomes: pre-drafts are chains; a speculative_token_tree is not supported")
+    deeper = cfg.predraft_tokens > cfg.num_speculative_tokens  # a hit's next call: k' + 1 tokens a row
+    if deeper and cfg.max_num_seqs * (cfg.predraft_tokens + 1) > cfg.max_num_batched_tokens:
+        raise ValueError(f"predraft_tokens {cfg.predraft_tokens}: a call after hits carries max_num_seqs x "
+                         f"(k' + 1) = {cfg.max_num_seqs * (cfg.predraft_tokens + 1)} tokens, above "
+                         f"max_num_batched_tokens {cfg.max_num_batched_tokens}")
+    if cfg.predraft_tokens >= cfg.max_model_len:
+        raise ValueError(f"predraft_tokens {cfg.predraft_tokens}: must be below max_model_len {cfg.max_model_len}")
 
 
 def _mtp_layer_schedule(method: str, schedule: str) -> str:

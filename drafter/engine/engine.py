@@ -184,7 +184,7 @@ class DraftEngine:
         return self._propose_validated(inp, return_probs, return_logits, batch_padded, tokens_padded)
 
     def predraft(self, inp: ProposeInputs,
-                 drafts: torch.Tensor,  # [batch, k] int: the drafts the target verifies for this call
+                 drafts: torch.Tensor,  # [batch, k..max(k, k')] int: the drafts the target verifies, -1 = none
                  step: int, outcomes: int | None = None) -> "PreDrafts":
         """The next step's drafts for each request's likeliest verification outcomes
         (drafter.engine.predraft), keyed by `step`; `outcomes` of them per request (default and
@@ -199,9 +199,10 @@ class DraftEngine:
                                f"({self.config.predraft_outcomes})")
         if inp.temperatures is not None and bool((inp.temperatures > 0).any()):
             raise InvalidInput("temperatures", "pre-drafts are greedy drafts; probabilistic drafts are not supported")
-        if drafts.dim() != 2 or drafts.shape[0] != inp.batch_size or drafts.shape[1] != self.config.num_speculative_tokens:
-            raise InvalidInput("drafts", f"expected [{inp.batch_size}, {self.config.num_speculative_tokens}], "
-                               f"got {tuple(drafts.shape)}")
+        k, deepest = self.config.num_speculative_tokens, max(self.config.num_speculative_tokens, self.config.predraft_k)
+        if drafts.dim() != 2 or drafts.shape[0] != inp.batch_size or not k <= drafts.shape[1] <= deepest:
+            # after hits on deeper pre-drafts (k' > k) the target verifies k' drafts
+            raise InvalidInput("drafts", f"expected [{inp.batch_size}, {k}..{deepest}], got {tuple(drafts.shape)}")
         with self.on_device():
             return predraft(self, inp, drafts, step, outcomes)
 

@@ -49,7 +49,7 @@ class ScratchLayout:
     blocks, then each outcome's."""
 
     base: int  # first scratch block id (the configured num_blocks)
-    trunk: int  # blocks per row's trunk (positions p .. p + k)
+    trunk: int  # blocks per row's trunk (positions p .. p + max(k, k'))
     branch: int  # blocks per outcome (positions p + a + 1 .. p + a + k')
     outcomes: int
 
@@ -58,10 +58,17 @@ class ScratchLayout:
         return self.trunk + self.outcomes * self.branch
 
 
+def trunk_width(config: EngineConfig) -> int:
+    """Drafts a pre-draft's trunk runs along: max(k, k').  After a hit on a deeper pre-draft the
+    target verifies k' drafts, so the next call's pre-draft is conditioned on k' of them; after an
+    exact step on k, padded with -1 to this width (those positions rank no outcome)."""
+    return max(config.num_speculative_tokens, config.predraft_k)
+
+
 def scratch_layouts(config: EngineConfig) -> tuple[ScratchLayout, ...]:
     """Per KV group, the scratch pre-drafting needs (none when it is off)."""
     b = config.predraft_outcomes
-    return tuple(ScratchLayout(g.num_blocks, _span_blocks(g.block_size, config.num_speculative_tokens + 1) if b else 0,
+    return tuple(ScratchLayout(g.num_blocks, _span_blocks(g.block_size, trunk_width(config) + 1) if b else 0,
                                _span_blocks(g.block_size, config.predraft_k) if b else 0, b)
                  for g in config.kv_groups)
 
@@ -95,7 +102,7 @@ def predraft_queued(engine, inp: ProposeInputs,
     # where the call's tensors are (a server's: the host); the graphs stage them into their buffers
     # without a host wait, the eager path moves them to the device
     rows = _drafted_rows(inp, inp.target_hidden_states.device)
-    drafts = drafts.to(rows.positions.device, torch.long)
+    drafts = pad_drafts(drafts.to(rows.positions.device, torch.long), trunk_width(cfg))
     budget = min(outcomes or cfg.predraft_outcomes, cfg.predraft_outcomes)
     graphs = graphs_of(engine)
     out = graphs.run(rows, drafts, inp.block_tables) if graphs is not None else None
@@ -116,6 +123,18 @@ def predraft_queued(engine, inp: ProposeInputs,
             done.synchronize()
         return PreDrafts(step, *host)
     return finish
+
+
+def pad_drafts(drafts: torch.Tensor,  # [batch, j] int64, j <= width; -1 = no draft
+               width: int) -> torch.Tensor:  # [batch, width] int64
+    """The drafts verified, padded with -1 to the trunk's width (trunk_width).  A -1 is no draft:
+    the trunk runs past it on scratch keys, and no outcome accepts it (rank_outcomes)."""
+    if drafts.shape[1] > width:
+        raise ValueError(f"{drafts.shape[1]} drafts verified; pre-drafts condition on at most {width}")
+    if drafts.shape[1] == width:
+        return drafts
+    pad = drafts.new_full((drafts.shape[0], width - drafts.shape[1]), -1)
+    return torch.cat([drafts, pad], 1)
 
 
 def to_host(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], "torch.cuda.Event | None"]:
@@ -165,13 +184,15 @@ def rank_outcomes(logits: torch.Tensor,  # [batch, k + 1, head vocab]: the trunk
                   drafts: torch.Tensor,  # [batch, k] int64 target ids
                   head, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The `budget` likeliest outcomes per row under the head: (a [batch, budget] int64, -1 where
-    fewer exist; b [batch, budget] int64 target ids; joint log-probability [batch, budget])."""
+    fewer exist; b [batch, budget] int64 target ids; joint log-probability [batch, budget]).  A
+    draft of -1 (pad_drafts) is none: no outcome accepts it or anything after it."""
     batch, k1, vocab = logits.shape
     logq = torch.log_softmax(logits.float(), dim=-1)
     n = min(budget + 1, vocab)  # one spare per position: the rejected draft is not a candidate
     top_lp, top_ids = logq.topk(n, dim=-1)
     top_tok = head.draft_to_target(top_ids)  # [batch, k + 1, n]
-    own = _target_to_draft(head, vocab, logits.device)[drafts]  # [batch, k] head ids, -1 = outside its vocab
+    # [batch, k] head ids, -1 = outside its vocab or no draft (a -1 pad: no outcome accepts it)
+    own = _target_to_draft(head, vocab, logits.device)[drafts.clamp(min=0)].masked_fill(drafts < 0, -1)
     lp_d = logq[:, :-1].gather(-1, own.clamp(min=0)[..., None]).squeeze(-1).masked_fill(own < 0, float("-inf"))
     prefix = torch.cat([lp_d.new_zeros(batch, 1), lp_d.cumsum(1)], 1)  # [batch, k + 1]: log P(d_1..d_a)
     rejected = torch.cat([drafts, drafts.new_full((batch, 1), -1)], 1)  # d_{a+1}, none after all k
@@ -292,7 +313,7 @@ def _trunk(engine, rows: _Rows, drafts: torch.Tensor,  # [batch, k]
     carried states g_1..g_{k+1} [batch, k + 1, H]."""
     head = engine.head
     hidden = head.combine_hidden_states(rows.hidden)
-    tokens = torch.cat([rows.next_tokens[:, None], drafts], 1)
+    tokens = torch.cat([rows.next_tokens[:, None], drafts.clamp(min=0)], 1)  # a -1 pad runs as token 0
     logits, carries = [], []
     for s in range(drafts.shape[1] + 1):
         logit_h, hidden = _step(engine, tokens[:, s], rows.positions + s, hidden, tables, s, live)
@@ -352,7 +373,7 @@ class PreDraftGraphs:
         self.positions = torch.zeros(m, dtype=torch.long, device=dev)  # [max batch]
         self.next_tokens = torch.zeros(m, dtype=torch.long, device=dev)  # [max batch]
         self.hidden = torch.zeros(m, engine.spec.hidden_input_width, dtype=cfg.torch_dtype, device=dev)  # [max batch, W]
-        self.drafts = torch.zeros(m, cfg.num_speculative_tokens, dtype=torch.long, device=dev)  # [max batch, k]
+        self.drafts = torch.zeros(m, trunk_width(cfg), dtype=torch.long, device=dev)  # [max batch, max(k, k')]
         self.live = torch.zeros(m, dtype=torch.bool, device=dev)  # [max batch]
         self.tables = [torch.zeros(m, w, dtype=torch.long, device=dev) for w in cfg.max_blocks_per_req]
         self.out = (torch.full((m, n), -1, dtype=torch.long, device=dev),  # accepted [max batch, B]

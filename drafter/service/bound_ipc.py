@@ -154,7 +154,7 @@ class _Guarded:
         self.error = self.output[max_batch * width:max_batch * width + 1]
         desc = self.core.desc
         limits = GuardLimits(vocab_size=desc.vocab_size, max_model_len=s.max_model_len,
-                             num_speculative_tokens=desc.num_speculative_tokens, num_blocks=tuple(s.num_blocks),
+                             num_speculative_tokens=desc.verify_width, num_blocks=tuple(s.num_blocks),
                              block_sizes=tuple(s.block_sizes), bases=tuple(s.bases))
         self.guard = StepGuard(self.views, limits, self.error)
         o = self.guard.out

@@ -69,6 +69,9 @@ class ServerConfig:
     predraft_outcomes: int = _opt(int, 0, "after each ZMQ call that asks, pre-draft the next step for this many "
                                           "likeliest verification outcomes per request and push them (0 = off; "
                                           "docs/predraft.md)")
+    predraft_k: int = _opt(int, 0, "drafts per pre-draft (k'; 0 = the drafter's k): deeper than k, the target "
+                                   "verifies k' drafts on a hit; max_num_seqs x (k' + 1) must fit "
+                                   "--max-num-batched-tokens (docs/predraft.md)")
     tensor_parallel_size: int = _opt(int, 1, "ranks the head is split over by attention head, MLP column and "
                                              "vocabulary row (one process and GPU each, from --device on; gloo "
                                              "on CPU); must divide the head's sizes")
@@ -277,6 +280,22 @@ class ServerConfig:
         if self.predraft_outcomes and self.tensor_parallel_size > 1:
             raise ValueError("--predraft-outcomes: pre-drafting runs on a single-process head; "
                              "use --tensor-parallel-size 1 or --predraft-outcomes 0")
+        _check_predraft_k(self)
+
+
+def _check_predraft_k(cfg) -> None:
+    """--predraft-k: 0 (= k) or 1 .. what the engine's token buffers hold after hits (k' + 1 a row)."""
+    kp = cfg.predraft_k
+    if kp < 0:
+        raise ValueError(f"--predraft-k {kp}: must be >= 1 (or 0 = the drafter's k)")
+    if kp and not cfg.predraft_outcomes:
+        raise ValueError(f"--predraft-k {kp}: pre-drafting is off; set --predraft-outcomes too")
+    if kp > cfg.num_speculative_tokens and cfg.max_num_seqs * (kp + 1) > cfg.max_num_batched_tokens:
+        raise ValueError(f"--predraft-k {kp}: a call after hits carries --max-num-seqs x (k' + 1) = "
+                         f"{cfg.max_num_seqs * (kp + 1)} tokens, above --max-num-batched-tokens "
+                         f"{cfg.max_num_batched_tokens}")
+    if kp >= cfg.max_model_len:
+        raise ValueError(f"--predraft-k {kp}: must be below --max-model-len {cfg.max_model_len}")
 
 
 def _per_group(name: str, values: tuple[int, ...], groups: int) -> tuple[int, ...]:

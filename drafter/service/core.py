@@ -47,7 +47,9 @@ def describe_engine(engine, max_message_bytes: int) -> EngineDescription:
         max_num_batched_tokens=cfg.max_num_batched_tokens, block_sizes=tuple(g.block_size for g in cfg.kv_groups),
         pool_blocks=tuple(g.num_blocks for g in cfg.kv_groups), capture_sizes=tuple(cfg.capture_sizes),
         token_capture_sizes=tuple(cfg.token_capture_sizes), max_message_bytes=max_message_bytes,
-        mtp_layer_schedule=cfg.mtp_layer_schedule)
+        mtp_layer_schedule=cfg.mtp_layer_schedule,
+        predraft_tokens=cfg.predraft_tokens if cfg.predraft_outcomes and cfg.predraft_k > cfg.num_speculative_tokens
+        else 0)
 
 
 def release_session(engine, runner: EngineRunner, s: Session) -> None:
@@ -397,4 +399,5 @@ class ServiceCore:
             limits=self._limits(), capture_sizes=list(d.capture_sizes),
             token_capture_sizes=list(d.token_capture_sizes), num_sessions=len(self.sessions),
             max_sessions=self.max_sessions, free_blocks=self.sessions.free_blocks(), version=VERSION,
-            cuda_ipc=self.cuda_ipc if asked else None, mtp_layer_schedule=d.mtp_layer_schedule)
+            cuda_ipc=self.cuda_ipc if asked else None, mtp_layer_schedule=d.mtp_layer_schedule,
+            predraft_tokens=d.predraft_tokens)

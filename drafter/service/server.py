@@ -51,7 +51,8 @@ def engine_config(cfg: ServerConfig) -> EngineConfig:
         token_capture_sizes=tuple(int(x) for x in cfg.token_capture_sizes.split(",") if x),
         padded_drafter_batch=cfg.padded_drafter_batch, device=cfg.resolved_device(), dtype=cfg.resolved_dtype(),
         use_cuda_graphs=cfg.use_cuda_graphs, attention_backend=cfg.attention_backend, skinny_gemm=cfg.skinny_gemm,
-        predraft_outcomes=cfg.predraft_outcomes, weights=cfg.weights, mtp_layer_schedule=cfg.mtp_layer_schedule,
+        predraft_outcomes=cfg.predraft_outcomes, predraft_tokens=cfg.predraft_k, weights=cfg.weights,
+        mtp_layer_schedule=cfg.mtp_layer_schedule,
         seed=cfg.seed)
 
 

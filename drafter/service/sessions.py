@@ -49,6 +49,12 @@ class EngineDescription:
     token_capture_sizes: tuple[int, ...]
     max_message_bytes: int
     mtp_layer_schedule: str = ""  # MTP methods: which layer each draft step runs (EngineConfig)
+    predraft_tokens: int = 0  # k' where pre-drafts are deeper than k (a hit's row verifies k' drafts), else 0
+
+    @property
+    def verify_width(self) -> int:
+        """The most drafts one row of a call may report verified: k, or k' after a deeper pre-draft's hit."""
+        return max(self.num_drafts, self.predraft_tokens)
 
     @property
     def num_drafts(self) -> int:  # columns of draft_token_ids
@@ -396,7 +402,7 @@ def check_call(s: Session, call: ProposeRequest, eng: EngineDescription) -> None
     if call.accepted_counts is not None:
         if call.accepted_counts.shape[0] != b:
             raise invalid("accepted_counts", f"has {call.accepted_counts.shape[0]} rows, expected batch {b}")
-        _range("accepted_counts", call.accepted_counts, -1, eng.num_drafts + 1)
+        _range("accepted_counts", call.accepted_counts, -1, eng.verify_width + 1)
     if call.batch_padded and not b <= call.batch_padded <= eng.capture_sizes[-1]:
         raise invalid("batch_padded", f"{call.batch_padded} must lie in [batch={b}, {eng.capture_sizes[-1]}]")
     if call.tokens_padded and not n <= call.tokens_padded <= eng.token_capture_sizes[-1]:

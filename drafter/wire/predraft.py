@@ -121,16 +121,19 @@ def lookup(pre: PreDrafts | None, outcome: Outcome | None) -> torch.Tensor | Non
 
 def merge(exact: torch.Tensor,  # [batch, k] int64: the drafter's exact drafts for the call
           hits: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[bool]]:
-    """The drafts the target verifies: a hit's pre-draft in its row (cut to k), the exact drafts
-    elsewhere; and which rows were hits.  Both ends compute it, from the same pre-drafts."""
-    used = exact.clone()
-    k = used.shape[1]
+    """The drafts the target verifies, [batch, max(k, k')] int64: a hit's pre-draft in its row (all
+    k' of it: deeper pre-drafts are verified whole), the exact drafts elsewhere, padded with -1 (no
+    draft) where the width exceeds k; and which rows were hits.  Both ends compute it, from the
+    same pre-drafts."""
+    k = exact.shape[1]
+    width = max([k] + [int(h.shape[0]) for h in hits if h is not None])
+    used = torch.full((exact.shape[0], width), -1, dtype=exact.dtype, device=exact.device)
+    used[:, :k] = exact
     flags = []
     for r, h in enumerate(hits):
         flags.append(h is not None)
         if h is not None:
-            n = min(k, h.shape[0])
-            used[r, :n] = h[:n].to(used.device, used.dtype)
+            used[r, : h.shape[0]] = h.to(used.device, used.dtype)
     return used, flags
 
 

@@ -201,6 +201,7 @@ class InfoResponse(_Msg):
     version: str = ""
     cuda_ipc: CudaIpcSupport | None = None
     mtp_layer_schedule: str = ""
+    predraft_tokens: U32 = 0  # k' where pushed pre-drafts are deeper than k (a hit verifies k' drafts), else 0
 
 
 # ---------------------------------------------------------------- ZMQ only

@@ -19,11 +19,12 @@ from drafter.engine.config import EngineConfig, KVGroupSpec
 from drafter.engine.engine import DraftEngine
 from drafter.service.config import ServerConfig
 from drafter.wire.errors import InvalidInput
-from drafter.wire.predraft import PreDrafts, lookup, outcomes_of_call
+from drafter.wire.predraft import PreDrafts, lookup, merge, outcomes_of_call
 from tests.support.pair import one_torch_thread, trained_pair  # noqa: F401 (fixture)
 from tests.support.predraft import replay_against_offline
 
 K = 3
+KP = 5  # k' of the deeper pre-drafts: a hit's row verifies 5 drafts where exact steps verify 3
 NUM_BLOCKS = 64
 
 
@@ -39,9 +40,10 @@ def _engine(pair, k=K, outcomes=4, **kw) -> DraftEngine:
         kv_groups=(KVGroupSpec(16, NUM_BLOCKS),), predraft_outcomes=outcomes, **kw))
 
 
-def _run(pair, requests, k=K, outcomes=0):
+def _run(pair, requests, k=K, outcomes=0, predraft_tokens=0):
     """The reference target loop over the in-process drafter; pre-drafting on when outcomes > 0."""
-    return run_loop(LoopConfig(str(pair), k=k, outcomes=outcomes, num_blocks=NUM_BLOCKS), requests)
+    return run_loop(LoopConfig(str(pair), k=k, outcomes=outcomes, num_blocks=NUM_BLOCKS,
+                               predraft_tokens=predraft_tokens), requests)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,40 @@ def test_all_accepted_predraft_continues_the_longer_chain(pair, greedy_runs):
     assert checked >= 1
 
 
+def test_deeper_predrafts_rank_the_same_outcomes_and_continue_the_longer_chain(pair, greedy_runs):
+    """k' > k: the trunk runs along the k drafts verified, padded with -1 to k' (no outcome accepts a
+    pad), so the outcomes and their ranks are those of k' = k, each branch extends k' = k's branch,
+    and the all-accepted outcome's pre-draft is the last k' drafts of a chain of k + 1 + k'."""
+    calls = _decode_call(greedy_runs)
+    same, deeper = _engine(pair), _engine(pair, predraft_tokens=KP)
+    drafts = _replay(same, calls)
+    assert torch.equal(_replay(deeper, calls), drafts)
+    inp = call_inputs(calls[-1].kwargs)
+    p3, p5 = same.predraft(inp, drafts, step=0), deeper.predraft(inp, drafts, step=0)
+    assert p5.drafts.shape[-1] == KP and p5.conditioned_on[:, K:].eq(-1).all()
+    assert torch.equal(p5.conditioned_on[:, :K], drafts)
+    assert torch.equal(p5.accepted, p3.accepted) and torch.equal(p5.next_tokens, p3.next_tokens)
+    assert torch.allclose(p5.log_probs, p3.log_probs, atol=1e-5) and int(p5.accepted.max()) <= K
+    assert torch.equal(p5.drafts[..., :K], p3.drafts), "a deeper branch extends the k-long one"
+    longer = _replay(_engine(pair, k=K + 1 + KP, outcomes=0), calls)
+    checked = 0
+    for r in range(drafts.shape[0]):
+        match = ((p5.accepted[r] == K) & (p5.next_tokens[r] == longer[r, K])).nonzero()
+        if match.numel():
+            assert p5.drafts[r, int(match[0, 0])].tolist() == longer[r, K + 1:].tolist(), f"row {r}"
+            checked += 1
+    assert checked >= 1
+    # after hits the target verifies k' drafts: the next pre-draft conditions on all of them
+    used, flags = merge(drafts, [p5.drafts[0, 0]] + [None] * (drafts.shape[0] - 1))
+    assert used.shape == (drafts.shape[0], KP) and flags[0] and not any(flags[1:])
+    assert torch.equal(used[0], p5.drafts[0, 0]) and used[1:, K:].eq(-1).all() and torch.equal(used[1:, :K], drafts[1:])
+    again = deeper.predraft(inp, used, step=1)
+    assert int(again.accepted[0].max()) <= KP and int(again.accepted[1:].max()) <= K
+    with pytest.raises(InvalidInput) as e:
+        deeper.predraft(inp, torch.zeros(drafts.shape[0], KP + 1, dtype=torch.long), 0)
+    assert e.value.field == "drafts"
+
+
 def _first_request_of(call) -> dict:
     """The propose keywords of a recorded call cut to its first request (a small call)."""
     kw = call.kwargs
@@ -161,6 +197,28 @@ def test_predraft_refusals(pair):
     ServerConfig(**serve, predraft_outcomes=2).check()
     with pytest.raises(ValueError, match="--predraft-outcomes"):
         ServerConfig(**serve, predraft_outcomes=2, tensor_parallel_size=2).check()
+    ServerConfig(**serve, predraft_outcomes=2, predraft_k=6).check()
+    for bad, why in ((dict(predraft_outcomes=2, predraft_k=-1), ">= 1"), (dict(predraft_k=6), "--predraft-outcomes"),
+                     (dict(predraft_outcomes=2, predraft_k=6, max_num_seqs=64, max_num_batched_tokens=256),
+                      "--max-num-batched-tokens 256"),
+                     (dict(predraft_outcomes=2, predraft_k=2048, max_num_seqs=1, max_num_batched_tokens=4096), "--max-model-len")):
+        with pytest.raises(ValueError, match="--predraft-k") as e:
+            ServerConfig(**serve, **bad).check()
+        assert why in str(e.value), (bad, str(e.value))
+    with pytest.raises(ValueError, match="predraft_tokens 8"):
+        EngineConfig(method="eagle3", max_num_seqs=64, max_num_batched_tokens=256, predraft_outcomes=2,
+                     predraft_tokens=8)
+
+
+def test_a_deeper_predrafting_drafter_says_so_and_takes_k_prime_accepted(pair):
+    """The drafter's description carries k' (InfoResponse.predraft_tokens, both transports), and a
+    call may report up to k' drafts accepted (a row that verified a deeper pre-draft); k' = k: 0."""
+    from drafter.service.core import describe_engine
+
+    desc = describe_engine(_engine(pair, predraft_tokens=KP), 1 << 20)
+    assert desc.predraft_tokens == KP and desc.verify_width == KP
+    plain = describe_engine(_engine(pair), 1 << 20)
+    assert plain.predraft_tokens == 0 and plain.verify_width == K
 
 
 # --------------------------------------------------------------------------- the target's pick
@@ -233,6 +291,24 @@ def test_greedy_loop_with_predrafts_is_lossless_and_uses_offline_predrafts(pair,
     # every call's drafts, replayed on a fresh engine: a row whose outcome the offline pre-drafts
     # cover verified exactly that pre-draft, every other row the exact drafts
     hits, misses = replay_against_offline(pre.calls, _engine(pair))
+    assert hits == len(s.hits) and misses > 0
+
+
+def test_greedy_loop_with_deeper_predrafts_is_lossless_and_verifies_them_whole(pair, greedy_runs):
+    """k' = 5 > k = 3: a hit's row verifies all 5 pre-drafted tokens (the target takes what it
+    receives), output is plain decoding's token for token, and every pre-draft the target used is
+    what a fresh engine with k' = 5 pre-drafts offline for that outcome."""
+    reqs, base, _, _ = greedy_runs
+    pre, out = _run(pair, reqs, outcomes=4, predraft_tokens=KP)
+    assert out == base, "greedy output differs from plain decoding"
+    s = pre.stats
+    print(f"\n[predraft k'={KP}] hit rate {pre.predraft.picker.stats.hit_rate:.2f}, acceptance length "
+          f"{s.acceptance_length:.2f}, verified per position {s.proposed}, pre-drafted accepted per position "
+          f"{[f'{a}/{n}' for a, n in zip(s.accepted_pre, s.proposed_pre)]}")
+    assert len(s.hits) > 10 and all(len(used) == KP for _, _, _, used in s.hits)
+    assert s.proposed_pre[KP - 1] > 0 and s.proposed[KP - 1] == s.proposed_pre[KP - 1], \
+        "drafts past k are verified, and only on pre-drafted rows"
+    hits, misses = replay_against_offline(pre.calls, _engine(pair, predraft_tokens=KP))
     assert hits == len(s.hits) and misses > 0
 
 

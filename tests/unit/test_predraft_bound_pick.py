@@ -91,6 +91,35 @@ def test_min_hits_sends_a_mostly_hit_step_and_its_missed_rows_verify_none():
     assert client.predraft_min_hits == 0.5, "the rule goes to the drafter in the step's header"
 
 
+def test_deeper_predrafts_go_out_whole_and_the_next_step_carries_them():
+    """k' = 5 > k = 3: every row a hit sends the step without waiting with all 5 drafts of each
+    pre-draft; the target verifies them, so the next call has k' + 1 query tokens in those rows."""
+    kp = 5
+    rows = Rows(SimConfig(B, K, ctx=20, max_len=96, vocab=100, width=4, predraft_k=kp), torch.device("cpu"),
+                torch.float32, Assumptions())
+    client = FakeClient()
+    pd = BoundPreDrafting(client)
+    kw, _ = rows.call(None, rows._tokens(B), rows.hidden)
+    pd.step(ProposeInputs(**{f: kw.get(f) for f in ProposeInputs.__dataclass_fields__}), None)
+    cond = torch.full((B, kp), -1, dtype=torch.long)
+    cond[:, :K] = 7
+    pre = PreDrafts(1, rows.tables[:, 0].long(), rows.p.clone(), cond, accepted=torch.tensor([[3, 0]] * B),
+                    next_tokens=torch.tensor([[11, 12]] * B),
+                    drafts=torch.stack([torch.arange(kp).repeat(2, 1) + 100 * (r + 1) for r in range(B)]))
+    rows.set_drafts(torch.full((B, K), 7, dtype=torch.long), [False] * B)
+    assert rows.ndraft.tolist() == [K] * B and rows.drafts[:, K:].eq(-1).all(), "exact rows verify k"
+    assert client.on_push(pre)
+    drafts, got = _next(rows, pd, [3, 0], [11, 12])
+    assert got == [True, True] and client.sent[-1] == "nowait"
+    assert drafts.tolist() == [[100, 101, 102, 103, 104], [200, 201, 202, 203, 204]]
+    rows.set_drafts(drafts, got)
+    assert rows.ndraft.tolist() == [kp] * B
+    kw, counts = rows.call([kp, 2], torch.tensor([5, 6]), rows.hidden)
+    assert kw["query_start_loc"].tolist() == [0, kp + 1, 2 * (kp + 1)]
+    assert kw["target_token_ids"][1:kp + 1].tolist() == [100, 101, 102, 103, 104]
+    assert kw["num_rejected_tokens"].tolist() == [0, kp - 2] and counts.tolist() == [kp, 2]
+
+
 def test_both_ends_rule():
     hit, miss = torch.zeros(K), None
     assert verifies_predrafts([hit, hit]) and not verifies_predrafts([hit, miss]) and not verifies_predrafts([])

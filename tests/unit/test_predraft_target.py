@@ -234,3 +234,46 @@ def test_bound_predraft_stages_join_the_drafters_marks_by_binding_step(tmp_path)
     assert not any(k.startswith(("Q", "W1", "X2")) for k in unawaited)  # no StepDone stamps, no drafter fields mark
     rows = per_step(steps)
     assert rows[0]["waited"] and rows[0]["Q2"] == 1100 and not rows[1]["waited"] and rows[1]["V2"] == 40
+
+
+def test_reachable_bound_by_round_trip_rule():
+    """coordinator.bench.predraft_target.reachable: batch 1, every step a hit or a miss; all rows
+    hitting (h^b) and the best no-wait threshold; perfect prediction caps both."""
+    from coordinator.bench.predraft_target import reachable
+
+    one = reachable(10.0, 1, 2.0, 3.0, 0.5, 4.0)
+    assert abs(one["all_hit"] - 1e3 * (0.5 * 4.0 + 0.5 * 3.0) / (0.5 * 10.0 + 0.5 * 12.0)) < 1e-9
+    assert one["no_wait"] == one["all_hit"] and one["threshold"] == 1 and one["perfect"] == 400.0
+    two = reachable(10.0, 2, 2.0, 3.0, 0.5, 4.0)
+    # all rows hit: 1/4 of steps at 8 tokens in 10 ms, else 6 tokens in 12 ms
+    assert abs(two["all_hit"] - 1e3 * (0.25 * 8 + 0.75 * 6) / (0.25 * 10 + 0.75 * 12)) < 1e-9
+    # one hit of two enough: a missed row verifies nothing (1 token)
+    at_one = 1e3 * (0.25 * 8 + 0.5 * 5 + 0.25 * 6) / (0.75 * 10 + 0.25 * 12)
+    assert abs(two["no_wait"] - max(at_one, two["all_hit"])) < 1e-9
+    assert reachable(10.0, 4, 2.0, 3.0, 1.0, 4.0)["all_hit"] == reachable(10.0, 4, 2.0, 3.0, 1.0, 4.0)["perfect"]
+
+
+def test_server_plan_and_deeper_table():
+    """--predraft-ks: a server per k' > k for the pre-draft modes (exact modes on the plain one), and
+    the depth table sets each pre-draft run beside in-process at its best k and the reachable bound."""
+    from coordinator.bench.predraft_target import deeper_table, runs_at, server_plan
+
+    modes = ["in_process", "exact_bound", "predraft_bound"]
+    plan = server_plan([3], [3, 6], modes)
+    assert plan == [(3, 3), (3, 6)] and server_plan([3], [6], ["in_process", "predraft_bound"]) == [(3, 6)]
+    assert runs_at(3, modes, plan) == [("in_process", 3), ("exact_bound", 3), ("predraft_bound", 3),
+                                       ("predraft_bound", 6)]
+    assert runs_at(6, modes, plan) == [("in_process", 6)]
+    base = dict(verify_ms=10.0, batch=1, steps=30)
+    results = [dict(base, mode="in_process", k=3, tokens_per_s=270.0, tokens_per_step=3.0, step_ms_mean=11.0),
+               dict(base, mode="in_process", k=6, tokens_per_s=340.0, tokens_per_step=4.0, step_ms_mean=11.8),
+               dict(base, mode="predraft_bound", k=3, predraft_k=6, tokens_per_s=300.0, hit_rate=0.75,
+                    hits_by_a={0: 0.5, 3: 0.9}, tokens_per_predrafted_row=3.7, unawaited=20)]
+    lines = deeper_table(results, Assumptions(), [10.0], [1])
+    assert len(lines) == 3 and "| 340 (6) | predraft_bound, 3 -> 6 | 300 | 0.75 | 0.50/0.90 | 3.70 | 20/30 |" in lines[2]
+    row = [c.strip() for c in lines[2].split("|")]
+    assert row[11] == f"{300 / 270:.3f}" and row[12] == f"{300 / 340:.3f}"
+    from coordinator.bench.predraft_target import reachable
+
+    got = reachable(10.0, 1, 1.0, 3.0, 0.75, 3.7)
+    assert row[13] == f"{got['all_hit'] / 340:.3f}" and row[15] == f"{got['perfect'] / 340:.3f}"
