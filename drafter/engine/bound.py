@@ -143,6 +143,25 @@ class BoundPropose:
         arm(record, header.device, step, key)
         replay()
 
+    def check(self, num_tokens: int, batch_size: int, batch_padded: int | None = None,
+              tokens_padded: int | None = None) -> None:
+        """The call's sizes checked as propose checks them (InvalidInput naming the field), nothing
+        run: a step served inside an engine call fused with other bindings' steps
+        (drafter.service.batching.bound_steps) is refused exactly as its own call would be."""
+        key = (num_tokens, batch_size, batch_padded, tokens_padded)
+        if key not in self._plans:
+            self._remembered_plan(key)
+
+    def rows(self, num_tokens: int, batch_size: int) -> ProposeInputs:
+        """The call held in the buffers' first num_tokens token rows and batch_size request rows
+        (views of the bound buffers, no copy)."""
+        inp, n, b = self.inputs, num_tokens, batch_size
+        return ProposeInputs(
+            inp.target_token_ids[:n], inp.target_positions[:n], inp.target_hidden_states[:n], inp.next_token_ids[:b],
+            inp.query_start_loc[:b + 1], inp.seq_lens[:b], [t[:b] for t in inp.block_tables],
+            [t[:n] for t in inp.slot_mappings], _rows(inp.token_indices_to_sample, b),
+            _rows(inp.num_rejected_tokens, b))
+
     def _plan(self, num_tokens: int, batch_size: int, batch_padded, tokens_padded) -> tuple[int, int, bool]:
         """The call's padded sizes, checked, and whether graphs cover them."""
         b_pad, t_pad = self._sizes(num_tokens, batch_size, batch_padded, tokens_padded)
@@ -173,13 +192,7 @@ class BoundPropose:
         return self.engine.padded_sizes(batch_size, num_tokens, batch_padded, tokens_padded)
 
     def _eager(self, n: int, b: int, b_pad: int, t_pad: int) -> torch.Tensor:
-        inp = self.inputs
-        rows = ProposeInputs(
-            inp.target_token_ids[:n], inp.target_positions[:n], inp.target_hidden_states[:n], inp.next_token_ids[:b],
-            inp.query_start_loc[:b + 1], inp.seq_lens[:b], [t[:b] for t in inp.block_tables],
-            [t[:n] for t in inp.slot_mappings], _rows(inp.token_indices_to_sample, b),
-            _rows(inp.num_rejected_tokens, b))
-        out = self.engine._propose_eager(rows, False, False, b_pad, t_pad)
+        out = self.engine._propose_eager(self.rows(n, b), False, False, b_pad, t_pad)
         self.drafts[:b].copy_(out.draft_token_ids)
         return self.drafts
 

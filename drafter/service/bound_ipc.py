@@ -207,8 +207,27 @@ class GuardedRingSession(_Guarded, BoundSession):
         self._host_out = torch.zeros(self.output.shape, dtype=torch.int64, pin_memory=pinned)  # [words]
         self._link_state(req)
 
-    def run_step(self, head: wb.StepHeader, nbytes: int) -> bytes:
-        return on_engine(self, self.step, head, nbytes)
+    def _on_engine(self, fn, *args):
+        return on_engine(self, fn, *args)
+
+    def fuse_part(self, head: wb.StepHeader, nbytes: int):
+        """A fused step (drafter.service.batching.bound_steps): sizes checked, the prefix to the GPU,
+        the guard run alone (every field checked and masked, the error word set); the guard's rows."""
+        self._check_sizes(head)
+        want = wb.step_bytes(self.slots, head.num_tokens)
+        if nbytes != want:
+            raise invalid("ring", f"{nbytes} bytes for {head.num_tokens} tokens; the layout needs {want}")
+        self._check_plan(head)
+        self._stage(nbytes)
+        self.guard.step(head.num_tokens, head.batch)
+        self.session.calls += 1
+        self.session.last_used = time.monotonic()
+        return self.bound.rows(head.num_tokens, head.batch)
+
+    def fused_drafts(self, rows: torch.Tensor) -> None:  # rows: [batch, width] int64 on the engine's device
+        """The drafts into the output, the output (with the error word) to the host, queued."""
+        self.drafts[:rows.shape[0]].copy_(rows)
+        self._host_out.copy_(self.output, non_blocking=True)
 
     def _stage(self, nbytes: int) -> None:
         """The ring's used prefix to the GPU slab, one copy queued (the ring stream stages it chunk
@@ -227,6 +246,10 @@ class GuardedRingSession(_Guarded, BoundSession):
         self._host_out.copy_(self.output, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # also: the ring may take the next frame
+        return self.fused_reply(head)
+
+    def fused_reply(self, head: wb.StepHeader) -> bytes:
+        """The output on the host: the drafts' bytes, or INVALID_ARGUMENT naming the guard's first field."""
         word = int(self._host_out[self.drafts.numel()])
         if word:
             raise invalid(wb.first_bad_guard_field(word, self.groups),

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from drafter.service.batching.bound_steps import BoundSteps
 from drafter.wire import bound as wb
 from drafter.wire.bound_channel import DRAFTER_RANK, GLOO, close_group, open_group
 from drafter.wire.errors import Code, DrafterError, InvalidInput, invalid
@@ -102,6 +103,7 @@ class BoundPlane:
         if server.curve_server_cert:
             self._start_curve(server.curve_server_cert)
         self.sessions: dict[str, "BoundSession"] = {}  # session id -> its binding
+        self.steps = BoundSteps(self.core)  # steps pending for the engine, fused where several are (run_step)
 
     def _start_curve(self, cert: str) -> None:
         """The server's key pair for every data socket, and a ZAP handler on this plane's own context
@@ -441,9 +443,14 @@ class BoundSession:
         return wb.StepDone(step=head.step), drafts
 
     def run_step(self, head: wb.StepHeader, nbytes: int) -> bytes:
-        """self.step on the engine thread (drafter.service.bound_ipc's sessions run it on the data
+        """self.step under the engine's lock, or, where other bindings' steps are pending when the
+        lock is taken, this step inside their fused engine call (drafter.service.batching.bound_steps)."""
+        return self.plane.steps.run(self, head, nbytes, self._on_engine)
+
+    def _on_engine(self, fn, *args):
+        """fn(*args) on the engine thread (drafter.service.bound_ipc's sessions run it on the data
         thread under the engine's lock)."""
-        return self.core.executor.submit(self.step, head, nbytes).result()
+        return self.core.executor.submit(fn, *args).result()
 
     def admit(self, head: wb.StepHeader) -> None:
         """The header's binding and report: a step for another binding is refused (it was meant for
@@ -468,6 +475,16 @@ class BoundSession:
     # ------------------------------------------------------------------ one step (engine thread)
     def step(self, head: wb.StepHeader, nbytes: int) -> bytes:
         """Check, move into the session's pool range, replay; the drafts' bytes."""
+        n, b = self._ready(head, nbytes)
+        try:
+            out = self.bound.propose(n, b, head.batch_padded or None, head.tokens_padded or None)
+        except InvalidInput as exc:
+            raise invalid(exc.field, str(exc)) from None
+        return out[:b].cpu().numpy().tobytes()
+
+    def _ready(self, head: wb.StepHeader, nbytes: int) -> tuple[int, int]:
+        """The step's sizes and values checked (refusals naming the field), its blocks and slots
+        moved into the session's pool range; (num_tokens, batch)."""
         n, b = head.num_tokens, head.batch
         s = self.session
         if not 0 < b <= min(self.drafts.shape[0], s.max_num_seqs):
@@ -483,11 +500,39 @@ class BoundSession:
         self._to_pool(n, b)
         s.calls += 1
         s.last_used = time.monotonic()
+        return n, b
+
+    # ------------------------------------------------------------------ a fused step (engine thread)
+    # drafter.service.batching.bound_steps: fuse_part, then the engine's call over every part, then
+    # fused_drafts, one host sync, fused_stamps and fused_reply.
+    def fuse_part(self, head: wb.StepHeader, nbytes: int):
+        """The step made ready as step() makes it, its agreed sizes checked as its own call would
+        check them; the rows of the binding's buffers the fused call reads (a ProposeInputs of views)."""
+        n, b = self._ready(head, nbytes)
+        self._check_plan(head)
+        return self.bound.rows(n, b)
+
+    def _check_plan(self, head: wb.StepHeader) -> None:
         try:
-            out = self.bound.propose(n, b, head.batch_padded or None, head.tokens_padded or None)
+            self.bound.check(head.num_tokens, head.batch, head.batch_padded or None, head.tokens_padded or None)
         except InvalidInput as exc:
             raise invalid(exc.field, str(exc)) from None
-        return out[:b].cpu().numpy().tobytes()
+
+    def fused_drafts(self, rows: torch.Tensor) -> None:  # rows: [batch, width] int64, the engine's device
+        """The step's drafts from the fused call into this binding's own output."""
+        self.drafts[:rows.shape[0]].copy_(rows)
+
+    def fused_reply(self, head: wb.StepHeader) -> bytes:
+        """The answer of a fused step once its drafts are in the output (the host synced): their bytes."""
+        return self.drafts[:head.batch].cpu().numpy().tobytes()
+
+    def fused_stamps(self, started: int, queued: int) -> None:
+        """A fused step's perf_counter_ns when the fused call began and when its GPU work was queued,
+        where the session stamps its steps (the ring stream's, drafter.service.ring_stream)."""
+        from drafter.service.ring_stream import _Stream
+
+        if isinstance(self, _Stream):
+            self._started, self._queued = started, queued
 
     def _to_pool(self, n: int, b: int) -> None:  # in place, in the ring: the next step overwrites it
         s = self.session

@@ -148,6 +148,11 @@ class Metrics:
         # armed cuda_ipc steps (drafter.wire.bound.ARM_WORDS): found queued ahead at their header, or queued then
         self.armed_steps = Counter("drafter_bound_armed_steps_total", "Armed bound steps, by whether the step was "
                                    "found queued ahead at its header", ["queued_ahead"], registry=r)
+        # several bindings' bound steps served by one engine call (drafter.service.batching.bound_steps)
+        self.bound_fused_calls = Counter("drafter_bound_fused_calls_total", "Engine calls that served several "
+                                         "bindings' bound steps at once", registry=r)
+        self.bound_fused_steps = Counter("drafter_bound_fused_steps_total", "Bound steps served inside an engine "
+                                         "call fused with other bindings' steps", registry=r)
         self._lock = threading.Lock()
         self._verified: dict[int, int] = {}
         self._accepted: dict[int, int] = {}

@@ -1,4 +1,8 @@
-"""Several sessions' validated, already shifted requests concatenated into one engine call."""
+"""Several sessions' validated, already shifted requests concatenated into one engine call.
+
+The parts' tensors may live on the host (the batcher's requests) or on the engine's device (bound
+steps' guarded rows, drafter.service.batching.bound_steps): what is made here is made where the
+parts are."""
 
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ def fuse(parts: list[ProposeInputs], pads: list[tuple[int, ...]], hidden_dtype: 
         rows.append((b, b + p.batch_size))
         t, b = t + p.num_tokens, b + p.batch_size
     ints = lambda ts: torch.cat([x.to(torch.int64) for x in ts])  # noqa: E731
-    qsl = [torch.zeros(1, dtype=torch.int64)] + [p.query_start_loc[1:].to(torch.int64) + off
+    qsl = [torch.zeros(1, dtype=torch.int64, device=parts[0].query_start_loc.device)] + [p.query_start_loc[1:].to(torch.int64) + off
                                                  for p, off in zip(parts, token_offsets)]
     hidden = [p.target_hidden_states for p in parts]
     # shared (CUDA IPC) states live on the GPU: a batch that has any is concatenated there
@@ -55,7 +59,8 @@ def _widened_tables(parts: list[ProposeInputs], pads, g: int) -> torch.Tensor:  
     for p, pad in zip(parts, pads):
         tb = p.block_tables[g]
         if tb.shape[1] < width:
-            tb = torch.cat([tb, torch.full((tb.shape[0], width - tb.shape[1]), pad[g], dtype=tb.dtype)], 1)
+            tb = torch.cat([tb, torch.full((tb.shape[0], width - tb.shape[1]), pad[g], dtype=tb.dtype,
+                                           device=tb.device)], 1)
         out.append(tb)
     return torch.cat(out)
 
@@ -64,8 +69,8 @@ def _fused_optional(parts: list[ProposeInputs], get, dtype: torch.dtype) -> torc
     """A per-request optional tensor across the batch; zeros (the engine's default) where a request has none."""
     if all(get(p) is None for p in parts):
         return None
-    return torch.cat([get(p).to(dtype) if get(p) is not None else torch.zeros(p.batch_size, dtype=dtype)
-                      for p in parts])
+    return torch.cat([get(p).to(dtype) if get(p) is not None
+                      else torch.zeros(p.batch_size, dtype=dtype, device=p.next_token_ids.device) for p in parts])
 
 
 def _fused_sample_indices(parts: list[ProposeInputs], token_offsets: list[int]) -> torch.Tensor | None:  # [batch]
