@@ -194,11 +194,12 @@ class BoundSteps:
                 t.result = t.session.fused_reply(t.head)
             except BaseException as exc:  # noqa: BLE001
                 t.error = exc
-        self.fused_calls += 1
-        self.fused_steps += len(live)
-        metrics = self.core.metrics
-        metrics.bound_fused_calls.inc()
-        metrics.bound_fused_steps.inc(len(live))
+        if len(live) > 1:  # (the others refused: one step alone in the call is not a fused one)
+            self.fused_calls += 1
+            self.fused_steps += len(live)
+            metrics = self.core.metrics
+            metrics.bound_fused_calls.inc()
+            metrics.bound_fused_steps.inc(len(live))
 
     def _draft(self, live: list[BoundStep], parts: list) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The group's rows gathered, the engine's call at the smallest captured sizes covering them;
