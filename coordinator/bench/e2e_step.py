@@ -356,6 +356,7 @@ class Lane:
     records: list = field(default_factory=list)
     drafts: list = field(default_factory=list)  # per timed step: every request's drafts, by rid
     gc_ms: list = field(default_factory=list)  # Python collections during its timed steps: (generation, ms)
+    stages: list = field(default_factory=list)  # per timed bound cuda_ipc step: its host stages in us (ipc_stages)
     error: str = ""
 
     @property
@@ -430,7 +431,34 @@ def timed_step(lane: Lane, device: torch.device) -> None:
     lane.times.append((time.perf_counter() - t0) * 1e6)
     lane.waits.append(rec.wait_s * 1e6)
     lane.records.append(rec)
+    stages = ipc_stages(lane.engine.proposer)
+    if stages:
+        lane.stages.append(stages)
     lane.drafts.append([list(r.drafts) for r in sorted(lane.engine.running, key=lambda r: r.rid)])
+
+
+IPC_STAGES = ("fill", "to_send", "header_trip", "drafter_to_queued", "drafter_queued_to_reply", "reply_trip",
+              "drafts_wait", "clone", "error_word", "bound_call")
+
+
+def ipc_stages(proposer) -> dict | None:
+    """The last step's host stages (us) where it went bound over cuda_ipc: the transport's marks
+    (coordinator.transport.bound_transport.BoundTransport.ipc_marks) and its link's stamps
+    (drafter.wire.bound.STAMPS: the drafter's side, one host clock); None for any other step."""
+    inner = getattr(proposer, "inner", proposer)
+    transports = getattr(inner, "transports", None)
+    transport = transports.get(inner.endpoint) if transports else None
+    marks, link = getattr(transport, "ipc_marks", ()), getattr(transport, "link", None)
+    stamps = getattr(link, "stamps", None)
+    if not getattr(transport, "last_bound", False) or len(marks) != 5 or not stamps or "received" not in stamps:
+        return None
+    transport.ipc_marks = ()  # read once: an unbound step next leaves nothing behind
+    t0, t1, t2, t3, t4 = marks
+    us = lambda a, b: round((b - a) / 1e3, 1)  # noqa: E731
+    return dict(zip(IPC_STAGES, (us(t0, t1), us(t1, stamps["sent"]), us(stamps["sent"], stamps["received"]),
+                                 us(stamps["received"], stamps["queued"]), us(stamps["queued"], stamps["replied"]),
+                                 us(stamps["replied"], stamps["answered"]), us(stamps["answered"], t2),
+                                 us(t2, t3), us(t3, t4), us(t0, t4))))
 
 
 def lane_result(lane: Lane, setup: Setup) -> dict:
@@ -456,6 +484,9 @@ def lane_result(lane: Lane, setup: Setup) -> dict:
            "outputs": {r.rid: r.output for r in sorted(engine.running, key=lambda r: r.rid)}}
     if lane.k:
         out["exchange"] = stats(lane.waits)
+    if lane.stages:
+        out["ipc_stages"] = {name: stats([st[name] for st in lane.stages]) for name in IPC_STAGES}
+        out["ipc_stages"]["steps"] = len(lane.stages)
     return out
 
 
@@ -633,6 +664,15 @@ def table(result: dict) -> str:
         if key in d:
             value = f"{100 * d[key]:+.1f} %" if key.endswith("share") else f"{d[key]:.0f} us"
             lines.append(f"* {label}: **{value}**")
+    st = result["ways"].get("remote", {}).get("ipc_stages")
+    if st:
+        lines += ["", f"The remote way's bound cuda_ipc steps, host stages in us (p50 / p99 over {st['steps']} steps; "
+                  "perf_counter_ns on both sides, one host clock): fill = the request's copies into the slab; "
+                  "to_send = the link's part before the header (the inputs event or the armed start); "
+                  "drafts_wait = the StepDone read to the drafts' event waited for (host_wait: on the host); "
+                  "error_word = its read (a stream sync); bound_call = all of it.", "",
+                  "| stage | p50 | p99 |", "|---|---|---|"]
+        lines += [f"| {name} | {st[name]['p50_us']:.0f} | {st[name]['p99_us']:.0f} |" for name in IPC_STAGES]
     lines += ["", "Drafts compared step by step with (b), and the tokens each way generated compared with (a) and "
               "(a'). Speculation is lossless up to the target's numerics: a forward over k + 1 rows per request "
               "runs other GEMM shapes than one over 1 row, and in bfloat16 with random weights (near-ties between "

@@ -172,6 +172,9 @@ class BoundTransport:
         self.bound_to = ""  # the session the live link serves
         self.last_bound = False  # whether the last step went bound (names the latency series)
         self.fill_s: deque[float] = deque(maxlen=4096)  # host seconds of each bound step's copies into the ring
+        # the last cuda_ipc step's host stages, perf_counter_ns: start, filled, answered (the link's step_async
+        # returned: header sent, StepDone read, the drafts event waited for), cloned, checked (error word read)
+        self.ipc_marks: tuple[int, ...] = ()
         self.steps = {"bound": 0, "unbound": 0}
         self._pending: _Pending | None = None
         self._connecting: tuple[BoundLink, str] | None = None
@@ -297,15 +300,19 @@ class BoundTransport:
         current stream; nccl_channel: sent by NCCL), the header, then the drafts on the GPU ([batch, k] int64, a copy of the drafter's output
         queued on the current stream after its wait on the drafts event); the error word is the
         one host read (8 bytes and a stream sync): a set word raises INVALID_ARGUMENT naming its field."""
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         self.link.wake()  # the drafter's doorbell thread wakes while the copies below are queued
         n, b = fill(self._slab.views, request.inputs)
-        self.fill_s.append(time.perf_counter() - t0)
+        t1 = time.perf_counter_ns()
+        self.fill_s.append((t1 - t0) / 1e9)
         self.steps["bound"] += 1
         view = self.link.step_async(n, b, request.batch_padded, request.tokens_padded,
                                     max(1e-3, deadline - time.monotonic()), accepted)
+        t2 = time.perf_counter_ns()
         drafts = view.clone()  # the view is the next step's output
+        t3 = time.perf_counter_ns()
         self.link.raise_for(self.link.error_word())
+        self.ipc_marks = (t0, t1, t2, t3, time.perf_counter_ns())
         return DraftOutput(drafts, None, request.batch_padded, request.tokens_padded)
 
     # ------------------------------------------------------------------ binding
