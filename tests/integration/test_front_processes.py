@@ -1,49 +1,82 @@
 """`drafter serve --front-processes` (issue 19: the valid clients' p99 under attack): the public listeners in
 child processes that decode and refuse; admitted calls reach the engine process over a private ipc socket.
 
-Against a real server on loopback (one for the file; the last test kills one of its fronts):
-* Attach / Propose / Detach over gRPC and ZMQ through the fronts draft what the solo engine drafts (the
-  plain mode's parity tests hold it to the same);
+Against one real server on loopback with mTLS and CURVE (the fronts authenticate; the engine process sees
+the peer they forward), in this order (the last tests end it):
+* Attach / Propose / Detach over gRPC and ZMQ through the fronts draft what the solo engine drafts;
 * malformed messages get the same code and field as from the plain-mode server, and are refused in the
   front: the engine process's /metrics never counts them;
+* the authenticated peer reaches the engine process: another certificate or CURVE key cannot detach a
+  session, and the per-client session cap counts one certificate's connections together;
 * a front killed makes the server fail closed: a "front_failed" event, health and liveness NOT_SERVING,
-  calls through the other front UNAVAILABLE, and SIGTERM still stops it cleanly.
+  calls through the other front UNAVAILABLE; SIGTERM still stops it (code 0), the other front with it.
+And one front process on its own: it exits when its stdin (the serving process's pipe) closes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import select
+import shutil
 import signal
+import subprocess
+import sys
 
 import grpc
 import msgspec
 import pytest
 import torch
 import zmq
+import zmq.auth
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
+from coordinator.transport import CurveConfig, GrpcDrafterClient, TlsConfig, ZmqDrafterClient
+from drafter.service.config import ServerConfig
 from drafter.wire import schema
-from drafter.wire.errors import FIELD_METADATA_KEY, Code
+from drafter.wire.errors import FIELD_METADATA_KEY, Code, DrafterError
 from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_ops import scrape, value
 from tests.integration.test_service_parity import plans, scenario
+from tests.support.certs import CA, curve_certificates
 from tests.support.engines import tiny_dirs
-from tests.support.servers import DrafterServer, layout_for
+from tests.support.servers import REPO, DrafterServer, layout_for
 
 _ENV = msgspec.msgpack.Decoder(schema.Envelope)
 _ENC = msgspec.msgpack.Encoder()
 
 
+@dataclasses.dataclass
+class Fronted:
+    server: DrafterServer
+    ca: CA
+    keys: dict  # curve_certificates: name -> (public file, secret file)
+
+    def grpc_client(self, name: str) -> GrpcDrafterClient:
+        return GrpcDrafterClient(self.server.grpc_target, timeout_s=60,
+                                 tls=TlsConfig(self.ca.cert_path, *self.ca.issue(name, server=False)))
+
+    def zmq_client(self) -> ZmqDrafterClient:
+        return ZmqDrafterClient(self.server.zmq_endpoint, timeout_s=60, curve=CurveConfig(
+            server_public=self.keys["server"][0], client_secret=self.keys["client"][1]))
+
+
 @pytest.fixture(scope="module")
 def fronted(tiny_root, tmp_path_factory, one_torch_thread):
+    """mTLS and CURVE, served through front processes; two sessions at most per authenticated client."""
     _, model = tiny_dirs(tiny_root, "eagle3")
-    log = tmp_path_factory.mktemp("logs") / "fronted-server.log"
-    server = DrafterServer(model, "eagle3", log_path=log, kv_blocks=8 * SESSION_BLOCKS, block_sizes=16,
-                           batch_window_us=500, front_processes="true", **SERVER_SETTINGS)
-    server.start()
-    yield server
+    d = tmp_path_factory.mktemp("fronted")
+    ca = CA(d, "drafter-ca")
+    cert, key = ca.issue("drafter", server=True)
+    keys = curve_certificates(d)
+    clients = d / "curve-clients"
+    clients.mkdir()
+    shutil.copy(keys["client"][0], clients)
+    server = DrafterServer(model, "eagle3", log_path=d / "server.log", kv_blocks=4 * SESSION_BLOCKS, block_sizes=16,
+                           batch_window_us=500, tls_cert=cert, tls_key=key, tls_client_ca=ca.cert_path,
+                           curve_server_cert=keys["server"][1], curve_clients_dir=clients, max_sessions_per_client=2,
+                           front_processes="true", **SERVER_SETTINGS).start()
+    yield Fronted(server, ca, keys)
     if server.proc.poll() is None:
         server.stop()
 
@@ -58,11 +91,10 @@ def _solo(tiny_root, seed: int) -> list:
 @pytest.mark.parametrize("transport", ["grpc", "zmq"])
 def test_drafts_through_the_fronts_equal_solo(fronted, tiny_root, transport):
     expected = _solo(tiny_root, 21)
-    c = GrpcDrafterClient(fronted.grpc_target, timeout_s=60) if transport == "grpc" \
-        else ZmqDrafterClient(fronted.zmq_endpoint, timeout_s=60)
+    c = fronted.grpc_client(f"drafts-{transport}") if transport == "grpc" else fronted.zmq_client()
     try:
         info = c.info()
-        assert info.state == "serving" and info.epoch == fronted.ready["epoch"]
+        assert info.state == "serving" and info.epoch == fronted.server.ready["epoch"]
         c.attach(layout_for(info, SESSION_BLOCKS, client_name=f"fronted-{transport}"))
         s = scenario(reference_engine(tiny_root), 21)
         for i, plan in enumerate(plans()):
@@ -71,16 +103,20 @@ def test_drafts_through_the_fronts_equal_solo(fronted, tiny_root, transport):
         assert c.detach() == SESSION_BLOCKS
     finally:
         c.close()
-    assert value(scrape(fronted), "drafter_requests_total", transport=transport, rpc="Propose", code="OK") >= \
-        len(expected), "the engine process counts the forwarded calls under their transport"
+    assert value(scrape(fronted.server), "drafter_requests_total", transport=transport, rpc="Propose",
+                 code="OK") >= len(expected), "the engine process counts the forwarded calls under their transport"
 
 
 # ---------------------------------------------------------------------- refusals: as plain mode, in the front
-def _zmq_ask(endpoint: str, parts: list) -> tuple[str, str]:
+def _zmq_ask(endpoint: str, parts: list, curve: tuple | None = None) -> tuple[str, str]:
+    """curve: (server public file, client secret file) or None."""
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            sock.curve_serverkey = zmq.auth.load_certificate(curve[0])[0]
+            sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(curve[1])
         sock.connect(endpoint)
         sock.send_multipart(parts)
         assert sock.poll(30_000), "every message gets an answer"
@@ -90,8 +126,9 @@ def _zmq_ask(endpoint: str, parts: list) -> tuple[str, str]:
         ctx.destroy(linger=0)
 
 
-def _grpc_ask(target: str, method: str, raw: bytes) -> tuple[str, str]:
-    with grpc.insecure_channel(target) as ch:
+def _grpc_ask(target: str, method: str, raw: bytes, tls: TlsConfig | None = None) -> tuple[str, str]:
+    ch = grpc.insecure_channel(target) if tls is None else grpc.secure_channel(target, tls.credentials())
+    with ch:
         call = ch.unary_unary(f"/drafter.v1.Drafter/{method}", lambda b: b, lambda b: b)
         with pytest.raises(grpc.RpcError) as got:
             call(raw, timeout=30)
@@ -114,25 +151,57 @@ REFUSALS = {  # name -> (transport, what to send): three kinds of the abuse test
 }
 
 
-def _ask(server, transport: str, what) -> tuple[str, str]:
-    if transport == "zmq":
-        return _zmq_ask(server.zmq_endpoint, what)
-    return _grpc_ask(server.grpc_target, *what)
-
-
 @pytest.mark.parametrize("name", sorted(REFUSALS))
 def test_a_malformed_message_is_refused_by_the_front_as_in_plain_mode(fronted, eagle3_server, name):
     transport, what = REFUSALS[name]
-    plain = _ask(eagle3_server, transport, what)
+    if transport == "zmq":
+        plain = _zmq_ask(eagle3_server.zmq_endpoint, what)
+        ask = lambda: _zmq_ask(fronted.server.zmq_endpoint, what,  # noqa: E731
+                               (fronted.keys["server"][0], fronted.keys["client"][1]))
+    else:
+        plain = _grpc_ask(eagle3_server.grpc_target, *what)
+        tls = TlsConfig(fronted.ca.cert_path, *fronted.ca.issue("refused", server=False))
+        ask = lambda: _grpc_ask(fronted.server.grpc_target, *what, tls)  # noqa: E731
     assert plain[0] == "INVALID_ARGUMENT", plain
-    before = value(scrape(fronted), "drafter_errors_total", code="INVALID_ARGUMENT")
-    assert _ask(fronted, transport, what) == plain
-    assert value(scrape(fronted), "drafter_errors_total", code="INVALID_ARGUMENT") == before, \
+    before = value(scrape(fronted.server), "drafter_errors_total", code="INVALID_ARGUMENT")
+    assert ask() == plain
+    assert value(scrape(fronted.server), "drafter_errors_total", code="INVALID_ARGUMENT") == before, \
         "refused in the front: the engine process never saw it"
 
 
 def test_bind_is_refused_by_the_front(fronted):
-    assert _zmq_ask(fronted.zmq_endpoint, [_envelope("Bind"), b""]) == ("FAILED_PRECONDITION", "method")
+    curve = (fronted.keys["server"][0], fronted.keys["client"][1])
+    assert _zmq_ask(fronted.server.zmq_endpoint, [_envelope("Bind"), b""], curve) == ("FAILED_PRECONDITION", "method")
+
+
+# ---------------------------------------------------------------------- under auth: the peer reaches the engine
+def test_a_session_is_detached_only_by_the_peer_that_attached_it(fronted):
+    with fronted.grpc_client("owner") as owner, fronted.grpc_client("other") as other, \
+            fronted.zmq_client() as zmq_peer:
+        owner.attach(layout_for(owner.info(), 4))
+        sid, epoch = owner.session.session_id, owner.session.epoch
+        for thief in (other, zmq_peer):  # another certificate; an authorised CURVE key on the other transport
+            thief.session.session_id, thief.session.epoch = sid, epoch
+            with pytest.raises(DrafterError) as e:
+                thief.detach()
+            assert (e.value.code, e.value.field) == (Code.NOT_FOUND, "session_id")
+        assert owner.detach() == 4
+
+
+def test_sessions_per_authenticated_client_are_capped_across_connections(fronted):
+    clients = [fronted.grpc_client("greedy") for _ in range(3)]
+    try:
+        layout = layout_for(clients[0].info(), 4)
+        clients[0].attach(layout)
+        clients[1].attach(layout)
+        with pytest.raises(DrafterError) as e:
+            clients[2].attach(layout)
+        assert (e.value.code, e.value.field) == (Code.RESOURCE_EXHAUSTED, "session")
+        for c in clients[:2]:
+            c.detach()
+    finally:
+        for c in clients:
+            c.close()
 
 
 # ---------------------------------------------------------------------- a front lost (last: it ends the server)
@@ -142,36 +211,51 @@ def _health(target: str, service: str) -> int:
 
 
 def test_a_killed_front_takes_the_server_out_of_service(fronted):
-    assert _health(fronted.health_target, "") == health_pb2.HealthCheckResponse.SERVING
-    os.kill(fronted.ready["front_pids"]["grpc"], signal.SIGKILL)
-    ev = fronted.wait_for("front_failed", timeout=30)
+    server = fronted.server
+    assert _health(server.health_target, "") == health_pb2.HealthCheckResponse.SERVING
+    pids = server.ready["front_pids"]
+    os.kill(pids["grpc"], signal.SIGKILL)
+    ev = server.wait_for("front_failed", timeout=30)
     assert ev["transport"] == "grpc" and ev["returncode"] == -signal.SIGKILL
     for service in ("", "liveness"):
-        assert _health(fronted.health_target, service) == health_pb2.HealthCheckResponse.NOT_SERVING, service
-    c = ZmqDrafterClient(fronted.zmq_endpoint, timeout_s=30)
+        assert _health(server.health_target, service) == health_pb2.HealthCheckResponse.NOT_SERVING, service
+    with fronted.zmq_client() as c:  # the ZMQ front still answers; the engine refuses: fail closed
+        with pytest.raises(DrafterError) as e:
+            c.attach(layout_for(c.info(), 4))
+        assert e.value.code == Code.UNAVAILABLE
+    zmq_front = os.pidfd_open(pids["zmq"])
     try:
-        with pytest.raises(Exception) as got:  # the ZMQ front still answers, the engine refuses: fail closed
-            c.attach(layout_for(c.info(), SESSION_BLOCKS, client_name="after-front-lost"))
-        assert "UNAVAILABLE" in str(got.value)
+        assert server.stop(timeout=30) == 0
+        assert select_readable(zmq_front, 30), "the ZMQ front ended with the server"
     finally:
-        c.close()
-    assert fronted.stop(timeout=30) == 0
-    assert "the grpc front process exited" in fronted.log_tail(100_000)
+        os.close(zmq_front)
+    assert "the grpc front process exited" in server.log_tail(200_000)
 
 
-def test_fronts_exit_with_the_serving_process(tiny_root, tmp_path, one_torch_thread):
-    """However the serving process ends (here SIGKILL, no drain), its fronts do not outlive it."""
-    _, model = tiny_dirs(tiny_root, "eagle3")
-    server = DrafterServer(model, "eagle3", log_path=tmp_path / "server.log", kv_blocks=2 * SESSION_BLOCKS,
-                           block_sizes=16, front_processes="true", **SERVER_SETTINGS).start()
-    pids = server.ready["front_pids"]
-    fds = {t: os.pidfd_open(pid) for t, pid in pids.items()}
+def select_readable(fd: int, timeout: float) -> bool:
+    """Whether `fd` turns readable within timeout (a pidfd does when its process exits)."""
+    import select
+
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+def test_a_front_exits_when_the_serving_process_is_gone(tmp_path):
+    """The front's stdin is a pipe from the serving process: when it closes (that process ended, however),
+    the front exits at once, without a drain."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dataclasses.asdict(ServerConfig(method="eagle3", model="unused", zmq_port=0,
+                                                                 log_format="json"))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "drafter.service.front", "--transport", "zmq", "--engine",
+                             f"ipc://{tmp_path}/nobody.sock", "--config", str(config)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env)
     try:
-        server.proc.kill()
-        server.proc.wait(30)
-        for transport, fd in fds.items():
-            ready, _, _ = select.select([fd], [], [], 30)  # a pidfd turns readable when its process exits
-            assert ready, f"the {transport} front outlived the serving process"
+        ev = json.loads(proc.stdout.readline() or b"{}")
+        assert ev.get("event") == "front_listening" and ev["zmq_port"] > 0, proc.stderr.read()[-2000:]
+        proc.stdin.close()
+        assert proc.wait(30) == 1
+        assert b"front_orphaned" in proc.stderr.read()
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
