@@ -298,8 +298,8 @@ def remote_proposer(spec, port: int, args, bound: bool):
     from coordinator.transport.bound_transport import BoundConfig
 
     gpu = args.device.startswith("cuda")
-    cfg = BoundConfig(mode="auto", plane=args.plane, device=args.device if gpu else "") if bound else \
-        BoundConfig(mode="off")
+    cfg = BoundConfig(mode="auto", plane=args.plane, device=args.device if gpu else "",
+                      armed=args.armed) if bound else BoundConfig(mode="off")
     return RemoteProposer(spec, router=Router(StaticEndpoints([Endpoint("zmq", "127.0.0.1", port)])), key=spec.client,
                           connect=lambda ep: ServiceTransport(ep, timeout_s=args.deadline_s),
                           config=ProposerConfig(deadline_s=args.deadline_s, bound=cfg))
@@ -725,6 +725,8 @@ def parse(argv: list[str]):
     p.add_argument("--device", default="cuda:0", help="the target's GPU (and the in-process drafter's)")
     p.add_argument("--drafter-device", default="", help="the served drafter's device [--device]")
     p.add_argument("--plane", default="cuda_ipc", help="the remote way's BoundConfig.plane [cuda_ipc]")
+    p.add_argument("--armed", action=argparse.BooleanOptionalAction, default=True,
+                   help="the remote way's cuda_ipc binding asks for armed steps (BoundConfig.armed) [on]")
     p.add_argument("--ways", default=",".join(WAYS), help=f"of {WAYS}")
     p.add_argument("--deadline-s", type=float, default=30.0, help="the proposers' per-step deadline")
     p.add_argument("--target-graphs", action=argparse.BooleanOptionalAction, default=True,
