@@ -253,6 +253,9 @@ class ServerConfig:
         self.check_quotas()
         if self.zmq_ipc and not self.serves_zmq:
             raise ValueError("--zmq-ipc needs zmq in --transports")
+        if self.front_processes and self.insecure_bound_planes:
+            raise ValueError("--insecure-bound-planes: the front processes serve no bound sessions (Bind is refused); "
+                             "drop it or --front-processes")
         if self.zmq_ipc:
             from drafter.wire.ipc import _check_syntax
 
