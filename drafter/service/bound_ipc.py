@@ -224,7 +224,7 @@ class GuardedRingSession(_Guarded, BoundSession):
         self.session.last_used = time.monotonic()
         return self.bound.rows(head.num_tokens, head.batch)
 
-    def fused_drafts(self, rows: torch.Tensor) -> None:  # rows: [batch, width] int64 on the engine's device
+    def fused_drafts(self, head: wb.StepHeader, rows: torch.Tensor) -> None:  # rows: [batch, width] int64
         """The drafts into the output, the output (with the error word) to the host, queued."""
         self.drafts[:rows.shape[0]].copy_(rows)
         self._host_out.copy_(self.output, non_blocking=True)
@@ -451,8 +451,49 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
 
     def _run(self, head: wb.StepHeader) -> tuple[int, int, tuple[int, ...]]:
         """The step (on_engine); perf_counter_ns when it began, when its GPU work was queued, and
-        wb.FINE_STAMPS' points between."""
-        return on_engine(self, self._timed, head)
+        wb.FINE_STAMPS' points between.  Unarmed, inside other bindings' fused engine call where
+        their steps are pending too (drafter.service.batching.bound_steps); armed, never fused."""
+        if self.armed:
+            return on_engine(self, self._timed, head)
+        return self.plane.steps.run(self, head, 0, self._on_engine)
+
+    def _on_engine(self, fn, *args):
+        return on_engine(self, fn, *args)
+
+    # a fused step (drafter.service.batching.bound_steps): no host read, as alone
+    host_reply = False  # the target reads the drafts and the error word from the shared output
+
+    def serve_alone(self, head: wb.StepHeader, nbytes: int) -> tuple[int, int, tuple[int, ...]]:
+        return self._timed(head)
+
+    def fuse_part(self, head: wb.StepHeader, nbytes: int):
+        """Sizes checked, the stream waits for the target's event, the guard run alone (every field
+        checked and masked, the error word into the output); the guard's rows."""
+        self._check_sizes(head)
+        if head.nbytes:
+            raise invalid("nbytes", "a cuda_ipc step ships no bytes")
+        self._check_plan(head)
+        if self._wait_inputs is None:
+            self._events()
+        self._wait_inputs()
+        self.guard.step(head.num_tokens, head.batch)
+        self.session.calls += 1
+        self.session.last_used = time.monotonic()
+        return self.bound.rows(head.num_tokens, head.batch)
+
+    def fused_drafts(self, head: wb.StepHeader, rows: torch.Tensor) -> None:  # rows: [batch, width] int64
+        """The drafts into the shared output, the pre-draft rows kept, the "drafts ready" event recorded."""
+        self.drafts[:rows.shape[0]].copy_(rows)
+        if head.want_predrafts and self._predrafts is not None:
+            self._predrafts.keep(head)
+        self._record_done()
+
+    def fused_stamps(self, started: int, queued: int) -> None:
+        self._fused_at = (started, queued)
+
+    def fused_reply(self, head: wb.StepHeader) -> tuple[int, int, tuple[int, ...]]:
+        started, queued = self._fused_at
+        return started, queued, (started, started, queued)
 
     def _timed(self, head: wb.StepHeader) -> tuple[int, int, tuple[int, ...]]:
         started = time.perf_counter_ns()

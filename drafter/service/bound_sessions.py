@@ -504,7 +504,13 @@ class BoundSession:
 
     # ------------------------------------------------------------------ a fused step (engine thread)
     # drafter.service.batching.bound_steps: fuse_part, then the engine's call over every part, then
-    # fused_drafts, one host sync, fused_stamps and fused_reply.
+    # fused_drafts, one host sync (where a step of the call has host_reply), fused_stamps and fused_reply.
+    host_reply = True  # the answer carries the drafts: read on the host after the fused call
+
+    def serve_alone(self, head: wb.StepHeader, nbytes: int):
+        """The step's answer without fusion (the planes that stamp their steps time it here)."""
+        return self.step(head, nbytes)
+
     def fuse_part(self, head: wb.StepHeader, nbytes: int):
         """The step made ready as step() makes it, its agreed sizes checked as its own call would
         check them; the rows of the binding's buffers the fused call reads (a ProposeInputs of views)."""
@@ -518,7 +524,7 @@ class BoundSession:
         except InvalidInput as exc:
             raise invalid(exc.field, str(exc)) from None
 
-    def fused_drafts(self, rows: torch.Tensor) -> None:  # rows: [batch, width] int64, the engine's device
+    def fused_drafts(self, head: wb.StepHeader, rows: torch.Tensor) -> None:  # rows: [batch, width] int64
         """The step's drafts from the fused call into this binding's own output."""
         self.drafts[:rows.shape[0]].copy_(rows)
 

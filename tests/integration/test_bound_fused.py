@@ -20,12 +20,16 @@ import threading
 import pytest
 import torch
 
-from tests.integration.test_bound_remote import K, PADDING, SESSION_BLOCKS, Drafter, Target, _engine, _fill
+from tests.integration.test_bound_remote import (K, MAX_BATCH, MAX_TOKENS, PADDING, SESSION_BLOCKS,  # noqa: E402
+                                                 Drafter, Target, _buffers, _engine, _fill, _scenario)
 
+from coordinator.transport.bound_ipc import CudaIpcBoundClient  # noqa: E402
 from drafter.service import bound_ipc  # noqa: E402
 from drafter.service.bound_sessions import BoundPlane  # noqa: E402
 from drafter.wire import bound as wb  # noqa: E402
+from drafter.wire.cuda_slab import LocalSlabs  # noqa: E402
 from drafter.wire.errors import Code, DrafterError  # noqa: E402
+from tests.support.servers import layout_for  # noqa: E402
 
 ONE = [[(0, 5, 0)], [(0, K + 1, 1)]]  # a one-request prefill, then a decode step with one token rejected
 TWO = [[(0, 4, 0), (1, 3, 0)], [(0, K + 1, 1), (1, K + 1, 0)]]  # the same for two requests
@@ -206,5 +210,57 @@ def test_a_step_alone_is_not_fused(tiny_root, ipc):
             a.step(ONE[0])
             assert _fused(drafter)[:2] == (0, 0)
             assert _steps(drafter).pending() == 0
+        finally:
+            _close(targets)
+
+
+class IpcTarget:
+    """A target bound over the cuda_ipc plane on CPU (cuda_slab.LocalSlabs: one process, events order
+    nothing) and its in-process reference engine (Step reads the same attributes as Target's)."""
+
+    def __init__(self, root, drafter: Drafter, seed: int):
+        self.ref = _engine(root, "eagle3", reference=True)
+        self.s_ref, self.s_remote = _scenario(self.ref, seed), _scenario(self.ref, seed)
+        layout = layout_for(drafter.core.info(), SESSION_BLOCKS, max_num_seqs=MAX_BATCH,
+                            max_num_batched_tokens=MAX_TOKENS)
+        self.client = CudaIpcBoundClient(drafter.endpoint, layout, _buffers(drafter.engine), max_batch=MAX_BATCH,
+                                         device="cpu", timeout_s=60, allow_fallback=False, slabs=LocalSlabs(),
+                                         armed=False)
+        assert self.client.bind() == wb.CUDA_IPC
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def test_unarmed_cuda_ipc_bindings_fuse_and_a_corrupt_one_is_named(tiny_root, ipc, monkeypatch):
+    """cuda_ipc bindings (LocalSlabs on CPU: the slab read in place, header-only steps, the guard): two
+    unarmed ones' steps fused draft what the in-process engine drafts; a bad slot among them (into a
+    third session's blocks) is named by the error word the target reads, the good one's drafts exact,
+    the third session's KV unchanged.  (An armed binding never enters BoundSteps: IpcBoundSession._run;
+    tests/integration/test_bound_armed.py keeps its steps queued ahead.)"""
+    monkeypatch.setattr(bound_ipc, "BACKEND", LocalSlabs())
+    engine = _engine(tiny_root, "eagle3")
+    with Drafter(engine, ipc_path=ipc) as drafter:
+        a, b, _ = targets = [IpcTarget(tiny_root, drafter, seed) for seed in (1, 2, 3)]
+        try:
+            sessions = BoundPlane.of(drafter.server).sessions
+            assert not any(sessions[t.client.session.session_id].armed for t in targets)
+            calls, fused, metric = _fused(drafter)
+            steps = [Step(a, TWO[0]), Step(b, TWO[0])]
+            _together(drafter, steps)
+            for s in steps:
+                assert s.error is None and torch.equal(s.got, s.expected), repr(s.error)
+            assert _fused(drafter) == (calls + 1, fused + 2, metric + 2), "the two steps were not fused"
+
+            victim = _blocks(engine, 2)
+            block_size = engine.limits.block_sizes[0]
+            steps = [Step(a, TWO[1]), Step(b, TWO[1], "slot_mappings[0]", SESSION_BLOCKS * block_size)]
+            _together(drafter, steps)
+            err = steps[1].error
+            assert isinstance(err, DrafterError) and err.code == Code.INVALID_ARGUMENT, repr(err)
+            assert err.field == "slot_mappings[0]", str(err)
+            assert steps[0].error is None and torch.equal(steps[0].got, steps[0].expected), repr(steps[0].error)
+            assert _fused(drafter)[:2] == (calls + 2, fused + 4), "masked, the bad step ran in the fused call"
+            assert all(torch.equal(x, y) for x, y in zip(victim, _blocks(engine, 2))), "wrote into a third's KV"
         finally:
             _close(targets)

@@ -1,34 +1,40 @@
 """Bound steps of several bindings that wait for the engine at the same moment, served as ONE engine call.
 
-    the session's thread, its step in the ring (drafter.service.bound_sessions.BoundSession.run_step):
+    the session's thread, its step received (bound_sessions.BoundSession.run_step, bound_ipc.IpcBoundSession._run):
         ticket = steps.enter(session, head, nbytes)      # pending from now on
         take the engine (the engine thread's job, or the engine's lock on the data thread)
         steps.serve(ticket)                              # under the engine's lock
     serve:
         the ticket already served by another binding's serve (it took it, under the same lock): its answer
-        else every ticket pending now is taken; one alone runs session.step as without fusion;
+        else every ticket pending now is taken; one alone runs session.serve_alone (its step, as
+        without fusion);
         several are planned into groups whose summed sizes fit the engine's largest captured sizes
         (and its limits), each group one engine call:
             session.fuse_part(head, nbytes) each: the step's own checks, refusals and guard, as its
                 step() makes them; the rows of its binding's buffers (a refused one leaves the group)
             the rows concatenated (batching.fuse: one device copy per tensor per session), the
                 engine's normal call at the smallest captured sizes covering the sums
-            session.fused_drafts(rows) each: its drafts into its own output; one host sync where
-                the engine is on a GPU; session.fused_reply(head) each: its answer (a guarded step whose
-                error word is set: INVALID_ARGUMENT naming the field, as alone)
+            session.fused_drafts(head, rows) each: its drafts into its own output (cuda_ipc: its
+                "drafts ready" event recorded); one host sync where the engine is on a GPU and a step
+                answers with its drafts (host_reply: the host ring); session.fused_reply(head) each:
+                its answer (a host-ring guarded step whose error word is set: INVALID_ARGUMENT naming
+                the field, as alone; cuda_ipc: the target reads the error word, as alone)
 
 No waiting for company: a step fuses only with steps whose tickets are pending when the engine's
-lock is taken; alone, a step costs a list append and a pop more than before.  Which bindings take
-part: the sessions whose run_step enters here (the host ring, with host checks or the GPU guard, and
-the gloo channel); cuda_ipc and nccl_channel steps keep their own path (an armed binding queues its
-steps ahead on the GPU).  Tickets fuse only with tickets whose binding reads buffers on the same
-device with the same hidden-state dtype.
+lock is taken; alone, a step costs a ticket, a list append and a swap more than before.  Which
+bindings take part: the host ring (host checks or the GPU guard; data socket or ring stream), the
+gloo channel, and unarmed cuda_ipc bindings; an armed cuda_ipc binding (its steps queued ahead on
+the GPU) and nccl_channel steps keep their own path.  Tickets fuse only with tickets whose binding
+reads buffers on the same device with the same hidden-state dtype.
 
-Drafts of a fused call equal each step's own: the engine's drafts do not depend on padding or on the
-other requests of a call (tests/unit/test_padding_invariance.py, the batcher's fused calls), the
-agreed padded sizes of each header are checked as its own call would check them, and each session's
-block ids and slots were moved into its own pool range (host checks) or masked there (the guard)
-before the rows are gathered, so no step's KV writes leave its session's blocks.
+Each request's drafts depend only on its own rows and KV, not on the other requests of a call nor on
+the padding (tests/unit/test_padding_invariance.py on CPU; the batcher fuses unbound calls on the
+same ground); on a GPU the fused call may run a GEMM at other sizes than a step alone (a larger
+padded token count), which tests/gpu/test_bound_fused.py avoids by fusing at the solo steps' padded
+sizes.  Each header's agreed padded sizes are checked as its own call would check them (the fused
+call runs at its own), and each session's block ids and slots were moved into its own pool range
+(host checks) or masked there (the guard) before the rows are gathered, so no step's KV writes leave
+its session's blocks.
 """
 
 from __future__ import annotations
@@ -36,8 +42,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-
 import torch
 
 from drafter.service.batching.fuse import fuse
@@ -45,16 +49,18 @@ from drafter.service.batching.fuse import fuse
 log = logging.getLogger("drafter.service.bound")
 
 
-@dataclass(eq=False)
 class BoundStep:
     """One bound step waiting for the engine: its session, header and ring bytes; its answer once served."""
 
-    session: object  # a drafter.service.bound_sessions.BoundSession (step, fuse_part, fused_drafts, fused_reply)
-    head: object  # drafter.wire.bound.StepHeader
-    nbytes: int
-    taken: bool = False  # a serve took it (answered within that serve's hold of the engine's lock)
-    result: bytes = b""
-    error: BaseException | None = None
+    __slots__ = ("session", "head", "nbytes", "taken", "result", "error")
+
+    def __init__(self, session, head, nbytes: int):
+        self.session = session  # a drafter.service.bound_sessions.BoundSession (step, fuse_part, fused_*)
+        self.head = head  # drafter.wire.bound.StepHeader
+        self.nbytes = nbytes
+        self.taken = False  # a serve took it (answered within that serve's hold of the engine's lock)
+        self.result = b""
+        self.error: BaseException | None = None
 
 
 class BoundSteps:
@@ -62,7 +68,9 @@ class BoundSteps:
 
     def __init__(self, core):
         self.core = core
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # the pending list's (a plain lock: ~0.1 us a step alone)
+        self._cond = threading.Condition(self._lock)  # notified only while someone waits (wait_pending)
+        self._watchers = 0
         self._pending: list[BoundStep] = []
         self.fused_calls = 0  # engine calls that served several bindings' steps
         self.fused_steps = 0  # steps served by them
@@ -80,30 +88,35 @@ class BoundSteps:
 
     def enter(self, session, head, nbytes: int) -> BoundStep:
         ticket = BoundStep(session, head, nbytes)
-        with self._cond:
+        with self._lock:
             self._pending.append(ticket)
-            self._cond.notify_all()
+            if self._watchers:
+                self._cond.notify_all()
         return ticket
 
     def leave(self, ticket: BoundStep) -> None:
-        with self._cond:
+        with self._lock:
             if ticket in self._pending:
                 self._pending.remove(ticket)
 
     def pending(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._pending)
 
     def wait_pending(self, count: int, timeout_s: float) -> bool:
         """Whether `count` steps are pending within timeout_s (tests: the overlap made deterministic)."""
         with self._cond:
-            return self._cond.wait_for(lambda: len(self._pending) >= count, timeout_s)
+            self._watchers += 1
+            try:
+                return self._cond.wait_for(lambda: len(self._pending) >= count, timeout_s)
+            finally:
+                self._watchers -= 1
 
     # ------------------------------------------------------------------ under the engine's lock
     def serve(self, ticket: BoundStep) -> bytes:
         """Engine lock held: the ticket's answer, with every step pending now served first."""
         if not ticket.taken:
-            with self._cond:
+            with self._lock:
                 batch, self._pending = self._pending, []
                 for t in batch:
                     t.taken = True
@@ -127,9 +140,9 @@ class BoundSteps:
 
     @staticmethod
     def _alone(t: BoundStep) -> None:
-        """The step as its session serves it without fusion."""
+        """The step as its session serves it without fusion (its step, timed where the plane stamps it)."""
         try:
-            t.result = t.session.step(t.head, t.nbytes)
+            t.result = t.session.serve_alone(t.head, t.nbytes)
         except BaseException as exc:  # noqa: BLE001 - the owner's thread raises it
             t.error = exc
 
@@ -179,10 +192,10 @@ class BoundSteps:
             drafts, rows = self._draft(live, parts)
             queued = time.perf_counter_ns()
             for t, (r0, r1) in zip(live, rows):
-                t.session.fused_drafts(drafts[r0:r1])
+                t.session.fused_drafts(t.head, drafts[r0:r1])
             device = drafts.device
-            if device.type == "cuda":  # every session's drafts and error word on the host: one wait
-                torch.cuda.current_stream(device).synchronize()
+            if device.type == "cuda" and any(t.session.host_reply for t in live):
+                torch.cuda.current_stream(device).synchronize()  # the drafts and error words on the host: one wait
         except BaseException as exc:  # noqa: BLE001 - a bug of ours: every step of the call gets it
             log.exception("fused bound steps failed")
             for t in live:
