@@ -3,7 +3,8 @@ child processes that decode and refuse; admitted calls reach the engine process 
 
 Against one real server on loopback with mTLS and CURVE (the fronts authenticate; the engine process sees
 the peer they forward), in this order (the last tests end it):
-* Attach / Propose / Detach over gRPC and ZMQ through the fronts draft what the solo engine drafts;
+* Attach / Propose / Detach over gRPC and ZMQ (tcp and ipc) through the fronts draft what the solo engine
+  drafts;
 * malformed messages get the same code and field as from the plain-mode server, and are refused in the
   front: the engine process's /metrics never counts them;
 * the authenticated peer reaches the engine process: another certificate or CURVE key cannot detach a
@@ -56,8 +57,8 @@ class Fronted:
         return GrpcDrafterClient(self.server.grpc_target, timeout_s=60,
                                  tls=TlsConfig(self.ca.cert_path, *self.ca.issue(name, server=False)))
 
-    def zmq_client(self) -> ZmqDrafterClient:
-        return ZmqDrafterClient(self.server.zmq_endpoint, timeout_s=60, curve=CurveConfig(
+    def zmq_client(self, endpoint: str | None = None) -> ZmqDrafterClient:
+        return ZmqDrafterClient(endpoint or self.server.zmq_endpoint, timeout_s=60, curve=CurveConfig(
             server_public=self.keys["server"][0], client_secret=self.keys["client"][1]))
 
 
@@ -75,7 +76,7 @@ def fronted(tiny_root, tmp_path_factory, one_torch_thread):
     server = DrafterServer(model, "eagle3", log_path=d / "server.log", kv_blocks=4 * SESSION_BLOCKS, block_sizes=16,
                            batch_window_us=500, tls_cert=cert, tls_key=key, tls_client_ca=ca.cert_path,
                            curve_server_cert=keys["server"][1], curve_clients_dir=clients, max_sessions_per_client=2,
-                           front_processes="true", **SERVER_SETTINGS).start()
+                           zmq_ipc=str(d / "zmq.sock"), front_processes="true", **SERVER_SETTINGS).start()
     yield Fronted(server, ca, keys)
     if server.proc.poll() is None:
         server.stop()
@@ -88,10 +89,14 @@ def _solo(tiny_root, seed: int) -> list:
     return [solo.propose(**s.call(p).kwargs).draft_token_ids for p in plans()]
 
 
-@pytest.mark.parametrize("transport", ["grpc", "zmq"])
+@pytest.mark.parametrize("transport", ["grpc", "zmq", "zmq-ipc"])
 def test_drafts_through_the_fronts_equal_solo(fronted, tiny_root, transport):
     expected = _solo(tiny_root, 21)
-    c = fronted.grpc_client(f"drafts-{transport}") if transport == "grpc" else fronted.zmq_client()
+    if transport == "grpc":
+        c = fronted.grpc_client("drafts-grpc")
+    else:  # the ZMQ front binds --zmq-ipc too, and "listening" reports it
+        c = fronted.zmq_client(fronted.server.ready["zmq_ipc"] if transport == "zmq-ipc" else None)
+    transport = transport.split("-")[0]
     try:
         info = c.info()
         assert info.state == "serving" and info.epoch == fronted.server.ready["epoch"]
