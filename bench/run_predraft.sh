@@ -2,7 +2,9 @@
 # Issue 23's device record in one call (2 GPUs): pre-drafting against a simulated target
 # (coordinator/bench/predraft_target.py): the target's verify on cuda:0, `drafter serve` with
 # pushed pre-drafts on cuda:1, the in-process drafter on cuda:0 beside the target.  Pushes on bound
-# sessions: --modes in_process,exact_bound,predraft_bound (cuda_ipc between the two GPUs).
+# sessions: --modes in_process,exact_bound,predraft_bound (cuda_ipc between the two GPUs).  Deeper
+# pre-drafts (k' > k, a server per k' with --predraft-k): --ks 3,4,5,6 --remote-ks 3 --predraft-ks 3,6
+# (in-process at every k, the served modes at k = 3, pre-drafts at k' = 3 and 6; the depth table).
 #   OUT=/tmp/out bash bench/run_predraft.sh [predraft_target arguments...]
 # Carried: .whl/ (pyzmq, msgspec, grpcio... the device host lacks) and the generated stubs
 # drafter/_proto/drafter/v1 (see run_on_gpu.sh).  Knobs: BENCH_TIMEOUT (default 460 s).

@@ -527,7 +527,8 @@ def bound_client(endpoint: str, batch: int, k: int, args, span: int = 0):
     spec = SimpleNamespace(num_speculative_tokens=k, hidden_width=layout.hidden_size * max(1, layout.num_aux_layers),
                            dtype="bfloat16", kv_groups=layout.kv_groups, max_model_len=layout.max_model_len)
     # a step after hits on deeper pre-drafts carries k' + 1 tokens a row (span = max(k, k'))
-    buffers = session_buffers(spec, SimpleNamespace(max_num_seqs=batch, max_num_batched_tokens=batch * (max(k, span) + 1)),
+    tokens = batch * (max(k, span) + 1)
+    buffers = session_buffers(spec, SimpleNamespace(max_num_seqs=batch, max_num_batched_tokens=tokens),
                               0, 0, 0)
     client = CudaIpcBoundClient(endpoint, layout, buffers, max_batch=batch, device=args.target_device, timeout_s=20,
                                 transport="ipc" if endpoint.startswith("ipc://") else "tcp")
@@ -930,7 +931,8 @@ def reachable(v_ms: float, batch: int, d_ms: float, tau_k: float, h: float, t_hi
 def deeper_table(results: list[dict], assume: Assumptions, verify_ms, batches) -> list[str]:
     """Pre-drafts at each depth k' (bound pushes and the others measured) against in-process at its
     best k, with what is reachable in principle (`reachable`) from each run's own hit rate and
-    tokens per pre-drafted row, and the in-process run's draft cost at the same k."""
+    tokens per pre-drafted row (the model's f tau(k') where no row verified a pre-draft), and the
+    in-process run's step past V at the same k."""
     lines = ["| V ms | batch | in-process best (k) | pre-draft run (mode, k -> k') | tok/s | hit | hits by a | "
              "tok per pre-drafted row | unawaited | pre-draft GPU ms | / in-proc same k | / in-proc best | "
              "reachable, all rows hit | reachable, best no-wait (t) | reachable at h = 1 |",
@@ -984,7 +986,8 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
                 return max(got, key=lambda r: r["tokens_per_s"]) if got else None
 
             def at(mode, k):
-                return next((r for r in mine if r["mode"] == mode and r["k"] == k and r.get("predraft_k", k) == k), None)
+                return next((r for r in mine if r["mode"] == mode and r["k"] == k and r.get("predraft_k", k) == k),
+                            None)
             ip, ex, pb, p3, ip3 = best("in_process"), best("exact_remote"), best("predraft"), at("predraft", 3), \
                 at("in_process", 3)
             nw, eb = best("predraft_nowait"), best("exact_bound")
@@ -1106,7 +1109,8 @@ def main(argv: list[str] | None = None) -> int:
                                 drafter.unawaited = 0
                             first = drafter.steps + 1
                             r = run(rows, drafter, verifies[v], args.steps, args.warmup)
-                            r.update(mode=mode, verify_ms=v, batch=b, k=k, predraft_k=max(k, kp), outcomes=args.outcomes)
+                            r.update(mode=mode, verify_ms=v, batch=b, k=k, predraft_k=max(k, kp),
+                                     outcomes=args.outcomes)
                             served = (k, kp) in servers
                             d = server_marks(stages_path(args.out, k, kp), first, drafter.steps) if served else {}
                             marks = r.pop("marks")
@@ -1203,7 +1207,8 @@ def write(out: Path, args, assume: Assumptions, name: str, modes, verify_ms, res
             f"{assume.hit_by_a} when a < k (last repeats) and {assume.hit_all} when all k are accepted; "
             f"{args.outcomes} outcomes pre-drafted per row (k' = k unless the run says k -> k'; a row that verifies a "
             f"pre-draft of k' > k drafts accepts with the same alphas per position, the last repeating, scaled so its "
-            f"tokens per step are {assume.predraft_factor}x the exact k'-chain's); drafter: random-weight EAGLE-3 head of "
+            f"tokens per step are {assume.predraft_factor}x the exact k'-chain's); drafter: random-weight EAGLE-3 "
+            f"head of "
             f"Llama-3.1-8B shapes ({'tiny' if args.tiny else 'bf16'}), Triton + CUDA graphs for drafts and for "
             f"pre-drafts (one replay per call, captured per batch size), on {args.drafter_device} (exact remote and "
             f"pre-draft: unbound ZMQ over ipc://, hidden states copied to the host each step; exact bound: the "
@@ -1225,7 +1230,8 @@ def write(out: Path, args, assume: Assumptions, name: str, modes, verify_ms, res
                  "threshold t of hit rows to send a step unawaited, its missed rows verifying nothing; h = 1: every "
                  "row hits every step):", "", *deeper, ""]
     body += ["Every run:", "",
-            "| V ms | batch | k | k' | mode | tok/s | tok/step/row | step p50 ms | hit | unawaited | not arrived | late sets |",
+            "| V ms | batch | k | k' | mode | tok/s | tok/step/row | step p50 ms | hit | unawaited | not arrived "
+            "| late sets |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         body.append(f"| {r['verify_ms']:g} | {r['batch']} | {r['k']} | {r.get('predraft_k', r['k'])} | {r['mode']} | "

@@ -201,7 +201,8 @@ def test_predraft_refusals(pair):
     for bad, why in ((dict(predraft_outcomes=2, predraft_k=-1), ">= 1"), (dict(predraft_k=6), "--predraft-outcomes"),
                      (dict(predraft_outcomes=2, predraft_k=6, max_num_seqs=64, max_num_batched_tokens=256),
                       "--max-num-batched-tokens 256"),
-                     (dict(predraft_outcomes=2, predraft_k=2048, max_num_seqs=1, max_num_batched_tokens=4096), "--max-model-len")):
+                     (dict(predraft_outcomes=2, predraft_k=2048, max_num_seqs=1, max_num_batched_tokens=4096),
+                      "--max-model-len")):
         with pytest.raises(ValueError, match="--predraft-k") as e:
             ServerConfig(**serve, **bad).check()
         assert why in str(e.value), (bad, str(e.value))

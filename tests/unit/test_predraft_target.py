@@ -270,7 +270,8 @@ def test_server_plan_and_deeper_table():
                dict(base, mode="predraft_bound", k=3, predraft_k=6, tokens_per_s=300.0, hit_rate=0.75,
                     hits_by_a={0: 0.5, 3: 0.9}, tokens_per_predrafted_row=3.7, unawaited=20)]
     lines = deeper_table(results, Assumptions(), [10.0], [1])
-    assert len(lines) == 3 and "| 340 (6) | predraft_bound, 3 -> 6 | 300 | 0.75 | 0.50/0.90 | 3.70 | 20/30 |" in lines[2]
+    assert len(lines) == 3
+    assert "| 340 (6) | predraft_bound, 3 -> 6 | 300 | 0.75 | 0.50/0.90 | 3.70 | 20/30 |" in lines[2]
     row = [c.strip() for c in lines[2].split("|")]
     assert row[11] == f"{300 / 270:.3f}" and row[12] == f"{300 / 340:.3f}"
     from coordinator.bench.predraft_target import reachable
