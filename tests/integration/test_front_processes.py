@@ -174,6 +174,13 @@ def test_a_malformed_message_is_refused_by_the_front_as_in_plain_mode(fronted, e
         "refused in the front: the engine process never saw it"
 
 
+def test_the_grpc_fronts_health_service_follows_the_server(fronted):
+    tls = TlsConfig(fronted.ca.cert_path, *fronted.ca.issue("prober", server=False))
+    with grpc.secure_channel(fronted.server.grpc_target, tls.credentials()) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_bind_is_refused_by_the_front(fronted):
     curve = (fronted.keys["server"][0], fronted.keys["client"][1])
     assert _zmq_ask(fronted.server.zmq_endpoint, [_envelope("Bind"), b""], curve) == ("FAILED_PRECONDITION", "method")
