@@ -9,6 +9,9 @@ Lifecycle (each step is a JSON line on stdout):
 With --tensor-parallel-size N > 1 also (drafter.service.tp):
   ranks        every worker rank has loaded its shard (world, backend, worker_pids), before ready
   rank_failed  a worker rank exited: health NOT_SERVING (serving and liveness), calls UNAVAILABLE
+With --front-processes (drafter.service.front) also:
+  listening and ready name the front processes (front_pids, by transport)
+  front_failed  a front process exited unasked: health NOT_SERVING (serving and liveness), calls UNAVAILABLE
 The process is PID 1 in its container, so it installs its own signal handlers.
 """
 
