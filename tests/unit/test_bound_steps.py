@@ -4,6 +4,7 @@ The real sessions and engine: tests/integration/test_bound_fused.py."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,9 @@ class Engine:
         self.graphs = SimpleNamespace(batch_sizes=list(batch_sizes), token_sizes=list(token_sizes))
         self.limits = SimpleNamespace(max_num_seqs=max(batch_sizes), max_num_batched_tokens=max(token_sizes))
         self.calls: list[tuple[int, int, int, int]] = []  # (batch, tokens, batch_padded, tokens_padded)
+
+    def on_device(self):
+        return contextlib.nullcontext()
 
     def draft(self, inp: ProposeInputs, *, batch_padded, tokens_padded, validate):
         assert not validate

@@ -132,11 +132,14 @@ class BoundSteps:
         if len(batch) == 1:
             self._alone(batch[0])
             return
-        for group in self._plan(batch):
-            if len(group) == 1:
-                self._alone(group[0])
-            else:
-                self._fused(group)
+        # other bindings' steps on this thread: the engine's GPU current (Triton launches follow it),
+        # whichever thread took the lock (the engine thread for a host-checked step, a data thread else)
+        with self.core.engine.on_device():
+            for group in self._plan(batch):
+                if len(group) == 1:
+                    self._alone(group[0])
+                else:
+                    self._fused(group)
 
     @staticmethod
     def _alone(t: BoundStep) -> None:
