@@ -438,18 +438,23 @@ def _first_requests(kw: dict, n: int) -> dict:
     return out
 
 
-def test_predraft_graphs_equal_the_eager_predraft(pair, greedy_runs):
+@pytest.mark.parametrize("kp", [0, KP])
+def test_predraft_graphs_equal_the_eager_predraft(pair, greedy_runs, kp):
     """The GPU path: every outcome of every request in one replay over static buffers, the batch
     padded to a capture size (padded rows write nothing anyone reads), emulated here as the graph
     runner emulates (capture keeps the function, replay calls it again): the same pre-drafts as the
-    eager path, for the full budget and a smaller one."""
+    eager path, for the full budget and a smaller one; with k' = 5 > k also after a hit (one row's
+    drafts verified are a 5-long pre-draft, the others k padded with -1)."""
     from types import SimpleNamespace
 
-    engine = _engine(pair, capture_sizes=(1, 2, 4))
+    engine = _engine(pair, capture_sizes=(1, 2, 4), predraft_tokens=kp)
     calls = _decode_call(greedy_runs)
     drafts = _replay(engine, calls)[:3]
     inp = call_inputs(_first_requests(calls[-1].kwargs, 3))  # 3 rows: pads to 4
     eager = [engine.predraft(inp, drafts, 7), engine.predraft(inp, drafts, 7, outcomes=2)]
+    if kp:
+        used = merge(drafts, [eager[0].drafts[0, 0], None, None])[0]
+        eager.append(engine.predraft(inp, used, 8))
 
     def capture_extra(fn):
         replay = torch.inference_mode()(fn)
@@ -459,11 +464,15 @@ def test_predraft_graphs_equal_the_eager_predraft(pair, greedy_runs):
     graphed = [engine.predraft(inp, drafts, 7), engine.predraft(inp, drafts, 7, outcomes=2)]
     graphs = engine._predraft_graphs
     assert graphs.count == 2 and sorted(graphs.replays) == [1, 2, 4]
+    if kp:
+        graphed.append(engine.predraft(inp, used, 8))
     print(f"\n[predraft graphs] batch {inp.batch_size} padded to {min(b for b in graphs.sizes if b >= inp.batch_size)}")
     assert inp.batch_size not in graphs.sizes  # the call pads: padded rows are exercised
     # host inputs (a server's) went through the graphs' host stage, not a copy per tensor to the device
     assert torch.equal(graphs.stage.host[0][:3], eager[0].positions)
-    assert torch.equal(graphs.stage.host[3][:3], drafts.to(torch.long))
+    last = used if kp else drafts.to(torch.long)  # the last call's drafts verified, padded with -1 to max(k, k')
+    width = last.shape[1]
+    assert torch.equal(graphs.stage.host[3][:3, :width], last) and graphs.stage.host[3][:3, width:].eq(-1).all()
     for e, g in zip(eager, graphed):
         for name in ("block_ids", "positions", "conditioned_on", "accepted", "next_tokens", "drafts"):
             assert torch.equal(getattr(e, name), getattr(g, name)), name
