@@ -278,3 +278,25 @@ def test_server_plan_and_deeper_table():
 
     got = reachable(10.0, 1, 1.0, 3.0, 0.75, 3.7)
     assert row[13] == f"{got['all_hit'] / 340:.3f}" and row[15] == f"{got['perfect'] / 340:.3f}"
+
+
+def test_a_call_after_a_deeper_hit_may_report_k_prime_accepted():
+    """The unbound check (drafter.service.sessions.check_call): accepted counts up to k' where the
+    drafter pre-drafts k' > k (EngineDescription.predraft_tokens), up to k otherwise."""
+    from dataclasses import replace
+
+    from drafter.service.sessions import SessionTable, check_call
+    from drafter.wire.errors import DrafterError
+    from tests.unit.test_service_sessions import ENG, _call, layout
+
+    for eng, ok in ((ENG, False), (replace(ENG, predraft_tokens=5), True)):
+        s = SessionTable(eng, max_sessions=4).attach(layout())
+        check_call(s, _call(accepted_counts=torch.tensor([3])), eng)
+        if ok:
+            check_call(s, _call(accepted_counts=torch.tensor([5])), eng)
+        else:
+            with pytest.raises(DrafterError) as e:
+                check_call(s, _call(accepted_counts=torch.tensor([5])), eng)
+            assert e.value.field == "accepted_counts"
+        with pytest.raises(DrafterError):
+            check_call(s, _call(accepted_counts=torch.tensor([6])), eng)
