@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+
 import torch
 
 from drafter.service.batching.fuse import fuse
@@ -59,7 +60,7 @@ class BoundStep:
         self.head = head  # drafter.wire.bound.StepHeader
         self.nbytes = nbytes
         self.taken = False  # a serve took it (answered within that serve's hold of the engine's lock)
-        self.result = b""
+        self.result: object = b""  # the session's answer (serve_alone's or fused_reply's)
         self.error: BaseException | None = None
 
 
@@ -76,9 +77,9 @@ class BoundSteps:
         self.fused_steps = 0  # steps served by them
 
     # ------------------------------------------------------------------ the session's thread
-    def run(self, session, head, nbytes: int, take) -> bytes:
-        """The step's answer (its drafts' bytes; raises its refusal): pending from now, then
-        take(serve, ticket) runs serve under the engine's lock."""
+    def run(self, session, head, nbytes: int, take):
+        """The step's answer (the session's: the host ring's drafts' bytes, cuda_ipc's stamps; raises
+        its refusal): pending from now, then take(serve, ticket) runs serve under the engine's lock."""
         ticket = self.enter(session, head, nbytes)
         try:
             return take(self.serve, ticket)
@@ -113,14 +114,17 @@ class BoundSteps:
                 self._watchers -= 1
 
     # ------------------------------------------------------------------ under the engine's lock
-    def serve(self, ticket: BoundStep) -> bytes:
+    def serve(self, ticket: BoundStep):
         """Engine lock held: the ticket's answer, with every step pending now served first."""
         if not ticket.taken:
             with self._lock:
                 batch, self._pending = self._pending, []
-                for t in batch:
-                    t.taken = True
-            if ticket not in batch:  # left by a failed take and entered again: never pending alone
+            if len(batch) == 1 and batch[0] is ticket:  # alone: its own step, no more frames than that
+                ticket.taken = True
+                return ticket.session.serve_alone(ticket.head, ticket.nbytes)
+            for t in batch:  # the batch is this thread's alone now: the owners look only at their own
+                t.taken = True
+            if not ticket.taken:  # (cannot happen: a ticket is pending until taken) served all the same
                 ticket.taken = True
                 batch.append(ticket)
             self._serve(batch)
