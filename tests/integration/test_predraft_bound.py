@@ -31,6 +31,7 @@ from tests.support.engines import build_engine  # noqa: E402
 from tests.support.servers import layout_for  # noqa: E402
 
 K, OUTCOMES, BATCH, MAX_LEN, MAX_TOKENS = 3, 2, 2, 96, 32
+KP = 5  # pre-drafts deeper than k: an all-hit step verifies 5 drafts a row (12 tokens in the next step)
 
 
 @pytest.fixture(autouse=True)
@@ -40,13 +41,16 @@ def _local_slabs(monkeypatch):
 
 @pytest.fixture(scope="module")
 def engines(tiny_root):
-    """(the served engine with emulated graphs, the in-process reference), built once for the module."""
-    return _engines(tiny_root)
+    """(the served engine with emulated graphs, the in-process reference), built once for the module,
+    pre-drafting k' = KP > k (--predraft-k; k' = k is the same code at one width, which the lossless
+    bound test runs)."""
+    return _engines(tiny_root, KP)
 
 
-def _engines(root):
+def _engines(root, predraft_tokens: int = 0):
     kw = dict(k=K, max_model_len=MAX_LEN, max_num_seqs=MAX_BATCH, max_num_batched_tokens=MAX_TOKENS,
-              num_blocks=2 * SESSION_BLOCKS, predraft_outcomes=OUTCOMES, capture_sizes=(MAX_BATCH,))
+              num_blocks=2 * SESSION_BLOCKS, predraft_outcomes=OUTCOMES, capture_sizes=(MAX_BATCH,),
+              predraft_tokens=predraft_tokens)
     served = build_engine(root, "eagle3", attention_backend="triton", device="cpu", skinny_gemm="off", **kw)
     served.graphs = GraphRunner(served, emulate=True, combined=False)
     served.graphs.token_sizes, served.graphs.batch_sizes = [PADDING["tokens_padded"]], [MAX_BATCH]
@@ -70,7 +74,7 @@ class Offline:
     def __init__(self, engine):
         self.engine, self.sets = engine, {}
 
-    def step(self, step: int, kw: dict, counts, outcomes: int | None) -> torch.Tensor:  # [b, k] used drafts
+    def step(self, step: int, kw: dict, counts, outcomes: int | None) -> torch.Tensor:  # [b, k or k'] used drafts
         exact = self.engine.propose(**kw).draft_token_ids
         inp = call_inputs(kw)
         hits = [lookup(self.sets.get(step - 1), o) for o in outcomes_of_call(inp, counts)]
@@ -102,6 +106,10 @@ def _draw(rows: Rows, pre, hit: list[bool]) -> tuple[list[int], torch.Tensor]:
 
 
 def test_bound_pushes_equal_offline_predrafts_and_hits_cost_no_round_trip(engines):
+    """At k' = 5 > k = 3 (the k' = k path is the same code at one width; the lossless bound test runs
+    it): pushed sets equal the offline pre-drafts, an all-hit step verifies all 5 drafts of each
+    pre-draft unawaited, and the next step (6 query tokens in those rows, up to 5 accepted) passes
+    the drafter's guard and is pre-drafted from exactly as offline."""
     served, reference = engines
     with Drafter(served) as drafter:
         client = _client(drafter, served)
@@ -111,7 +119,9 @@ def test_bound_pushes_equal_offline_predrafts_and_hits_cost_no_round_trip(engine
         client.on_push = lambda pre: (pushed.__setitem__(pre.step, pre), offer(pre))[1]
         offline = Offline(reference)
         rows = Rows(SimConfig(BATCH, K, ctx=8, max_len=MAX_LEN, vocab=drafter.core.desc.vocab_size,
-                              width=served.spec.hidden_input_width), torch.device("cpu"), torch.float32, Assumptions())
+                              width=served.spec.hidden_input_width, predraft_k=KP), torch.device("cpu"), torch.float32,
+                    Assumptions())
+        assert drafter.core.info().predraft_tokens == KP
         # per step after the first: which rows' outcomes the pushed set predicted
         plan = [[True, True], [True, True], [False, True], [True, True]]
         try:
@@ -137,6 +147,7 @@ def test_bound_pushes_equal_offline_predrafts_and_hits_cost_no_round_trip(engine
                 used = offline.step(step, kw, counts, n)
                 assert pre_rows == (hit if all(hit) else [False] * BATCH), (step, pre_rows)
                 assert torch.equal(drafts, used), f"step {step}: the drafts verified are the offline ones"
+                assert drafts.shape[1] == (KP if all(hit) else K), "a hit step verifies the pre-drafts whole"
                 assert pd.unawaited == unawaited + all(hit), "all rows hit: sent without waiting, else waited"
                 rows.set_drafts(drafts, pre_rows)
             assert pd.picker.stats.hit_rate > 0.8 and pd.picker.stats.late == 0
@@ -172,8 +183,8 @@ def test_the_benchs_bound_predraft_mode_runs_its_loop(engines):
         client = _client(drafter, served)
         mode = PreDraftBound(client)
         rows = Rows(SimConfig(BATCH, K, ctx=8, max_len=MAX_LEN, vocab=drafter.core.desc.vocab_size,
-                              width=served.spec.hidden_input_width, seed=3), torch.device("cpu"), torch.float32,
-                    Assumptions())
+                              width=served.spec.hidden_input_width, seed=3, predraft_k=KP), torch.device("cpu"),
+                    torch.float32, Assumptions())
         try:
             out = run(rows, mode, Verify(torch.device("cpu"), 1.0), steps=1, warmup=0)
             assert client.plane == wb.CUDA_IPC
@@ -221,8 +232,8 @@ def test_an_awaited_steps_predraft_waits_for_the_targets_taken(engines):
         offer = pd.picker.offer
         client.on_push = lambda pre: (pushed.__setitem__(pre.step, pre), offer(pre))[1]
         rows = Rows(SimConfig(BATCH, K, ctx=8, max_len=MAX_LEN, vocab=drafter.core.desc.vocab_size,
-                              width=served.spec.hidden_input_width, seed=5), torch.device("cpu"), torch.float32,
-                    Assumptions())
+                              width=served.spec.hidden_input_width, seed=5, predraft_k=KP), torch.device("cpu"),
+                    torch.float32, Assumptions())
         try:
             kw, _ = rows.call(None, rows._tokens(BATCH), rows.hidden)
             drafts, pre_rows = pd.step(_call(kw), None, **PADDING)
