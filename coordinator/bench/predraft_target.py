@@ -997,7 +997,9 @@ def table(results: list[dict], verify_ms, batches) -> list[str]:
             def cell(r, hit=False):
                 if r is None:
                     return "-"
-                return f"{r['tokens_per_s']:.0f} ({r['k']}" + (f", {r['hit_rate']:.2f})" if hit else ")")
+                kp = r.get("predraft_k", r["k"])
+                depth = f"{r['k']}" + (f"->{kp}" if kp != r["k"] else "")  # k -> k' for deeper pre-drafts
+                return f"{r['tokens_per_s']:.0f} ({depth}" + (f", {r['hit_rate']:.2f})" if hit else ")")
 
             def ratio(x, y):
                 return f"{x['tokens_per_s'] / y['tokens_per_s']:.3f}" if x and y else "-"
