@@ -8,9 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from tests.support.triton_interp import skip_repatching
+    from tests.support.triton_interp import install
 
-    skip_repatching()  # a kernel's helper calls no longer re-patch triton.language (tests/support/triton_interp.py)
+    install()  # no re-patching by a kernel's helper calls, a memoized dtype lookup (tests/support/triton_interp.py)
 
 # scripts/test.sh runs the tests on pytest-xdist workers (one per core, a whole file to a worker).  A
 # worker's OpenMP threads would only spin against the other worker's (and the servers' the tests

@@ -17,6 +17,10 @@ from coordinator.demo.fleet import _context
 def _entry(rank: int, world: int, init: str, out: str, fn, args) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # a fresh process: tests/conftest.py's shortcut is not in it
+        from tests.support.triton_interp import install
+
+        install()
     try:
         torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                              timeout=datetime.timedelta(seconds=60))

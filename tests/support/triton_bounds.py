@@ -54,6 +54,26 @@ def allowing_outputs(runner):
         del runner.new_output  # the class's method again
 
 
+def _span(t) -> tuple[int, int]:
+    """[first byte, end) of a tensor's whole storage."""
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def _merged(spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the spans as disjoint sorted [start, end) intervals (starts, ends: uint64):
+    an address lies in some span exactly when it lies in one of these."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for lo, hi in sorted(s for s in spans if s[1] > s[0]):
+        if starts and lo <= ends[-1]:
+            ends[-1] = max(ends[-1], hi)
+        else:
+            starts.append(lo)
+            ends.append(hi)
+    return np.asarray(starts, dtype=np.uint64), np.asarray(ends, dtype=np.uint64)
+
+
 @contextlib.contextmanager
 def checking():
     try:
@@ -64,12 +84,12 @@ def checking():
     except (ImportError, AttributeError):
         yield False
         return
-    ranges: list[tuple[str, list[tuple[int, int]]]] = []
+    # per running launch: [kernel name, its tensor arguments' spans, the merged spans (made at its first access)]
+    ranges: list[list] = []
 
     def call(self, *args, **kwargs):
-        spans = [(a.untyped_storage().data_ptr(), a.untyped_storage().data_ptr() + a.untyped_storage().nbytes())
-                 for a in (*args, *kwargs.values()) if hasattr(a, "untyped_storage")]
-        ranges.append((self.fn.__name__, spans))
+        spans = [_span(a) for a in (*args, *kwargs.values()) if hasattr(a, "untyped_storage")]
+        ranges.append([self.fn.__name__, spans, None])
         try:
             return originals[0](self, *args, **kwargs)
         finally:
@@ -78,14 +98,18 @@ def checking():
     def check(ptrs, mask, what):
         if not ranges:
             return
-        name, spans = ranges[-1]
+        launch = ranges[-1]
+        if launch[2] is None:  # the allowed tensors cannot change while a launch runs: no test code runs meanwhile
+            launch[2] = _merged(launch[1] + [_span(t) for group in _ALLOWED for t in group])
+        starts, ends = launch[2]
         addr = np.asarray(ptrs.data[mask.data] if mask is not None else ptrs.data, dtype=np.uint64).ravel()
-        inside = np.zeros(addr.shape, dtype=bool)
-        extra = [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
-                 for group in _ALLOWED for t in group]
-        for lo, hi in spans + extra:
-            inside |= (addr >= lo) & (addr < hi)
+        if len(starts):
+            at = np.searchsorted(starts, addr, side="right") - 1  # the last span starting at or below each address
+            inside = (at >= 0) & (addr < ends[np.maximum(at, 0)])
+        else:
+            inside = np.zeros(addr.shape, dtype=bool)
         if not inside.all():
+            name = launch[0]
             raise OutOfBounds(f"{name}: {what} of {int((~inside).sum())} element(s) outside every tensor argument")
 
     def store(self, ptrs, value, mask, *rest):
