@@ -22,8 +22,7 @@ decode step, drafts on the host:
     polling it SPIN_US after each reply before it sleeps (BindRequest.spin_us: it catches the next
     header hot when steps come back to back, as here; a target step of milliseconds between them
     would find it asleep as cuda_ipc does); cuda_ipc_fill: each step first copies the call's
-    tensors (on the GPU) into the target's buffers, as the RemoteProposer does; cuda_ipc_fill_wake:
-    the same with the doorbell rung (wake()) before the copies, as the RemoteProposer rings it;
+    tensors (on the GPU) into the target's buffers, as the RemoteProposer does;
   * cuda_ipc waits for the drafts as the client decides by itself (bound_ipc.same_gpu: the host
     waits on the drafter's event where both run on one GPU, else the stream);
     cuda_ipc_host_wait: the host always; cuda_ipc_stream_wait: the stream always;
@@ -80,12 +79,12 @@ from drafter.tools.bench.bound import (HEAD_CONFIG, TINY, WARMUP, _call, _stats,
 
 CLIENTS = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
            "cuda_ipc_armed", "cuda_ipc_armed_spin",
-           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
+           "cuda_ipc_fill", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
            "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "host_ring_spread",
            "host_ring_spin", "unbound", "unbound_cuda_ipc")
 BOUND = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
          "cuda_ipc_armed", "cuda_ipc_armed_spin",
-         "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
+         "cuda_ipc_fill", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", "host_ring",
          "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk", "host_ring_spread",
          "host_ring_spin")
 RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host_ring_8lane", "host_ring_bulk",
@@ -94,7 +93,7 @@ RINGS = ("host_ring", "host_ring_ipc", "host_ring_zmq", "host_ring_1lane", "host
 # with one D2H copy and one H2D copy a step; 4 lanes, every one that gets a CHUNK; host_ring polling for its reply
 STAMPED = ("nccl_channel", "nccl_channel_ipc", "nccl_channel_zmq", "cuda_ipc", "cuda_ipc_zmq", "cuda_ipc_spin",
            "cuda_ipc_armed", "cuda_ipc_armed_spin",
-           "cuda_ipc_fill", "cuda_ipc_fill_wake", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", *RINGS)
+           "cuda_ipc_fill", "cuda_ipc_host_wait", "cuda_ipc_stream_wait", *RINGS)
 SPIN_US = 3000  # cuda_ipc_spin's BindRequest.spin_us: covers the bench's back-to-back steps up to batch 64
 NO_DOORBELL = ("cuda_ipc_zmq", "nccl_channel_zmq")  # the header on the ZMQ data socket, to compare
 
@@ -230,14 +229,11 @@ RING_STAGES = (  # a host_ring step's path (HostRingClient's stamps: BoundLink.s
 
 def _stepper(client, call: dict, n: int, b: int, name: str):
     """The timed step of client `name`: step() alone, or the call's copies into the buffers first
-    (_fill), with the doorbell rung before them (_fill_wake)."""
+    (_fill)."""
     if not name.startswith("cuda_ipc_fill"):
         return lambda: client.step(n, b)
-    wake = name.endswith("_wake")
 
     def step():
-        if wake:
-            client.wake()
         fill(client.views, call)
         return client.step(n, b)
     return step

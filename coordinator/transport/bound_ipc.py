@@ -2,7 +2,6 @@
 
     client = CudaIpcBoundClient("tcp://127.0.0.1:5555", layout, buffers, max_batch=64, device="cuda:0")
     bufs = client.views                        # the target's persistent buffers: views into one GPU slab
-    client.wake()                              # optional: the drafter's thread wakes while the target fills
     ...                                        # every step the target fills their first rows (its stream)
     drafts = client.step(num_tokens, batch)    # [batch, width] int64 on the host, or
     drafts = client.step_async(num_tokens, batch)  # [batch, width] on the GPU, ordered on the stream
@@ -146,16 +145,6 @@ class DeviceLink:
             self.bell_reason = f"the doorbell {self.resp.doorbell[:64]} cannot be used: {exc}"
             return False
         return True
-
-    def wake(self) -> None:
-        """Tell the drafter a step comes soon (doorbell.WAKE): call it when starting to fill the
-        buffers, and its thread wakes while they fill instead of after the header.  Nothing
-        without a doorbell; a failed ring is left to the step's own send to report."""
-        if self.bell is not None:
-            try:
-                self.bell.send(doorbell.WAKE)
-            except OSError:
-                pass
 
     def close(self) -> None:
         self.alive = False
@@ -807,12 +796,6 @@ class CudaIpcBoundClient:
                 if exc.code == Code.UNAVAILABLE and exc.field == "data":
                     self._bind_in_step()
             raise
-
-    def wake(self) -> None:
-        """Before filling the views for a step: the drafter's doorbell thread wakes meanwhile
-        (DeviceLink.wake); nothing where the binding has no doorbell."""
-        if self.link is not None and self.link.alive:
-            self.link.wake()
 
     def check(self) -> None:
         """Read the last step's error word (a host sync); INVALID_ARGUMENT naming its first field."""

@@ -23,8 +23,10 @@
     after the Bind, its hello the bind id), served by a second thread of the binding: the target's
     send wakes that thread directly, where a ZMQ frame passes two I/O threads first.  The data
     socket stays open beside it (a target that could not reach the doorbell steps there).  A
-    target's WAKE (rung before it fills its buffers) has the thread poll for the header awake up
-    to WAKE_SPIN_S; a Bind's spin_us has it poll that long after each reply.
+    Bind's spin_us has the thread poll that long after each reply.  A WAKE frame (which clients
+    rang before filling their buffers until 2026-11-26) is read and dropped: the thread polling
+    for the header after it cost the target's own send of the WAKE ~2.1 ms a step on a one-H200
+    host (bench/results/2026-11-26-h200-e2e-stages/).
 
 An armed binding (BindRequest.armed, wb.ARM_WORDS) starts each step from the target's GPU instead: the
 steps run on the binding's own stream, each behind a GPU wait for a go word the target copies after its
@@ -69,7 +71,6 @@ log = logging.getLogger("drafter.service.bound")
 BACKEND = None  # None: cuda_slab.TorchSlabs (the tests put a LocalSlabs here)
 HELLO_TIMEOUT_S = 2.0  # a doorbell connection that sends no hello in this time is closed
 DRAIN_S = 2.0  # an armed binding's queued steps get this long to run when another user drains them
-WAKE_SPIN_S = 0.002  # after the target's WAKE, the doorbell thread polls for the header this long before it sleeps
 _MESSAGE = 2000  # characters of an INTERNAL step error's message (a doorbell frame stays small)
 SLAB = "slab"
 GUARDED_RING = None  # None: the host ring is guarded on the GPU where the engine is on one; the tests force it
@@ -316,22 +317,17 @@ class _Doorbell:
                 conn.close()
 
     def _doorbell_steps(self, conn) -> None:
-        """Each header in, its StepDone out.  A WAKE (the target filling its buffers) has the thread
-        poll for the header awake for WAKE_SPIN_S; with the Bind's spin_us it polls that long after
-        each reply.  A frame caught so is taken without sleeping; a WAKE caught so is not spun on
-        again (ringing alone cannot keep the thread busy)."""
+        """Each header in, its StepDone out.  With the Bind's spin_us the thread polls that long
+        after each reply, and a frame caught so is taken without sleeping.  A WAKE is dropped
+        (module docstring: polling after it slowed the target's send)."""
         scratch = bytearray(doorbell.MAX_FRAME)
         caught = None  # a frame a spin caught
         while self._alive():
-            spun = caught is not None
-            frame, caught = (caught if spun else self._refusing(conn, None)), None
-            if frame is None:
+            frame, caught = (caught if caught is not None else self._refusing(conn, None)), None
+            if frame is None or frame == doorbell.WAKE:
                 continue
             if not frame:
                 return  # the target closed its end: it steps on the data socket, or binds again
-            if frame == doorbell.WAKE:
-                caught = None if spun else self._refusing(conn, (WAKE_SPIN_S, scratch))
-                continue
             pre = getattr(self, "_predrafts", None)  # the channel planes' sessions have none
             if pre is not None and pre.note_taken(frame):  # a TAKEN no pre-draft waited for (issue 23)
                 continue
