@@ -8,10 +8,12 @@ lower CPU priority (os.nice) to model attackers on other machines -- on a 2-core
 otherwise take the cores from the server and the valid clients, and the latencies would mix the
 server's cost of refusing with the attackers' own CPU.
 
-Asserted: each valid client's drafts equal its solo engine's, every attack gets its refusal, the
-server's RSS stays within a generous bound, and the refusal log stays throttled.  Printed, not asserted
-(no timing asserts): the valid clients' p99 step latency per transport, unloaded and under attack, and
-the server's CPU seconds in each phase.
+Run twice: serving as by default, and with `--front-processes` (the listeners, their decoding and
+refusals in processes of their own, drafter.service.front: the mode docs/security.md recommends where
+untrusted clients reach the ports).  Asserted: each valid client's drafts equal its solo engine's,
+every attack gets its refusal, the server's RSS (the fronts' included) stays within a generous bound,
+and the refusal log stays throttled.  Printed, not asserted (no timing asserts): the valid clients' p99
+step latency per transport, unloaded and under attack, and the server's CPU seconds in each phase.
 """
 
 from __future__ import annotations
@@ -36,17 +38,23 @@ from tests.support.servers import REPO, DrafterServer, layout_for
 
 MiB = 1024 * 1024
 MAX_MESSAGE = 16 * MiB
-UNLOADED_S, ATTACKED_S = 6.0, 15.0  # how long the valid clients draft in each phase (whole sessions)
+UNLOADED_S, ATTACKED_S = 5.0, 10.0  # how long the valid clients draft in each phase (whole sessions), each mode
 ATTACKER_NICE = 10  # the attacker process's os.nice increment
 
 
-@pytest.fixture(scope="module")
-def server(tiny_root, tmp_path_factory, one_torch_thread):
+@pytest.fixture(scope="module", params=["plain", "fronts"])
+def server(request, tiny_root, tmp_path_factory, one_torch_thread):
     _, model = tiny_dirs(tiny_root, "eagle3")
-    log = tmp_path_factory.mktemp("logs") / "soak-server.log"
+    log = tmp_path_factory.mktemp("logs") / f"soak-server-{request.param}.log"
+    fronts = {"front_processes": "true"} if request.param == "fronts" else {}
     with DrafterServer(model, "eagle3", log_path=log, kv_blocks=8 * SESSION_BLOCKS, block_sizes=16,
-                       batch_window_us=500, max_message_bytes=MAX_MESSAGE, **SERVER_SETTINGS) as s:
+                       batch_window_us=500, max_message_bytes=MAX_MESSAGE, **SERVER_SETTINGS, **fronts) as s:
         yield s
+
+
+def _pids(server) -> list[int]:
+    """The serving process and its front processes (none without --front-processes)."""
+    return [server.proc.pid, *(server.ready.get("front_pids") or {}).values()]
 
 
 def _expected(tiny_root, seed: int) -> list:
@@ -129,23 +137,24 @@ def _p99(xs) -> float:
 
 def _phase(server, tiny_root, expected, seconds: float) -> tuple[dict, float, float]:
     """The valid clients' step latencies by transport, the phase's seconds and the server's CPU seconds."""
-    cpu0, t0 = attacks.process_cpu_s(server.proc.pid), time.monotonic()
+    cpu = lambda: sum(attacks.process_cpu_s(pid) for pid in _pids(server))  # noqa: E731
+    cpu0, t0 = cpu(), time.monotonic()
     latencies = _run_valid(server, tiny_root, expected, seconds)
-    return latencies, time.monotonic() - t0, attacks.process_cpu_s(server.proc.pid) - cpu0
+    return latencies, time.monotonic() - t0, cpu() - cpu0
 
 
 def test_soak_valid_clients_under_every_attack(server, tiny_root):
     expected = [_expected(tiny_root, 11 + i) for i in range(3)]
-    pid = server.proc.pid
+    pids = _pids(server)
     unloaded, idle_s, idle_cpu = _phase(server, tiny_root, expected, UNLOADED_S)
-    rss_before = rss_mib(pid)
+    rss_before = sum(rss_mib(pid) for pid in pids)
     with _Attacker(server, tiny_root) as attacker:
         loaded, busy_s, busy_cpu = _phase(server, tiny_root, expected, ATTACKED_S)
-    rss_after = rss_mib(pid)
+    rss_after = sum(rss_mib(pid) for pid in pids)
     report = attacker.report
     refused_lines = sum(1 for ln in server.log_path.read_text().splitlines()
                         if '"event": "refused"' in ln)
-    print(f"\nsoak {busy_s:.1f} s under attack; attacks sent: {dict(sorted(report['counts'].items()))}")
+    print(f"\nsoak ({len(pids) - 1} front processes) {busy_s:.1f} s under attack; attacks sent: {dict(sorted(report['counts'].items()))}")
     unloaded["all"], loaded["all"] = unloaded["grpc"] + unloaded["zmq"], loaded["grpc"] + loaded["zmq"]
     for transport in ("grpc", "zmq", "all"):
         u, a = _p99(unloaded[transport]), _p99(loaded[transport])
