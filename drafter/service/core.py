@@ -101,7 +101,31 @@ class InflightLimit:
             self.calls.pop(client, None)
 
 
-class ServiceCore:
+class CallAccounting:
+    """What the transports wrap each call in, on whatever counts calls (ServiceCore in the serving
+    process, drafter.service.front.FrontCore in a front process): their begin() and finish()."""
+
+    @asynccontextmanager
+    async def serving(self, transport: str, rpc: str, caller: Caller | None = None):
+        """Wrap one call: refuse unless serving, count it in flight, record its outcome.
+
+        Raises DrafterError (UNAVAILABLE while loading or draining, RESOURCE_EXHAUSTED past the
+        caller's in-flight cap); any other failure inside comes out as a DrafterError too, so
+        transports only ever see DrafterError.
+        """
+        rec = self.begin(transport, rpc, caller)
+        try:
+            yield
+        except BaseException as exc:
+            err = self.finish(rec, exc)
+            if err is not None:
+                raise err from (None if err is exc else exc)
+            raise
+        else:
+            self.finish(rec)
+
+
+class ServiceCore(CallAccounting):
     def __init__(self, *, metrics: Metrics, max_sessions: int, batch_window_s: float, max_message_bytes: int,
                  session_idle_timeout_s: float = 0.0, allow_cuda_ipc: tuple[bool, str] = (False, "not enabled"),
                  quotas: ClientQuotas = ClientQuotas()):
@@ -240,24 +264,6 @@ class ServiceCore:
                 self._idle.set()
         return err
 
-    @asynccontextmanager
-    async def serving(self, transport: str, rpc: str, caller: Caller | None = None):
-        """Wrap one call: refuse unless serving, count it in flight, record its outcome.
-
-        Raises DrafterError (UNAVAILABLE while loading or draining, RESOURCE_EXHAUSTED past the
-        caller's in-flight cap); any other failure inside comes out as a DrafterError too, so
-        transports only ever see DrafterError.
-        """
-        rec = self.begin(transport, rpc, caller)
-        try:
-            yield
-        except BaseException as exc:
-            err = self.finish(rec, exc)
-            if err is not None:
-                raise err from (None if err is exc else exc)
-            raise
-        else:
-            self.finish(rec)
 
     def _count(self, transport: str, rpc: str, code: Code) -> None:
         self.metrics.requests.labels(transport, rpc, code.name).inc()

@@ -37,14 +37,13 @@ import signal
 import sys
 import tempfile
 import time
-from contextlib import asynccontextmanager
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from drafter.service.config import ServerConfig
-from drafter.service.core import CallRecord, InflightLimit
+from drafter.service.core import CallAccounting, CallRecord, InflightLimit
 from drafter.service.grpc_server import DrafterGrpcService, HealthState, _parse, caller_of
 from drafter.service.logs import RefusalLog
 from drafter.service.metrics import Metrics
@@ -190,7 +189,7 @@ def _result(frames: list) -> ProposeResult:
                          draft_probs=probs, batch_padded=header.batch_padded, tokens_padded=header.tokens_padded)
 
 
-class FrontCore:
+class FrontCore(CallAccounting):
     """What the transports call on in a front process, in place of ServiceCore: the per-client in-flight
     cap, draining and the refusal log here; attach, detach, info and propose forwarded to the engine."""
 
@@ -235,19 +234,6 @@ class FrontCore:
             if self.inflight == 0:
                 self._idle.set()
         return err
-
-    @asynccontextmanager
-    async def serving(self, transport: str, rpc: str, caller: Caller | None = None):
-        rec = self.begin(transport, rpc, caller)
-        try:
-            yield
-        except BaseException as exc:
-            err = self.finish(rec, exc)
-            if err is not None:
-                raise err from (None if err is exc else exc)
-            raise
-        else:
-            self.finish(rec)
 
     def start_draining(self) -> None:
         self.state = DRAINING
