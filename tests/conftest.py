@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     from tests.support.triton_interp import install
 
-    install()  # no re-patching by a kernel's helper calls, a memoized dtype lookup (tests/support/triton_interp.py)
+    install()  # interpreter shortcuts that change no result (tests/support/triton_interp.py)
 
 # scripts/test.sh runs the tests on pytest-xdist workers (one per core, a whole file to a worker).  A
 # worker's OpenMP threads would only spin against the other worker's (and the servers' the tests
@@ -18,28 +18,31 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
-# The files that take longest on CI's two cores (measured 2026-11-26 with --durations, slowest
-# first).  Under xdist they are handed out first, so that no worker is left running one of them
-# alone at the end of the run; every other file keeps its place.  A stale list only costs time.
+# The files that take longest on CI's two cores, slowest first (measured 2026-11-26 with --durations;
+# the files whose kernels run under the Triton interpreter scaled by the ~0.7 that
+# tests/support/triton_interp.py's shortcuts measured on them alone).  Under xdist they are handed out
+# first, so that no worker is left running one of them alone at the end of the run; every other file
+# keeps its place.  A stale list only costs time.
 SLOW_FILES = (
     "tests/vllm_parity/test_plugin.py",
     "tests/vllm_parity/test_vllm_replay.py",
-    "tests/unit/test_tp_graphs.py",
     "tests/e2e/test_docs_commands.py",
-    "tests/integration/test_predraft_bound_lossless.py",
-    "tests/unit/test_graph_runner.py",
-    "tests/integration/test_loadtest.py",
-    "tests/unit/test_triton_kernels.py",
-    "tests/unit/test_vllm_mrv2.py",
+    "tests/unit/test_tp_graphs.py",
     "tests/integration/test_predraft_bound.py",
-    "tests/unit/test_bound_fold.py",
-    "tests/integration/test_coordinator_fleet.py",
-    "tests/unit/test_bound.py",
     "tests/integration/test_abuse_soak.py",
-    "tests/unit/test_vllm_mtp_runners.py",
-    "tests/integration/test_ring_stream.py",
+    "tests/unit/test_graph_runner.py",
+    "tests/unit/test_triton_kernels.py",
+    "tests/integration/test_predraft_bound_lossless.py",
+    "tests/integration/test_loadtest.py",
+    "tests/unit/test_vllm_mrv2.py",
+    "tests/unit/test_bound_fold.py",
     "tests/integration/test_service_fuzz.py",
     "tests/integration/test_bound_ipc.py",
+    "tests/integration/test_bound_armed.py",
+    "tests/integration/test_coordinator_fleet.py",
+    "tests/unit/test_bound.py",
+    "tests/unit/test_vllm_mtp_runners.py",
+    "tests/integration/test_ring_stream.py",
 )
 
 
