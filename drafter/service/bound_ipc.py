@@ -180,6 +180,14 @@ class _Guarded:
             raise invalid("num_tokens", f"{n} must lie in [batch={b}, "
                                         f"{min(s.max_num_batched_tokens, self.bound.max_tokens)}]")
 
+    def _guarded_rows(self, head: wb.StepHeader):
+        """A fused step's part after its inputs are in place (fuse_part): the guard run alone, the
+        call counted; the guard's rows for the fused engine call."""
+        self.guard.step(head.num_tokens, head.batch)
+        self.session.calls += 1
+        self.session.last_used = time.monotonic()
+        return self.bound.rows(head.num_tokens, head.batch)
+
     def _replay(self, head: wb.StepHeader) -> None:
         """Queued on the stream: the bound graphs, which start with the guard (BoundPropose.fold:
         its sizes from the header the call stores; one replay at a combined decode size)."""
@@ -220,10 +228,7 @@ class GuardedRingSession(_Guarded, BoundSession):
             raise invalid("ring", f"{nbytes} bytes for {head.num_tokens} tokens; the layout needs {want}")
         self._check_plan(head)
         self._stage(nbytes)
-        self.guard.step(head.num_tokens, head.batch)
-        self.session.calls += 1
-        self.session.last_used = time.monotonic()
-        return self.bound.rows(head.num_tokens, head.batch)
+        return self._guarded_rows(head)
 
     def fused_drafts(self, head: wb.StepHeader, rows: torch.Tensor) -> None:  # rows: [batch, width] int64
         """The drafts into the output, the output (with the error word) to the host, queued."""
@@ -472,10 +477,7 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         if self._wait_inputs is None:
             self._events()
         self._wait_inputs()
-        self.guard.step(head.num_tokens, head.batch)
-        self.session.calls += 1
-        self.session.last_used = time.monotonic()
-        return self.bound.rows(head.num_tokens, head.batch)
+        return self._guarded_rows(head)
 
     def fused_drafts(self, head: wb.StepHeader, rows: torch.Tensor) -> None:  # rows: [batch, width] int64
         """The drafts into the shared output, the pre-draft rows kept, the "drafts ready" event recorded."""
