@@ -109,17 +109,8 @@ class ChannelSession(_Doorbell, _Guarded, BoundSession):
             raise
         return group
 
-    # ------------------------------------------------------------------ data socket
-    def _receive_and_run(self, sock: zmq.Socket, ring) -> tuple[wb.StepDone, bytes]:
-        """[StepHeader] only; the prefix comes down the channel, the output goes back by it."""
-        received = time.perf_counter_ns()
-        header_frame = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
-        extra = 0
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv()
-            extra += 1
-        done, self._accepted = self._answer(header_frame, extra, received)
-        return done, b""
+    # the data socket's step is _Doorbell._receive_and_run: [StepHeader] only; the prefix comes down the
+    # channel, the output goes back by it
 
     def _answer(self, header_frame: bytes, extra: int, received: int) -> tuple[wb.StepDone, list[int]]:
         """One step from its header frame (the data socket's or the doorbell's): StepDone, and the

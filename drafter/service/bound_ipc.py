@@ -287,6 +287,18 @@ class _Doorbell:
         if self._bell_thread is not None:
             self._bell_thread.join(timeout_s)
 
+    def _receive_and_run(self, sock: zmq.Socket, ring) -> tuple[wb.StepDone, bytes]:
+        """The data socket's step: [StepHeader] only (the inputs are in the target's shared buffers or come
+        down a channel); frames after it are counted and the step refused."""
+        received = time.perf_counter_ns()
+        header_frame = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
+        extra = 0
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv()
+            extra += 1
+        done, self._accepted = self._answer(header_frame, extra, received)
+        return done, b""
+
     def _open_doorbell(self, req: wb.BindRequest) -> None:
         """A listening doorbell where the Bind asked for one and the platform has it (else none:
         the target steps on the data socket)."""
@@ -418,18 +430,6 @@ class IpcBoundSession(_Doorbell, _Guarded, BoundSession):
         self._open_doorbell(req)
 
     # ------------------------------------------------------------------ data socket
-    def _receive_and_run(self, sock: zmq.Socket, ring) -> tuple[wb.StepDone, bytes]:
-        """[StepHeader] only: anything more is refused."""
-        received = time.perf_counter_ns()
-        header_frame = sock.recv() if sock.getsockopt(zmq.RCVMORE) else b""
-        extra = 0
-        while sock.getsockopt(zmq.RCVMORE):
-            sock.recv()
-            extra += 1
-        done, accepted = self._answer(header_frame, extra, received)
-        self._accepted = accepted
-        return done, b""
-
     def _answer(self, header_frame: bytes, extra: int, received: int) -> tuple[wb.StepDone, list[int]]:
         """One step's StepDone from its header frame (extra: frames that came after it), and the
         rows' accepted counts to record after the reply ([] for none or a refused step)."""

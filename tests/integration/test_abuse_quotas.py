@@ -12,19 +12,17 @@
 
 from __future__ import annotations
 
-import shutil
-
 import msgspec
 import pytest
 import torch
 
-from coordinator.transport import CurveConfig, GrpcDrafterClient, TlsConfig, ZmqDrafterClient
+from coordinator.transport import GrpcDrafterClient, ZmqDrafterClient
 from drafter.wire import bound as wb
 from drafter.wire import schema
 from drafter.wire.errors import Code, DrafterError
 from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_parity import plans, scenario
-from tests.support.certs import CA, curve_certificates
+from tests.support.auth_material import AuthMaterial, write_auth
 from tests.support.engines import tiny_dirs
 from tests.support.servers import DrafterServer, layout_for
 
@@ -63,34 +61,26 @@ def authed(eagle3, tmp_path_factory, one_torch_thread):
     """mTLS and CURVE; a pool that holds one scenario session and not two; a re-attach replaces a session
     however recently it was used (--replace-idle-s 0: the test need not wait for it to go quiet)."""
     d = tmp_path_factory.mktemp("pki-quotas")
-    ca = CA(d, "drafter-ca")
-    cert, key = ca.issue("drafter", server=True)
-    keys = curve_certificates(d)
-    clients = d / "curve-clients"
-    clients.mkdir()
-    shutil.copy(keys["client"][0], clients)
+    auth = write_auth(d)
     with DrafterServer(eagle3, "eagle3", log_path=d / "server.log", kv_blocks=SESSION_BLOCKS + 16, block_sizes=16,
-                       tls_cert=cert, tls_key=key, tls_client_ca=ca.cert_path, curve_server_cert=keys["server"][1],
-                       curve_clients_dir=clients, replace_idle_s=0, **SERVER_SETTINGS) as server:
-        yield server, ca, keys
+                       **auth.serve(), replace_idle_s=0, **SERVER_SETTINGS) as server:
+        yield server, auth
 
 
-def _grpc_as(server, ca, name: str) -> GrpcDrafterClient:
-    return GrpcDrafterClient(server.grpc_target, tls=TlsConfig(ca.cert_path, *ca.issue(name, server=False)),
-                             timeout_s=10)
+def _grpc_as(server, auth: AuthMaterial, name: str) -> GrpcDrafterClient:
+    return GrpcDrafterClient(server.grpc_target, tls=auth.mtls.client(name), timeout_s=10)
 
 
-def _zmq_curve(server, keys) -> ZmqDrafterClient:
-    return ZmqDrafterClient(server.zmq_endpoint, timeout_s=10,
-                            curve=CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1]))
+def _zmq_curve(server, auth: AuthMaterial) -> ZmqDrafterClient:
+    return ZmqDrafterClient(server.zmq_endpoint, timeout_s=10, curve=auth.curve.config())
 
 
 def test_propose_on_another_peers_session_is_not_found(authed, tiny_root):
-    server, ca, keys = authed
+    server, auth = authed
     ref = reference_engine(tiny_root)
     steps = list(plans())
-    with _grpc_as(server, ca, "owner") as owner, _grpc_as(server, ca, "thief") as thief, \
-            _zmq_curve(server, keys) as zmq_thief:
+    with _grpc_as(server, auth, "owner") as owner, _grpc_as(server, auth, "thief") as thief, \
+            _zmq_curve(server, auth) as zmq_thief:
         owner.attach(layout_for(owner.info(), SESSION_BLOCKS, client_name="dp0"))
         s = scenario(ref, 5)
         want = ref.propose(**s.call(steps[0]).kwargs).draft_token_ids
@@ -103,14 +93,14 @@ def test_propose_on_another_peers_session_is_not_found(authed, tiny_root):
 
 
 def test_the_same_peer_reattaching_replaces_its_dead_session(authed, tiny_root):
-    server, ca, _ = authed
+    server, auth = authed
     ref = reference_engine(tiny_root)
     kw = scenario(ref, 6).call(next(plans())).kwargs
     want = ref.propose(**kw).draft_token_ids
-    dead = _grpc_as(server, ca, "target-a")  # dies without Detach
+    dead = _grpc_as(server, auth, "target-a")  # dies without Detach
     dead.attach(layout_for(dead.info(), SESSION_BLOCKS, client_name="dp0"))
     old_id = dead.session.session_id
-    with _grpc_as(server, ca, "target-b") as other, _grpc_as(server, ca, "target-a") as restarted:
+    with _grpc_as(server, auth, "target-b") as other, _grpc_as(server, auth, "target-a") as restarted:
         layout = layout_for(other.info(), SESSION_BLOCKS, client_name="dp0")
         _refused(lambda: other.attach(layout), Code.RESOURCE_EXHAUSTED, "kv_groups[0].num_blocks")
         restarted.attach(layout)  # the same peer and client_name: the old session goes, its blocks with it
@@ -141,8 +131,8 @@ def _bind_reply(client: ZmqDrafterClient, session_id: str, epoch: int, info) -> 
 def test_bind_on_another_peers_session_is_not_found(authed):
     """Bind (issue 18) looks the session up with its owner as Propose does: another peer binding a
     session it did not attach gets NOT_FOUND, as for an unknown id; its own session is found."""
-    server, ca, keys = authed
-    with _grpc_as(server, ca, "owner") as owner, _zmq_curve(server, keys) as zmq_thief:
+    server, auth = authed
+    with _grpc_as(server, auth, "owner") as owner, _zmq_curve(server, auth) as zmq_thief:
         info = owner.info()
         owner.attach(layout_for(info, SESSION_BLOCKS, client_name="dp0"))
         env = _bind_reply(zmq_thief, owner.session.session_id, int(owner.session.epoch), info)

@@ -17,7 +17,6 @@ and a client allow list generated in tmp_path) serves HostRingClients.  With CUR
 from __future__ import annotations
 
 import json
-import shutil
 import time
 
 import msgspec
@@ -34,35 +33,30 @@ from drafter.service.bound_sessions import BoundAuth  # noqa: E402
 from drafter.service.zmq_server import ZmqServer  # noqa: E402
 from drafter.wire import bound as wb  # noqa: E402
 from drafter.wire.errors import Code, DrafterError  # noqa: E402
-from tests.support.certs import curve_certificates  # noqa: E402
+from tests.support.auth_material import Curve, write_curve  # noqa: E402
 
 NOTHING_S = 1.0  # how long a client the data socket must not serve waits for a reply
 
 
 class CurveDrafter(Drafter):
-    """Drafter with CURVE on its ZMQ (the allow list holds keys["client"] only) and the given BoundAuth."""
+    """Drafter with CURVE on its ZMQ (curve's allow list) and the given BoundAuth."""
 
-    def __init__(self, engine, keys: dict, clients_dir: str, auth: BoundAuth | None = None,
-                 ipc_path: str | None = None):
+    def __init__(self, engine, curve: Curve, auth: BoundAuth | None = None, ipc_path: str | None = None):
         super().__init__(engine, ipc_path=ipc_path)
-        self.keys, self.clients_dir, self.auth = keys, clients_dir, auth
+        self.curve, self.auth = curve, auth
 
     def _server(self, core) -> ZmqServer:
         server = ZmqServer(core, host="127.0.0.1", port=0, max_message_bytes=1 << 24, ipc_path=self.ipc_path,
-                           curve_server_cert=self.keys["server"][1], curve_clients_dir=self.clients_dir)
+                           **self.curve.serve())
         if self.auth is not None:
             server.bound_auth = self.auth
         return server
 
 
 @pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    d = tmp_path_factory.mktemp("curve")
-    keys = curve_certificates(d)
-    clients = d / "clients"
-    clients.mkdir()
-    shutil.copy(keys["client"][0], clients)  # only "client" is allowed; "intruder" has a key, not on the list
-    return keys, str(clients)
+def keys(tmp_path_factory) -> Curve:
+    """Only "client" is allowed; "intruder" has a key, not on the list."""
+    return write_curve(tmp_path_factory.mktemp("curve"))
 
 
 class CurveTarget(Target):
@@ -70,7 +64,7 @@ class CurveTarget(Target):
 
     def __init__(self, root, drafter: CurveDrafter, seed: int, transport: str = "tcp", plane: str = wb.HOST_RING):
         self.root, self.method = root, "eagle3"
-        curve = CurveConfig(server_public=drafter.keys["server"][0], client_secret=drafter.keys["client"][1])
+        curve = drafter.curve.config()
         self.client = HostRingClient(drafter.endpoint if transport == "tcp" else drafter.server.ipc_endpoint,
                                      self._layout(drafter), _buffers(drafter.engine), max_batch=MAX_BATCH,
                                      transport=transport, plane=plane, timeout_s=60, curve=curve)
@@ -106,8 +100,7 @@ def _answer(endpoint: str, message: list[bytes], curve: CurveConfig | None, wait
 def test_the_data_socket_serves_only_the_allowed_curve_key(tiny_root, keys):
     """The stream refused over tcp, the client drafts on the CURVE data socket what in-process drafts;
     a plaintext or unlisted-key client with the right bind id gets no reply; the allowed key does."""
-    keys, clients = keys
-    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys) as drafter:
         t = CurveTarget(tiny_root, drafter, seed=1)
         try:
             t.step(PLANS[0])
@@ -116,22 +109,20 @@ def test_the_data_socket_serves_only_the_allowed_curve_key(tiny_root, keys):
                 "the ring stream over tcp was refused: the steps go on the data socket"
             t.step(PLANS[1])
             message, endpoint = _step_message(t.client), link.resp.endpoint
-            allowed = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
             t0 = time.monotonic()
-            done = _answer(endpoint, message, allowed, wait_s=30)
+            done = _answer(endpoint, message, keys.config(), wait_s=30)
             took = time.monotonic() - t0
             assert done is not None and (done.code, done.field) == (Code.INVALID_ARGUMENT, "batch_size"), done
             wait = max(NOTHING_S, 10 * took)  # far longer than the allowed key's answer took
             assert _answer(endpoint, message, None, wait) is None, "a plaintext client was answered on the data socket"
-            intruder = CurveConfig(server_public=keys["server"][0], client_secret=keys["intruder"][1])
-            assert _answer(endpoint, message, intruder, wait) is None, "a key not on the allow list was answered"
+            assert _answer(endpoint, message, keys.config("intruder"), wait) is None, \
+                "a key not on the allow list was answered"
         finally:
             t.close()
 
 
 def test_a_bind_for_the_tcp_ring_stream_or_a_channel_is_refused_by_name(tiny_root, keys):
-    keys, clients = keys
-    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys) as drafter:
         t = CurveTarget(tiny_root, drafter, seed=1)
         c = t.client
         try:
@@ -154,8 +145,7 @@ def test_a_bind_for_the_tcp_ring_stream_or_a_channel_is_refused_by_name(tiny_roo
 
 
 def test_the_ring_stream_on_a_same_host_name_is_served_under_curve(tiny_root, keys, tmp_path):
-    keys, clients = keys
-    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients, ipc_path=str(tmp_path / "zmq.sock")) as drafter:
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, ipc_path=str(tmp_path / "zmq.sock")) as drafter:
         t = CurveTarget(tiny_root, drafter, seed=2, transport="ipc")
         try:
             t.step(PLANS[0])
@@ -169,9 +159,8 @@ def test_the_ring_stream_on_a_same_host_name_is_served_under_curve(tiny_root, ke
 
 
 def test_insecure_bound_planes_serves_the_tcp_ring_stream(tiny_root, keys):
-    keys, clients = keys
     auth = BoundAuth(required=True, insecure_planes=True)
-    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients, auth=auth) as drafter:
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, auth=auth) as drafter:
         t = CurveTarget(tiny_root, drafter, seed=3)
         try:
             t.step(PLANS[0])
@@ -189,9 +178,8 @@ def test_the_remote_proposer_binds_over_curve_and_drafts_what_in_process_drafts(
     the ZMQ client's keys, the tcp ring stream is refused and it binds again without; both steps go bound."""
     from coordinator.clients import ServiceTransport
 
-    keys, clients = keys
-    curve = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
-    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
+    curve = keys.config()
+    with CurveDrafter(_engine(tiny_root, "eagle3"), keys) as drafter:
         p = ProposerTarget(tiny_root, "eagle3", drafter, seed=4, transport="tcp")
         p.proposer.connect = lambda ep: ServiceTransport(ep, timeout_s=20.0, curve=curve)
         try:
@@ -242,27 +230,22 @@ def test_serve_refuses_the_tcp_stream_under_mtls_and_serves_it_with_the_flag(tin
     over tcp and the channels are refused by name; with CURVE and --insecure-bound-planes a Bind for the
     stream passes the auth checks (refused only for this CPU server's engine), and the flag is logged."""
     from tests.integration.conftest import SERVER_SETTINGS
-    from tests.support.certs import CA
+    from tests.support.auth_material import write_mtls
     from tests.support.engines import tiny_dirs
     from tests.support.servers import DrafterServer
 
-    keys, clients = keys
     _, model = tiny_dirs(tiny_root, "eagle3")
-    ca = CA(tmp_path, "drafter-ca")
-    cert, key = ca.issue("drafter", server=True)
-    mtls = dict(tls_cert=cert, tls_key=key, tls_client_ca=ca.cert_path, insecure_zmq="true")
-    with DrafterServer(model, "eagle3", log_path=tmp_path / "a.log", kv_blocks=64, block_sizes=16, **mtls,
-                       **SERVER_SETTINGS) as server:
+    mtls = write_mtls(tmp_path)
+    with DrafterServer(model, "eagle3", log_path=tmp_path / "a.log", kv_blocks=64, block_sizes=16, **mtls.serve(),
+                       insecure_zmq="true", **SERVER_SETTINGS) as server:
         err = _bind_refusal(server.zmq_endpoint, None)
         assert (err.code, err.field) == (Code.FAILED_PRECONDITION, "stream"), err
         err = _bind_refusal(server.zmq_endpoint, None, plane=wb.GLOO_CHANNEL)
         assert (err.code, err.field) == (Code.FAILED_PRECONDITION, "plane"), err
     log = tmp_path / "b.log"
     with DrafterServer(model, "eagle3", log_path=log, kv_blocks=64, block_sizes=16, transports="zmq",
-                       curve_server_cert=keys["server"][1], curve_clients_dir=clients, insecure_bound_planes="true",
-                       **SERVER_SETTINGS) as server:
-        curve = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
-        assert _bind_refusal(server.zmq_endpoint, curve).field == "engine"
+                       **keys.serve(), insecure_bound_planes="true", **SERVER_SETTINGS) as server:
+        assert _bind_refusal(server.zmq_endpoint, keys.config()).field == "engine"
     warnings = [json.loads(ln) for ln in log.read_text().splitlines() if "insecure_transport" in ln]
     assert [w["transport"] for w in warnings] == ["bound_planes"] and warnings[0]["level"] == "warning"
 
@@ -279,11 +262,10 @@ def test_an_armed_cuda_ipc_binding_drafts_over_curve(tiny_root, two_clients, mon
     from drafter.wire.cuda_slab import LocalSlabs
 
     monkeypatch.setattr(bound_ipc, "BACKEND", LocalSlabs())
-    keys, clients = two_clients
-    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
+    with CurveDrafter(_engine(tiny_root, "eagle3"), two_clients) as drafter:
         t = IpcTarget(tiny_root, "eagle3", drafter, seed=4)
         plain = t.client
-        curve = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
+        curve = two_clients.config()
         t.client = CudaIpcBoundClient(drafter.endpoint, plain.layout, plain.buffers, max_batch=plain.max_batch,
                                       device="cpu", timeout_s=60, allow_fallback=False, slabs=LocalSlabs(),
                                       curve=curve)
@@ -296,7 +278,7 @@ def test_an_armed_cuda_ipc_binding_drafts_over_curve(tiny_root, two_clients, mon
             t0 = time.monotonic()
             assert _answer(resp.endpoint, header, curve, wait_s=30) is not None, "the binder's key was not answered"
             wait = max(NOTHING_S, 10 * (time.monotonic() - t0))
-            b = CurveConfig(server_public=keys["server"][0], client_secret=keys["intruder"][1])
+            b = two_clients.config("intruder")
             assert _answer(resp.endpoint, header, b, wait) is None, "another allowed key was answered"
             for plan in (PLANS[0], PLANS[0]):
                 t.step(plan)
@@ -306,15 +288,9 @@ def test_an_armed_cuda_ipc_binding_drafts_over_curve(tiny_root, two_clients, mon
 
 # ---------------------------------------------------------------- a binding belongs to the key that bound it
 @pytest.fixture(scope="module")
-def two_clients(tmp_path_factory):
+def two_clients(tmp_path_factory) -> Curve:
     """Keys and an allow list holding two clients' keys: "client" (A) and "intruder" (B, allowed here)."""
-    d = tmp_path_factory.mktemp("curve2")
-    keys = curve_certificates(d)
-    clients = d / "clients"
-    clients.mkdir()
-    for name in ("client", "intruder"):
-        shutil.copy(keys[name][0], clients)
-    return keys, str(clients)
+    return write_curve(tmp_path_factory.mktemp("curve2"), allowed=("client", "intruder"))
 
 
 def _corrupting_step(client: HostRingClient, num_tokens: int, batch: int) -> list[bytes]:
@@ -336,16 +312,15 @@ def test_another_allowed_key_cannot_drive_a_binding(tiny_root, two_clients):
     counts no call, A's next step drafts what in-process drafts); A's own key is answered there."""
     from coordinator.transport import ZmqDrafterClient
 
-    keys, clients = two_clients
-    with CurveDrafter(_engine(tiny_root, "eagle3"), keys, clients) as drafter:
+    with CurveDrafter(_engine(tiny_root, "eagle3"), two_clients) as drafter:
         a = CurveTarget(tiny_root, drafter, seed=2)
         try:
             a.step(PLANS[0])
             endpoint, message = a.client.link.resp.endpoint, _step_message(a.client)
-            b = CurveConfig(server_public=keys["server"][0], client_secret=keys["intruder"][1])
+            b = two_clients.config("intruder")
             with ZmqDrafterClient(drafter.endpoint, curve=b, timeout_s=30) as control:
                 assert control.info().method, "B's key is allowed on the control socket"
-            mine = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
+            mine = two_clients.config()
             t0 = time.monotonic()
             done = _answer(endpoint, message, mine, wait_s=30)
             took = time.monotonic() - t0

@@ -12,18 +12,18 @@ client certificate, gets no drafts: the attach fails within its deadline and eve
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from coordinator.transport import TlsConfig
 from drafter_vllm.settings import PluginSettings
 from drafter_vllm.sources import TargetFacts, make_source
 from tests.integration.conftest import MAX_NUM_SEQS, MAX_TOKENS, MML, SERVER_SETTINGS, SESSION_BLOCKS, \
     reference_engine
 from tests.integration.test_service_parity import plans, scenario
-from tests.support.certs import CA, curve_certificates
+from tests.support.auth_material import AuthMaterial, write_auth
 from tests.support.engines import tiny_dirs
 from tests.support.servers import DrafterServer
 
@@ -35,27 +35,24 @@ FAIL_DEADLINE_MS = 500.0  # a target without the right keys waits this long per 
 class Secured:
     server: DrafterServer
     root: object  # tiny_root
-    ca: str  # the CA that signed the drafter's and the target's certificates
-    cert: str  # the target's client certificate and key
-    key: str
-    keys: dict  # curve_certificates: name -> (public, secret)
+    auth: AuthMaterial  # the drafter's: its CA and certificate, the CURVE key pairs and allow list
+    tls: TlsConfig  # the target's: that CA, its client certificate and key
+
+    def curve(self, client: str) -> dict[str, str]:
+        """The plugin's CURVE settings presenting `client`'s key pair."""
+        return {"curve_server_public": self.auth.curve.keys["server"][0],
+                "curve_client_secret": self.auth.curve.keys[client][1]}
 
 
 @pytest.fixture(scope="module")
 def secured(tiny_root, tmp_path_factory, one_torch_thread):
     d = tmp_path_factory.mktemp("client-auth")
-    ca = CA(d, "drafter-ca")
-    server_cert, server_key = ca.issue("drafter", server=True)
-    client_cert, client_key = ca.issue("target-worker", server=False)
-    keys = curve_certificates(d)
-    allowed = d / "curve-clients"
-    allowed.mkdir()
-    shutil.copy(keys["client"][0], allowed)
+    auth = write_auth(d)
+    tls = auth.mtls.client("target-worker")
     _, model = tiny_dirs(tiny_root, "eagle3")
     with DrafterServer(model, "eagle3", log_path=d / "server.log", kv_blocks=4 * SESSION_BLOCKS, block_sizes=16,
-                       tls_cert=server_cert, tls_key=server_key, tls_client_ca=ca.cert_path,
-                       curve_server_cert=keys["server"][1], curve_clients_dir=allowed, **SERVER_SETTINGS) as server:
-        yield Secured(server, tiny_root, ca.cert_path, client_cert, client_key, keys)
+                       **auth.serve(), **SERVER_SETTINGS) as server:
+        yield Secured(server, tiny_root, auth, tls)
 
 
 def _facts(secured: Secured, ref, name: str) -> TargetFacts:
@@ -114,8 +111,7 @@ def _fails_closed(secured: Secured, settings: PluginSettings, name: str, reasons
 
 
 def test_the_plugin_drafts_over_zmq_with_curve(secured, caplog):
-    settings = _settings(secured, "zmq", 30_000, curve_server_public=secured.keys["server"][0],
-                         curve_client_secret=secured.keys["client"][1])
+    settings = _settings(secured, "zmq", 30_000, **secured.curve("client"))
     caplog.set_level(logging.WARNING, logger="coordinator")
     _drafts_like_in_process(secured, settings, "zmq")
     # the bound session's control socket (its own ZMQ context) spoke CURVE with the same keys: the
@@ -125,17 +121,16 @@ def test_the_plugin_drafts_over_zmq_with_curve(secured, caplog):
 
 
 def test_the_plugin_drafts_over_grpc_with_mtls(secured):
-    settings = _settings(secured, "grpc", 30_000, tls_root_ca=secured.ca, tls_cert=secured.cert,
-                         tls_key=secured.key)
+    settings = _settings(secured, "grpc", 30_000, tls_root_ca=secured.tls.root_ca, tls_cert=secured.tls.cert,
+                         tls_key=secured.tls.key)
     _drafts_like_in_process(secured, settings, "grpc")
 
 
 def test_a_key_not_on_the_allow_list_gets_no_drafts(secured):
-    settings = _settings(secured, "zmq", FAIL_DEADLINE_MS, curve_server_public=secured.keys["server"][0],
-                         curve_client_secret=secured.keys["intruder"][1])
+    settings = _settings(secured, "zmq", FAIL_DEADLINE_MS, **secured.curve("intruder"))
     _fails_closed(secured, settings, "intruder", {"attach DEADLINE_EXCEEDED"})
 
 
 def test_tls_without_a_client_certificate_gets_no_drafts(secured):
-    settings = _settings(secured, "grpc", FAIL_DEADLINE_MS, tls_root_ca=secured.ca)
+    settings = _settings(secured, "grpc", FAIL_DEADLINE_MS, tls_root_ca=secured.tls.root_ca)
     _fails_closed(secured, settings, "no-cert", {"attach UNAVAILABLE", "attach DEADLINE_EXCEEDED"})

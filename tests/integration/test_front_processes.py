@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,6 @@ import msgspec
 import pytest
 import torch
 import zmq
-import zmq.auth
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.transport import CurveConfig, GrpcDrafterClient, TlsConfig, ZmqDrafterClient
@@ -39,7 +37,7 @@ from drafter.wire.errors import FIELD_METADATA_KEY, Code, DrafterError
 from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_ops import scrape, value
 from tests.integration.test_service_parity import plans, scenario
-from tests.support.certs import CA, curve_certificates
+from tests.support.auth_material import AuthMaterial, write_auth
 from tests.support.engines import tiny_dirs
 from tests.support.servers import REPO, DrafterServer, layout_for
 
@@ -50,16 +48,13 @@ _ENC = msgspec.msgpack.Encoder()
 @dataclasses.dataclass
 class Fronted:
     server: DrafterServer
-    ca: CA
-    keys: dict  # curve_certificates: name -> (public file, secret file)
+    auth: AuthMaterial
 
     def grpc_client(self, name: str) -> GrpcDrafterClient:
-        return GrpcDrafterClient(self.server.grpc_target, timeout_s=60,
-                                 tls=TlsConfig(self.ca.cert_path, *self.ca.issue(name, server=False)))
+        return GrpcDrafterClient(self.server.grpc_target, timeout_s=60, tls=self.auth.mtls.client(name))
 
     def zmq_client(self, endpoint: str | None = None) -> ZmqDrafterClient:
-        return ZmqDrafterClient(endpoint or self.server.zmq_endpoint, timeout_s=60, curve=CurveConfig(
-            server_public=self.keys["server"][0], client_secret=self.keys["client"][1]))
+        return ZmqDrafterClient(endpoint or self.server.zmq_endpoint, timeout_s=60, curve=self.auth.curve.config())
 
 
 @pytest.fixture(scope="module")
@@ -67,17 +62,11 @@ def fronted(tiny_root, tmp_path_factory, one_torch_thread):
     """mTLS and CURVE, served through front processes; two sessions at most per authenticated client."""
     _, model = tiny_dirs(tiny_root, "eagle3")
     d = tmp_path_factory.mktemp("fronted")
-    ca = CA(d, "drafter-ca")
-    cert, key = ca.issue("drafter", server=True)
-    keys = curve_certificates(d)
-    clients = d / "curve-clients"
-    clients.mkdir()
-    shutil.copy(keys["client"][0], clients)
+    auth = write_auth(d)
     server = DrafterServer(model, "eagle3", log_path=d / "server.log", kv_blocks=4 * SESSION_BLOCKS, block_sizes=16,
-                           batch_window_us=500, tls_cert=cert, tls_key=key, tls_client_ca=ca.cert_path,
-                           curve_server_cert=keys["server"][1], curve_clients_dir=clients, max_sessions_per_client=2,
+                           batch_window_us=500, **auth.serve(), max_sessions_per_client=2,
                            zmq_ipc=str(d / "zmq.sock"), front_processes="true", **SERVER_SETTINGS).start()
-    yield Fronted(server, ca, keys)
+    yield Fronted(server, auth)
     if server.proc.poll() is None:
         server.stop()
 
@@ -113,15 +102,13 @@ def test_drafts_through_the_fronts_equal_solo(fronted, tiny_root, transport):
 
 
 # ---------------------------------------------------------------------- refusals: as plain mode, in the front
-def _zmq_ask(endpoint: str, parts: list, curve: tuple | None = None) -> tuple[str, str]:
-    """curve: (server public file, client secret file) or None."""
+def _zmq_ask(endpoint: str, parts: list, curve: CurveConfig | None = None) -> tuple[str, str]:
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
-            sock.curve_serverkey = zmq.auth.load_certificate(curve[0])[0]
-            sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(curve[1])
+            curve.apply(sock)
         sock.connect(endpoint)
         sock.send_multipart(parts)
         assert sock.poll(30_000), "every message gets an answer"
@@ -161,11 +148,10 @@ def test_a_malformed_message_is_refused_by_the_front_as_in_plain_mode(fronted, e
     transport, what = REFUSALS[name]
     if transport == "zmq":
         plain = _zmq_ask(eagle3_server.zmq_endpoint, what)
-        ask = lambda: _zmq_ask(fronted.server.zmq_endpoint, what,  # noqa: E731
-                               (fronted.keys["server"][0], fronted.keys["client"][1]))
+        ask = lambda: _zmq_ask(fronted.server.zmq_endpoint, what, fronted.auth.curve.config())  # noqa: E731
     else:
         plain = _grpc_ask(eagle3_server.grpc_target, *what)
-        tls = TlsConfig(fronted.ca.cert_path, *fronted.ca.issue("refused", server=False))
+        tls = fronted.auth.mtls.client("refused")
         ask = lambda: _grpc_ask(fronted.server.grpc_target, *what, tls)  # noqa: E731
     assert plain[0] == "INVALID_ARGUMENT", plain
     before = value(scrape(fronted.server), "drafter_errors_total", code="INVALID_ARGUMENT")
@@ -175,14 +161,14 @@ def test_a_malformed_message_is_refused_by_the_front_as_in_plain_mode(fronted, e
 
 
 def test_the_grpc_fronts_health_service_follows_the_server(fronted):
-    tls = TlsConfig(fronted.ca.cert_path, *fronted.ca.issue("prober", server=False))
+    tls = fronted.auth.mtls.client("prober")
     with grpc.secure_channel(fronted.server.grpc_target, tls.credentials()) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_bind_is_refused_by_the_front(fronted):
-    curve = (fronted.keys["server"][0], fronted.keys["client"][1])
+    curve = fronted.auth.curve.config()
     assert _zmq_ask(fronted.server.zmq_endpoint, [_envelope("Bind"), b""], curve) == ("FAILED_PRECONDITION", "method")
 
 

@@ -118,7 +118,7 @@ def test_the_plugin_accepts_the_targets_settings(tmp_path):
     import zmq.auth
 
     from drafter_vllm.settings import PluginSettings
-    from tests.support.certs import curve_certificates
+    from tests.support.auth_material import curve_certificates
 
     objs = render(OVERLAY)
     [(w, tpl)] = clients(objs)

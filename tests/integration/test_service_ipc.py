@@ -9,11 +9,11 @@ import stat
 import pytest
 import torch
 
-from coordinator.transport import CurveConfig, ZmqDrafterClient
+from coordinator.transport import ZmqDrafterClient
 from drafter.wire.errors import Code, DrafterError
 from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_parity import plans, scenario
-from tests.support.certs import curve_certificates
+from tests.support.auth_material import write_curve
 from tests.support.engines import tiny_dirs
 from tests.support.servers import DrafterServer, layout_for
 
@@ -59,20 +59,14 @@ def test_ipc_refusals_answer_like_tcp(ipc_server):
 def test_curve_applies_on_ipc(tiny_root, tmp_path):
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
-    keys = curve_certificates(tmp_path)
-    clients = tmp_path / "clients"
-    clients.mkdir()
-    import shutil
-    shutil.copy(keys["client"][0], clients)
+    material = write_curve(tmp_path)
     _, model = tiny_dirs(tiny_root, "eagle3")
     with DrafterServer(model, "eagle3", log_path=tmp_path / "server.log", kv_blocks=64, block_sizes=16,
-                       zmq_ipc=run / "d.sock", curve_server_cert=keys["server"][1], curve_clients_dir=clients,
-                       transports="zmq", **SERVER_SETTINGS) as server:
+                       zmq_ipc=run / "d.sock", **material.serve(), transports="zmq", **SERVER_SETTINGS) as server:
         endpoint = server.ready["zmq_ipc"]
-        good = CurveConfig(server_public=keys["server"][0], client_secret=keys["client"][1])
-        with ZmqDrafterClient(endpoint, curve=good, timeout_s=10) as c:
+        with ZmqDrafterClient(endpoint, curve=material.config(), timeout_s=10) as c:
             assert c.info().method == "eagle3"
-        for curve in (None, CurveConfig(server_public=keys["server"][0], client_secret=keys["intruder"][1])):
+        for curve in (None, material.config("intruder")):
             with ZmqDrafterClient(endpoint, curve=curve, timeout_s=1.0) as c:
                 with pytest.raises(DrafterError) as e:
                     c.info()

@@ -18,6 +18,7 @@ from coordinator.client_auth import ClientAuth
 from coordinator.loadtest import cli
 from coordinator.routing import Endpoint
 from tests.integration.test_client_auth import secured  # noqa: F401 - the module's drafter (a fixture)
+from tests.support.auth_material import as_flags
 
 RUN = ["--device", "cpu", "--rate", "4", "--duration", "1.5", "--warmup", "0.25", "--timeout", "5", "--dp", "1",
        "--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--prompt-len", "uniform:4:12",
@@ -25,11 +26,11 @@ RUN = ["--device", "cpu", "--rate", "4", "--duration", "1.5", "--warmup", "0.25"
 
 
 def _curve(s) -> list[str]:
-    return ["--curve-server-public", s.keys["server"][0], "--curve-client-secret", s.keys["client"][1]]
+    return as_flags(s.curve("client"))
 
 
 def _tls(s) -> list[str]:
-    return ["--tls-root-ca", s.ca, "--tls-cert", s.cert, "--tls-key", s.key]
+    return ["--tls-root-ca", s.tls.root_ca, "--tls-cert", s.tls.cert, "--tls-key", s.tls.key]
 
 
 def _served(out, name: str) -> dict:
@@ -52,7 +53,7 @@ def test_loadtest_over_grpc_with_mtls_and_not_without(secured, tmp_path, capsys)
     assert cli.main(["--endpoint", ep, "--transport", "grpc", *_tls(secured), "--out", str(tmp_path / "a"),
                      *RUN]) == 0, capsys.readouterr().err
     _served(tmp_path / "a", "grpc-open-4")
-    rc = cli.main(["--endpoint", ep, "--transport", "grpc", "--tls-root-ca", secured.ca, "--out",
+    rc = cli.main(["--endpoint", ep, "--transport", "grpc", "--tls-root-ca", secured.tls.root_ca, "--out",
                    str(tmp_path / "b"), *RUN])  # TLS without a client certificate: mTLS refuses it
     err = capsys.readouterr().err
     assert rc == 1 and "did not answer Info" in err, err
@@ -71,12 +72,9 @@ def test_the_fleet_connects_with_its_auth(secured):  # noqa: F811
     """FleetConfig.auth reaches every ServiceTransport the fleet's ranks make: Info is answered over
     zmq with the CURVE keys and over grpc with mTLS, and not without them."""
     from coordinator.demo.fleet import make_connect
-    from coordinator.transport.grpc_client import TlsConfig
-    from coordinator.transport.zmq_client import CurveConfig
     from drafter.wire.errors import DrafterError
 
-    auth = ClientAuth(curve=CurveConfig(secured.keys["server"][0], secured.keys["client"][1]),
-                      tls=TlsConfig(secured.ca, secured.cert, secured.key))
+    auth = ClientAuth(curve=secured.auth.curve.config(), tls=secured.tls)
     zmq_ep = Endpoint.parse("zmq://" + secured.server.zmq_endpoint.removeprefix("tcp://"))
     grpc_ep = Endpoint.parse("grpc://" + secured.server.grpc_target)
     for ep in (zmq_ep, grpc_ep):
@@ -114,10 +112,10 @@ def test_a_curve_file_that_is_no_certificate_or_has_no_secret_is_refused(secured
 
     bogus = tmp_path / "bogus.key"
     bogus.write_text("not a certificate\n")
-    ns = argparse.Namespace(curve_server_public=str(bogus), curve_client_secret=secured.keys["client"][1])
+    keys = secured.auth.curve.keys
+    ns = argparse.Namespace(curve_server_public=str(bogus), curve_client_secret=keys["client"][1])
     with pytest.raises(ValueError, match="--curve-server-public: .* is not a zmq.auth certificate"):
         ClientAuth.from_args(ns, {"zmq"})
-    ns = argparse.Namespace(curve_server_public=secured.keys["server"][0],
-                            curve_client_secret=secured.keys["client"][0])  # the public file
+    ns = argparse.Namespace(curve_server_public=keys["server"][0], curve_client_secret=keys["client"][0])  # public
     with pytest.raises(ValueError, match="--curve-client-secret: .* holds no secret key"):
         ClientAuth.from_args(ns, {"zmq"})

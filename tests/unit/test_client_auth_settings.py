@@ -11,7 +11,7 @@ from coordinator.routing import Endpoint
 from coordinator.transport import CurveConfig, TlsConfig
 from drafter_vllm.settings import PluginSettings
 from drafter_vllm.sources import TargetFacts, make_source
-from tests.support.certs import curve_certificates
+from tests.support.auth_material import curve_certificates
 
 FACTS = TargetFacts(method="eagle3", num_speculative_tokens=3, hidden_size=64, num_aux_layers=3, dtype="bfloat16",
                     max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512, block_size=32, num_blocks=128,
