@@ -35,7 +35,6 @@ import datetime
 import time
 
 import torch
-import zmq
 
 from drafter.service.bound_ipc import _Doorbell, _engine_device, _Guarded, on_engine
 from drafter.service.bound_sessions import BoundSession, _view

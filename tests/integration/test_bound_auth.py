@@ -22,7 +22,6 @@ import time
 import msgspec
 import pytest
 import torch
-import zmq
 
 from tests.integration.test_bound_remote import (MAX_BATCH, PADDING, PLANS, SESSIONS, Drafter, ProposerTarget,
                                                  Target, _buffers, _engine)
@@ -33,7 +32,7 @@ from drafter.service.bound_sessions import BoundAuth  # noqa: E402
 from drafter.service.zmq_server import ZmqServer  # noqa: E402
 from drafter.wire import bound as wb  # noqa: E402
 from drafter.wire.errors import Code, DrafterError  # noqa: E402
-from tests.support.auth_material import Curve, write_curve  # noqa: E402
+from tests.support.auth_material import Curve, write_curve, zmq_exchange  # noqa: E402
 
 NOTHING_S = 1.0  # how long a client the data socket must not serve waits for a reply
 
@@ -81,20 +80,9 @@ def _step_message(client: HostRingClient) -> list[bytes]:
 
 def _answer(endpoint: str, message: list[bytes], curve: CurveConfig | None, wait_s: float) -> wb.StepDone | None:
     """What a DEALER connecting to endpoint (with curve, or plaintext) gets back for message within
-    wait_s: the StepDone, or None."""
-    ctx = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if curve is not None:
-            curve.apply(sock)
-        sock.connect(endpoint)
-        sock.send_multipart(message)  # queued until a connection is up (never, where the handshake fails)
-        if not sock.poll(int(wait_s * 1000)):
-            return None
-        return wb.DONE_DECODER.decode(sock.recv_multipart()[0])
-    finally:
-        ctx.destroy(linger=0)
+    wait_s: the StepDone, or None (the message stays queued where the handshake fails)."""
+    reply = zmq_exchange(endpoint, message, curve, wait_s)
+    return None if reply is None else wb.DONE_DECODER.decode(reply[0])
 
 
 def test_the_data_socket_serves_only_the_allowed_curve_key(tiny_root, keys):

@@ -27,7 +27,6 @@ import grpc
 import msgspec
 import pytest
 import torch
-import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.transport import CurveConfig, GrpcDrafterClient, TlsConfig, ZmqDrafterClient
@@ -37,7 +36,7 @@ from drafter.wire.errors import FIELD_METADATA_KEY, Code, DrafterError
 from tests.integration.conftest import SERVER_SETTINGS, SESSION_BLOCKS, reference_engine
 from tests.integration.test_service_ops import scrape, value
 from tests.integration.test_service_parity import plans, scenario
-from tests.support.auth_material import AuthMaterial, write_auth
+from tests.support.auth_material import AuthMaterial, write_auth, zmq_exchange
 from tests.support.engines import tiny_dirs
 from tests.support.servers import REPO, DrafterServer, layout_for
 
@@ -103,19 +102,10 @@ def test_drafts_through_the_fronts_equal_solo(fronted, tiny_root, transport):
 
 # ---------------------------------------------------------------------- refusals: as plain mode, in the front
 def _zmq_ask(endpoint: str, parts: list, curve: CurveConfig | None = None) -> tuple[str, str]:
-    ctx = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        if curve is not None:
-            curve.apply(sock)
-        sock.connect(endpoint)
-        sock.send_multipart(parts)
-        assert sock.poll(30_000), "every message gets an answer"
-        err = _ENV.decode(sock.recv_multipart()[0]).error
-        return Code(err.code).name, err.field
-    finally:
-        ctx.destroy(linger=0)
+    reply = zmq_exchange(endpoint, parts, curve, wait_s=30)
+    assert reply is not None, "every message gets an answer"
+    err = _ENV.decode(reply[0]).error
+    return Code(err.code).name, err.field
 
 
 def _grpc_ask(target: str, method: str, raw: bytes, tls: TlsConfig | None = None) -> tuple[str, str]:

@@ -4,7 +4,8 @@ Each test that needs auth asks for a directory of throwaway material and gets ba
 a CA with the server's certificate (`write_mtls`), zmq.auth CURVE key pairs with a client allow list
 (`write_curve`), or both (`write_auth`).  The records name the files, give the `drafter serve` settings
 that require them (DrafterServer keywords, or command-line flags via `as_flags`), and build the
-client configs (TlsConfig, CurveConfig) that present them.  Nothing here talks to a network.
+client configs (TlsConfig, CurveConfig) that present them; `zmq_exchange` sends one message
+from a socket presenting a CurveConfig (or none) and returns the reply, if any.
 """
 
 from __future__ import annotations
@@ -147,6 +148,24 @@ class AuthMaterial:
 def write_auth(directory: Path, allowed: tuple[str, ...] = ("client",)) -> AuthMaterial:
     """write_mtls and write_curve into one directory."""
     return AuthMaterial(write_mtls(directory), write_curve(directory, allowed))
+
+
+def zmq_exchange(endpoint: str, parts: list[bytes], curve: CurveConfig | None, wait_s: float) -> list[bytes] | None:
+    """Send one multipart message from a fresh DEALER presenting curve (None: plaintext) and return the
+    first reply within wait_s, or None.  A message whose handshake never completes stays queued: None."""
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(sock)
+        sock.connect(endpoint)
+        sock.send_multipart(parts)
+        return sock.recv_multipart() if sock.poll(int(wait_s * 1000)) else None
+    finally:
+        ctx.destroy(linger=0)
 
 
 def as_flags(settings: dict[str, str]) -> list[str]:
