@@ -3,7 +3,8 @@ pieces it stands on (percentile math, warm-up exclusion, open-loop schedules, va
 
 The smoke run spawns `drafter serve` on a tiny EAGLE-3 head through the CLI itself (--spawn-server,
 ports read from its ready line) and runs each transport for a few seconds at a rate this loaded
-2-core machine sustains; the per-call deadline is generous because the assertion is "zero errors".
+2-core machine sustains; the per-call deadline (30 s) is generous because the assertion is "zero errors", not
+a speed: a starved box's backlog of an open loop's calls must still be answered within it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def smoke(tmp_path_factory, one_torch_thread):
     out = tmp_path_factory.mktemp("loadtest")
     rc = cli.main([
         "--tiny", "eagle3", "--spawn-server", "--device", "cpu", "--transport", ",".join(TRANSPORTS),
-        "--rate", "12", "--duration", "3", "--warmup", str(WARMUP), "--max-requests", "200", "--timeout", "10",
+        "--rate", "12", "--duration", "3", "--warmup", str(WARMUP), "--max-requests", "200", "--timeout", "30",
         "--dp", "2", "--tp", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--batch", "uniform:1:6",
         "--prompt-len", "uniform:8:40", "--output-len", "uniform:4:24", "--prefill-chunk", "16",
         "--max-model-len", "128", "--server-arg=--torch-threads=1", "--out", str(out), "--quiet"])
@@ -210,19 +211,31 @@ def test_cli_refuses_bad_arguments(argv, capsys):
 
 # ------------------------------------------------------------------ a user's first runs (issue 20)
 def test_cpu_defaults_fit_the_machine_and_the_knee_is_reported(tmp_path, capsys, one_torch_thread):
-    """The docs' fresh-machine command, shortened: with no rate or workload flag the first rate of the
-    sweep is served on a CPU, and the report says where the knee is."""
+    """The docs' fresh-machine command, shortened: with no rate or workload flag the CPU profile's ladder
+    starts at 8 calls/s and the report says where the knee is.  Whether 8 calls/s is served within the
+    1 s default deadline is the machine's speed, not this test's subject (a starved CI box lost more than
+    1% of them): a start that is served climbs the ladder, one that is not descends it (the halving is
+    tests/unit/test_loadtest_verdict.py's), and either way the knee reported is the one the runs show."""
+    from coordinator.loadtest.verdict import served
+
     out = tmp_path / "out"
     rc = cli.main(["--tiny", "eagle3", "--spawn-server", "--device", "cpu", "--duration", "2", "--warmup", "0.5",
                    "--server-arg=--torch-threads=1", "--out", str(out), "--quiet", "--no-plot"])
     err = capsys.readouterr().err
     assert rc == 0, err
     index = json.loads((out / "index.json").read_text())
-    first = index["runs"][0]
-    assert first["name"] == "zmq-open-8" and first["summary"]["errors"] <= 0.01 * first["summary"]["calls"], first
-    assert index["server"]["profile"] == "cpu"
-    assert len(index["knees"]) == 1 and index["knees"][0]["served_rate"] >= 8
-    assert "knee" in err or "no knee up to" in err
+    assert index["server"]["profile"] == "cpu" and index["runs"][0]["name"] == "zmq-open-8", index["runs"]
+    rates = [float(r["name"].rsplit("-", 1)[1]) for r in index["runs"]]
+    ok = [served(r["summary"]) for r in index["runs"]]
+    knee = index["knees"]
+    assert len(knee) == 1 and ("knee" in err or "no knee up to" in err), err
+    if ok[0]:  # served at the start: climbed while each rate was served
+        assert rates == [8.0 * 2 ** i for i in range(len(rates))] and all(ok[:-1]), (rates, ok)
+        assert knee[0]["served_rate"] == max(r for r, s in zip(rates, ok) if s) >= 8
+    else:  # a slower or busier machine than the profile assumes: halved until one rate was served
+        assert rates == [8.0 / 2 ** i for i in range(len(rates))] and not any(ok[:-1]), (rates, ok)
+        assert knee[0]["served_rate"] == (rates[-1] if ok[-1] else None) and knee[0]["failed_rate"] == (
+            rates[-2] if ok[-1] else rates[-1]), (knee, rates, ok)
 
 
 def test_a_run_whose_every_call_failed_exits_non_zero_and_says_why(eagle3_server, tmp_path, capsys):
