@@ -10,9 +10,13 @@ from coordinator.loadtest.cli import main
 
 
 def test_loadtest_predraft_reports_both_runs(tmp_path, capsys):
+    """The subject is the report, not the speed: a per-call deadline of 30 s (--predraft's floor is 10 s; a
+    missed one is a session's error) and, for the pushed sets, a hit or a set that came after its 120 ms
+    verification ended (a starved drafter pre-drafts slower than that: which of the two is the clock's)."""
     out = tmp_path / "lt"
     rc = main(["--predraft", "--spawn-server", "--tiny", "eagle3", "--device", "cpu", "--duration", "4",
-               "--warmup", "1", "--verify-ms", "120", "--predraft-batch", "2", "--out", str(out), "--quiet"])
+               "--warmup", "1", "--verify-ms", "120", "--predraft-batch", "2", "--timeout", "30", "--out", str(out),
+               "--quiet"])
     printed = capsys.readouterr().out
     print(printed)
     assert rc == 0
@@ -20,7 +24,8 @@ def test_loadtest_predraft_reports_both_runs(tmp_path, capsys):
     exact, pre = runs
     assert not exact["predraft"] and pre["predraft"] and not exact["errors"] and not pre["errors"]
     assert exact["steps_per_s"] > 0 and exact["draft_latency_us"]["p50"] > 0
-    assert pre["hit_rate"] > 0 and pre["hit_rate_by_a"] and pre["steps_per_s"] > 0
+    assert pre["hit_rate_by_a"] and pre["steps_per_s"] > 0  # rows verified, sets looked up
+    assert pre["hit_rate"] > 0 or pre["late_sets"] > 0, pre  # pushed sets came: picked, or after their pick
     assert "pre-draft" in printed and "exact" in printed
 
 
