@@ -33,7 +33,13 @@ from tests.support.fleet import reference_outputs, replay_calls, spread_name
 from tests.support.pair import one_torch_thread, trained_pair  # noqa: F401 (fixture)
 
 K = 3
-DEADLINE = 2.0  # generous: 2 cores run 4 target ranks and 2 drafters at once
+# a step's budget while every drafter is up: the subject is what is drafted, not how fast, and a step that
+# missed it would show as no drafts (or move a routing test's session); 2 cores run 4 target ranks and 2
+# drafters at once beside other tests, so a bound no starved box reaches (the gRPC chaos run's longest step
+# wait was 0.32 s with 3 CPU hogs beside a whole-suite run)
+DEADLINE = 30.0
+# with a ZMQ drafter gone: an attach to it waits this long (no connection to queue on) before its session moves
+GONE_DEADLINE = 2.0
 # how a step of the chaos run may end without drafts while its drafter is dead or restarting:
 # the transport's own bounded failure (its timeout, a refused connection), the open circuit
 # (no call at all), or a re-attach to the restarted drafter (session_lost, attached)
@@ -205,6 +211,7 @@ def test_routing_is_stable_and_only_a_vanished_drafters_sessions_move(target, dr
                      failure_threshold=1, backoff_base_s=5.0, backoff_max_s=5.0)))
     first = run_fleet(cfg, by_dp, tmp_path / "a")
     again = run_fleet(cfg, by_dp, tmp_path / "b")  # every client restarted
+    cfg = replace(cfg, proposer=replace(cfg.proposer, deadline_s=GONE_DEADLINE))
     before = {r.dp: r.endpoint for r in first.leaders}
     assert before == {r.dp: r.endpoint for r in again.leaders}
     assert len(set(before.values())) == 2  # four ranks spread over both drafters
