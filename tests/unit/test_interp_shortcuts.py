@@ -36,10 +36,74 @@ def _shifted_copy_kernel(x_ptr, out_ptr, shift, N: tl.constexpr):
     tl.store(out_ptr + shift + offs, tl.load(x_ptr + offs))
 
 
+@triton.jit
+def _broadcasts_kernel(x_ptr, y_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(x_ptr + offs)  # int32: a pointer block plus an int block, then a splat of 3 below
+    y = tl.load(y_ptr + offs)  # float32
+    grid = x[:, None] * 3 + y[None, :]  # a real broadcast on each side, a splat, int -> float
+    shift = tl.program_id(0) * 2 + 1  # scalar with scalar
+    tl.store(out_ptr + offs[:, None] * N + offs[None, :], grid * y[None, :] + shift)  # one shape, then a splat
+
+
 def test_the_conftest_installed_every_shortcut():
     assert triton_interp.install()  # installing again keeps one of each
     assert getattr(interp._get_np_dtype, "_memoized", False)
     assert "binary_op_sanitize_overflow_impl" in vars(interp.interpreter_semantic)
+    assert getattr(tl.block_type.__init__, "_shared", False)
+    assert "broadcast_impl_value" in vars(interp.interpreter_semantic)
+
+
+def _own_block(element_ty, shape) -> tl.block_type:
+    block = object.__new__(tl.block_type)
+    triton_interp._real["block_init"](block, element_ty, shape)
+    return block
+
+
+def test_shared_block_types_and_tensor_shapes_are_tritons_own():
+    elements = [tl.int1, tl.int32, tl.uint32, tl.int64, tl.float16, tl.bfloat16, tl.float32,
+                tl.pointer_type(tl.float32), tl.pointer_type(tl.float32, const=True),
+                tl.pointer_type(tl.float32, "shared"), tl.pointer_type(tl.pointer_type(tl.int8))]
+    for element in elements:
+        for shape in ([4], [1, 8], [2, 1, 16], tl.block_type(tl.int8, [2, 4]).shape):
+            for _ in range(2):  # the second one takes what the first computed
+                got, want = tl.block_type(element, shape), _own_block(element, shape)
+                assert got == want and got.element_ty is element
+                assert (got.shape.values, got.numel, got.name) == (want.shape.values, want.numel, want.name)
+                assert tl.block_type(tl.int8, [16, 2]).shape.values == [16, 2], "a shared shape is never changed"
+                t, own = tl.tensor(None, got), object.__new__(tl.tensor)
+                triton_interp._real["tensor_init"](own, None, want)
+                assert t.type is got and t.dtype == own.dtype and t.numel.value == own.numel.value
+                assert [d.value for d in t.shape] == [d.value for d in own.shape]
+        scalar = tl.tensor(None, element)
+        assert scalar.shape.values == [] and scalar.numel.value == 1 and scalar.dtype == element
+    for shape, error in (([3], ValueError), ([], TypeError), ((4,), AssertionError)):
+        for _ in range(2):  # refused every time, as Triton's own constructor refuses it
+            with pytest.raises(error):
+                tl.block_type(tl.float32, shape)
+
+
+def test_broadcasts_compute_as_tritons_own(monkeypatch):
+    semantic = interp.interpreter_semantic
+    one = interp.TensorHandle(np.array([3], dtype=np.int32), tl.int32)
+    row = interp.TensorHandle(np.arange(4, dtype=np.int32), tl.int32)
+    a, b = tl.tensor(one, tl.int32), tl.tensor(row, tl.block_type(tl.int32, [4]))
+    assert semantic.broadcast_impl_value(a, a) == (a, a) == triton_interp._real["broadcast"](semantic, a, a)
+    assert semantic.broadcast_impl_value(b, b) == (b, b) == triton_interp._real["broadcast"](semantic, b, b)
+    lhs, rhs = semantic.broadcast_impl_value(b, a)  # a splat: Triton's own
+    assert lhs is b and rhs.type == b.type and rhs.handle.data.tolist() == [3] * 4
+    x = torch.tensor([5, -2, 7, 1], dtype=torch.int32)
+    y = torch.tensor([0.5, -1.0, 2.0, 3.0])
+    outs = []
+    for shortcuts in (True, False):
+        if not shortcuts:
+            monkeypatch.delattr(semantic, "broadcast_impl_value")
+            monkeypatch.setattr(tl.block_type, "__init__", triton_interp._real["block_init"])
+            monkeypatch.setattr(tl.tensor, "__init__", triton_interp._real["tensor_init"])
+        outs.append(torch.empty(4, 4))
+        _broadcasts_kernel[(2,)](x, y, outs[-1], N=4)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], (x[:, None] * 3 + y[None, :]) * y[None, :] + 3)  # the last program's shift
 
 
 def test_the_memoized_dtype_lookup_answers_as_the_interpreters_own():
