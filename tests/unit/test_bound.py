@@ -31,6 +31,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX_MODEL_LEN = 48
 K = 3
 MAX_TOKENS, MAX_BATCH = 32, 4
+# the graphs _decode_plans' steps replay (prefill (32, 2) and (32, 4) by two graphs, decode (8, 2) and
+# (16, 4) by one): what the default sizes pad every step to, without their batch-1 and 1-4-token graphs,
+# which only cost captures under the interpreter; test_bound_call_sizes_are_checked... captures the defaults
+STEP_SIZES = dict(capture_sizes=(2, MAX_BATCH), token_capture_sizes=(8, 16, MAX_TOKENS))
 
 
 def _engine(root, *, reference=False, max_graph_batch=None, **config):
@@ -103,7 +107,7 @@ def test_bound_calls_draft_what_propose_drafts(tiny_root):
     middle goes through propose() on the same engine (the header is shared: a bound call after
     it must rewrite every word)."""
     ref = _engine(tiny_root, reference=True)
-    fast = _engine(tiny_root)
+    fast = _engine(tiny_root, **STEP_SIZES)
     s_ref, s_fast = _scenario(ref), _scenario(fast)
     buffers = Buffers(fast)
     bound = fast.bind(**buffers.kwargs)
@@ -178,7 +182,7 @@ def test_bound_call_sizes_are_checked_and_a_bad_one_harms_nothing(tiny_root):
 
 
 def test_buffers_larger_than_the_engine_still_get_the_engines_limits(tiny_root):
-    engine = _engine(tiny_root)
+    engine = _engine(tiny_root, capture_sizes=(MAX_BATCH,), token_capture_sizes=(MAX_TOKENS,))  # bind captures them
     big = {name: (torch.cat([t, t[:2]]) if name in ("next_token_ids", "query_start_loc", "seq_lens",
                                                    "num_rejected_tokens", "token_indices_to_sample") else t)
            for name, t in Buffers(engine).kwargs.items()}
@@ -194,7 +198,7 @@ def test_a_bound_call_no_graph_covers_runs_eagerly(tiny_root):
     """Graphs captured up to batch 2 only: the batch-3 and batch-4 steps take the eager path on
     slices of the buffers, and still land in the bound output."""
     ref = _engine(tiny_root, reference=True)
-    fast = _engine(tiny_root, max_graph_batch=2)
+    fast = _engine(tiny_root, max_graph_batch=2, **STEP_SIZES)
     s_ref, s_fast = _scenario(ref), _scenario(fast)
     buffers = Buffers(fast)
     bound = fast.bind(**buffers.kwargs)
