@@ -161,16 +161,10 @@ def skip_discarded_overflow_checks() -> bool:
     return True
 
 
-def _block_key(element_ty, shape) -> tuple | None:
-    """What a block type's shape, numel and name follow from: its element type (class, name, address
-    space and constness of a pointer) and its dimensions; None where a dimension is no plain int."""
-    import triton.language.core as core
-
-    dims = shape.values if type(shape) is core.tuple else shape if type(shape) is list else None
-    if not dims or any(type(d) is not int for d in dims):
-        return None
+def _element_key(element_ty) -> tuple:
+    """What a block type's name and equality read of its element type (a pointer's too)."""
     return (type(element_ty), str(element_ty), getattr(element_ty, "address_space", None),
-            getattr(element_ty, "const", None), (*dims,))
+            getattr(element_ty, "const", None))
 
 
 def share_block_types() -> bool:
@@ -184,11 +178,23 @@ def share_block_types() -> bool:
     if getattr(block_init, "_shared", False):
         return True
     _real["block_init"], _real["tensor_init"] = block_init, tensor_init
-    blocks: dict = {}  # _block_key -> (shape, numel, name) as Triton's constructor computed them
+    triton_tuple = core.tuple
+    elements: dict = {}  # id(element type) -> (that element type, _element_key): kept alive, so ids stay its
+    blocks: dict = {}  # (_element_key, dims) -> (shape, numel, name) as Triton's constructor computed them
     shapes: dict = {}  # a tensor's dimensions -> (numel, shape) as Triton's constructor computed them
 
+    def block_key(element_ty, shape) -> tuple | None:
+        """None where the shape is no list or Triton tuple of plain ints (Triton's constructor decides)."""
+        dims = shape.values if type(shape) is triton_tuple else shape if type(shape) is list else None
+        if not dims or any(type(d) is not int for d in dims):
+            return None
+        known = elements.get(id(element_ty))
+        if known is None or known[0] is not element_ty:
+            known = elements[id(element_ty)] = (element_ty, _element_key(element_ty))
+        return known[1], (*dims,)
+
     def block_type_init(self, element_ty, shape):
-        key = _block_key(element_ty, shape)
+        key = block_key(element_ty, shape)
         seen = blocks.get(key) if key is not None else None
         if seen is None:
             block_init(self, element_ty, shape)  # raises as Triton does on a shape it refuses
