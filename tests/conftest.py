@@ -19,21 +19,22 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 # The files that take longest on CI's two cores, slowest first (measured 2026-11-26 with --durations;
-# the files whose kernels run under the Triton interpreter scaled by the ~0.7 that
-# tests/support/triton_interp.py's shortcuts measured on them alone).  Under xdist they are handed out
-# first, so that no worker is left running one of them alone at the end of the run; every other file
-# keeps its place.  A stale list only costs time.
+# the files whose kernels run under the Triton interpreter scaled by what tests/support/triton_interp.py's
+# shortcuts measured on them alone: ~0.7 for the first three, then 0.65-0.95 of CPU for the block-type
+# and broadcast ones, which moved the soak and the load test ahead of some).  Under xdist they are handed out first, so that no worker is
+# left running one of them alone at the end of the run; every other file keeps its place.  A stale list
+# only costs time.
 SLOW_FILES = (
     "tests/vllm_parity/test_plugin.py",
     "tests/vllm_parity/test_vllm_replay.py",
     "tests/e2e/test_docs_commands.py",
+    "tests/integration/test_abuse_soak.py",
     "tests/unit/test_tp_graphs.py",
     "tests/integration/test_predraft_bound.py",
-    "tests/integration/test_abuse_soak.py",
+    "tests/integration/test_loadtest.py",
     "tests/unit/test_graph_runner.py",
     "tests/unit/test_triton_kernels.py",
     "tests/integration/test_predraft_bound_lossless.py",
-    "tests/integration/test_loadtest.py",
     "tests/unit/test_vllm_mrv2.py",
     "tests/unit/test_bound_fold.py",
     "tests/integration/test_service_fuzz.py",
