@@ -131,34 +131,40 @@ def cache_np_dtypes() -> bool:
     return True
 
 
-def skip_discarded_overflow_checks() -> bool:
-    """Install the shortcut on the interpreter's semantic object (not the class: compiled kernels keep
-    Triton's own); True when it is in place."""
+def _override_on_semantic(method: str, make) -> bool:
+    """Install make(semantic, real) as `method` on the interpreter's semantic object (not the class:
+    compiled kernels keep Triton's own; real is the class's function); True when it is in place."""
     try:
         import triton.runtime.interpreter as interp
 
         semantic = interp.interpreter_semantic
-        check = type(semantic).binary_op_sanitize_overflow_impl
+        real = getattr(type(semantic), method)
     except (ImportError, AttributeError):
         return False
-    if "binary_op_sanitize_overflow_impl" in vars(semantic):
-        return True
-    _real["overflow_check"] = check
-
-    def overflow_check(lhs, rhs, binary_op):
-        options = semantic.builder.options
-        if options.debug:  # device_assert would keep it: Triton's own check
-            return _real["overflow_check"](semantic, lhs, rhs, binary_op)
-        if lhs.type.scalar.int_bitwidth >= 64 or not options.sanitize_overflow:
-            return None
-        # what Triton's check asserts before it builds the dropped condition
-        assert lhs.type.scalar == rhs.type.scalar, f"expected matching operand types, got {lhs.type.scalar} and " \
-                                                   f"{rhs.type.scalar}"
-        assert lhs.type.scalar.is_int(), f"expected integer type, got {lhs.type.scalar}"
-        return None
-
-    semantic.binary_op_sanitize_overflow_impl = overflow_check
+    if method not in vars(semantic):
+        _real[method] = real
+        setattr(semantic, method, make(semantic, real))
     return True
+
+
+def skip_discarded_overflow_checks() -> bool:
+    """The interpreter's integer overflow check builds a condition it then drops (no device_assert
+    outside debug): skipped, its operand checks kept."""
+    def make(semantic, real):
+        def overflow_check(lhs, rhs, binary_op):
+            options = semantic.builder.options
+            if options.debug:  # device_assert would keep it: Triton's own check
+                return real(semantic, lhs, rhs, binary_op)
+            if lhs.type.scalar.int_bitwidth >= 64 or not options.sanitize_overflow:
+                return None
+            # what Triton's check asserts before it builds the dropped condition
+            assert lhs.type.scalar == rhs.type.scalar, f"expected matching operand types, got {lhs.type.scalar} " \
+                                                       f"and {rhs.type.scalar}"
+            assert lhs.type.scalar.is_int(), f"expected integer type, got {lhs.type.scalar}"
+            return None
+        return overflow_check
+
+    return _override_on_semantic("binary_op_sanitize_overflow_impl", make)
 
 
 def _element_key(element_ty) -> tuple:
@@ -220,27 +226,17 @@ def share_block_types() -> bool:
 
 
 def skip_equal_shape_broadcasts() -> bool:
-    """Install the shortcut on the interpreter's semantic object (not the class: compiled kernels keep
-    Triton's own); True when it is in place."""
-    try:
-        import triton.runtime.interpreter as interp
+    """Two scalars, or two blocks of one shape, returned at once as Triton's broadcast returns them;
+    every other pair goes through Triton's own."""
+    def make(semantic, real):
+        def broadcast_pair(lhs, rhs):
+            lhs_block, rhs_block = lhs.type.is_block(), rhs.type.is_block()
+            if lhs_block == rhs_block and (not lhs_block or lhs.type.shape.values == rhs.type.shape.values):
+                return lhs, rhs
+            return real(semantic, lhs, rhs)
+        return broadcast_pair
 
-        semantic = interp.interpreter_semantic
-        broadcast = type(semantic).broadcast_impl_value
-    except (ImportError, AttributeError):
-        return False
-    if "broadcast_impl_value" in vars(semantic):
-        return True
-    _real["broadcast"] = broadcast
-
-    def broadcast_pair(lhs, rhs):
-        lhs_block, rhs_block = lhs.type.is_block(), rhs.type.is_block()
-        if lhs_block == rhs_block and (not lhs_block or lhs.type.shape.values == rhs.type.shape.values):
-            return lhs, rhs  # two scalars, or two blocks of one shape: Triton's returns them unchanged
-        return _real["broadcast"](semantic, lhs, rhs)
-
-    semantic.broadcast_impl_value = broadcast_pair
-    return True
+    return _override_on_semantic("broadcast_impl_value", make)
 
 
 def install() -> bool:

@@ -88,8 +88,8 @@ def test_broadcasts_compute_as_tritons_own(monkeypatch):
     one = interp.TensorHandle(np.array([3], dtype=np.int32), tl.int32)
     row = interp.TensorHandle(np.arange(4, dtype=np.int32), tl.int32)
     a, b = tl.tensor(one, tl.int32), tl.tensor(row, tl.block_type(tl.int32, [4]))
-    assert semantic.broadcast_impl_value(a, a) == (a, a) == triton_interp._real["broadcast"](semantic, a, a)
-    assert semantic.broadcast_impl_value(b, b) == (b, b) == triton_interp._real["broadcast"](semantic, b, b)
+    assert semantic.broadcast_impl_value(a, a) == (a, a) == triton_interp._real["broadcast_impl_value"](semantic, a, a)
+    assert semantic.broadcast_impl_value(b, b) == (b, b) == triton_interp._real["broadcast_impl_value"](semantic, b, b)
     lhs, rhs = semantic.broadcast_impl_value(b, a)  # a splat: Triton's own
     assert lhs is b and rhs.type == b.type and rhs.handle.data.tolist() == [3] * 4
     x = torch.tensor([5, -2, 7, 1], dtype=torch.int32)
