@@ -23,8 +23,8 @@ import msgspec
 import pytest
 import torch
 
-from tests.integration.test_bound_remote import (MAX_BATCH, PADDING, PLANS, Drafter, ProposerTarget,
-                                                 Target, _buffers, _engine)
+from tests.integration.test_bound_remote import (DEADLINE_S, MAX_BATCH, PADDING, PLANS, Drafter,
+                                                 ProposerTarget, Target, _buffers, _engine)
 
 from coordinator.transport.bound_client import _ATTACH, HostRingClient  # noqa: E402
 from coordinator.transport.zmq_client import CurveConfig  # noqa: E402
@@ -35,12 +35,8 @@ from drafter.wire.errors import Code, DrafterError  # noqa: E402
 from tests.support.auth_material import Curve, write_curve, zmq_exchange  # noqa: E402
 
 NOTHING_S = 1.0  # how long a client the data socket must not serve waits for a reply
-# How long a call that must be served may take.  Speed is no subject here (auth is), and the first calls
-# are slow: a first bound step captures the in-process drafter's graphs (~5 s of a 2-core box), a fresh
-# `drafter serve`'s first Bind imports the graph runner and Triton (~2 s).  Under load the proposer's
-# first step once missed its 20 s deadline and came back None.  A generous bound only makes a broken
-# build take longer to fail.
-DEADLINE_S = 120.0
+# DEADLINE_S (test_bound_remote's, 120 s): how long a call that must be served may take.  Speed is no subject
+# here (auth is): a fresh `drafter serve`'s first Bind also imports the graph runner and Triton (~2 s).
 
 
 class CurveDrafter(Drafter):
